@@ -1,0 +1,1 @@
+"""pccl_trio: fault-tolerant collective communications on Trio."""

@@ -1,0 +1,62 @@
+"""Protocol timers and limits, in one frozen record.
+
+Async calls take no ``timeout=`` arguments: protocol timers live here, and callers
+bound their own work with ``trio.fail_after`` / ``trio.move_on_after``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["Config"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Config:
+    """Timers and limits shared by the master and the peers.
+
+    The master's ``heartbeat_interval`` and ``liveness_timeout`` win: a peer adopts the
+    values the master sends when it registers, so both ends judge silence alike.
+
+    Attributes:
+        heartbeat_interval: seconds between heartbeats on an otherwise quiet master link.
+        liveness_timeout: a link that delivers nothing for this long is declared dead,
+            and (at the master) its peer is removed from the run.
+        connect_timeout: bound on establishing one TCP connection (master or p2p).
+        max_control_frame: largest control frame accepted, in bytes.
+        max_data_frame: largest data frame accepted, in bytes.
+        establish_attempts: how many failed p2p establishment rounds ``update_topology``
+            rides out internally before raising ``UpdateTopologyFailed``.
+        p2p_connection_pool_size: TCP connections per ring neighbour when the
+            communicator is asked for "a good default" (0).
+    """
+
+    heartbeat_interval: float = 0.5
+    liveness_timeout: float = 3.0
+    connect_timeout: float = 5.0
+    max_control_frame: int = 1 << 20
+    max_data_frame: int = (64 << 20) + 64
+    establish_attempts: int = 5
+    p2p_connection_pool_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"Config.{name} must be a positive number of seconds, got {value!r}")
+        if self.heartbeat_interval >= self.liveness_timeout:
+            raise ValueError(
+                "Config.heartbeat_interval must be shorter than Config.liveness_timeout "
+                f"({self.heartbeat_interval} >= {self.liveness_timeout}); otherwise a healthy, "
+                "quiet link would be declared dead"
+            )
+        for name in ("max_control_frame", "max_data_frame", "establish_attempts"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"Config.{name} must be a positive integer, got {value!r}")
+        if not (isinstance(self.p2p_connection_pool_size, int) and self.p2p_connection_pool_size >= 1):
+            raise ValueError(
+                "Config.p2p_connection_pool_size must be a positive integer, "
+                f"got {self.p2p_connection_pool_size!r}"
+            )

@@ -1,0 +1,662 @@
+"""The master's state machine: who is in the run, votes, rounds, kicks and liveness.
+
+Theory of operation
+-------------------
+``MasterCore.handle(event, now)`` takes one event (a connection opened, a message
+arrived, a connection broke or closed, or just time passing) and returns the actions
+the shell must carry out (send a message on a connection, close a connection). It
+never does IO and never reads a clock: ``now`` is an input, and ``next_deadline()``
+tells the shell when to call again with a ``Tick`` even if nothing arrives.
+
+Each registered peer has a *phase* (REGISTERED until a round admits it, then
+ACCEPTED) and a *state*. All state changes go through ``TRANSITIONS``, one table:
+an event a peer caused that the table does not allow gets that peer kicked with the
+reason; an event the master caused that the table does not allow is a bug here
+(``LocalProtocolError``).
+
+Votes are unanimous. An *establishment round* (the ring is (re-)built and every
+participant connects to its neighbours) starts once every ACCEPTED peer, in every
+peer group, voted ``VoteEstablish``; REGISTERED peers count as yes. If all voters
+asked to accept new peers, the REGISTERED peers join the round; a peer registering
+while a round runs waits for the next one. When no ACCEPTED peer is left (the first
+peer, or everyone else died), waiting peers are admitted at once. A round succeeds
+if every participant reports its neighbours reachable and none left meanwhile; every
+participant receives the same verdict, and after a failure they vote again. Edges a
+peer could not reach are remembered, and the next ring avoids them; when no ring can,
+the peer with the most unreachable edges is kicked so the run can go on.
+
+The pending-peers vote is orthogonal to the state: when every ACCEPTED peer asked,
+each gets whether anyone waits to be admitted.
+
+Any event that removes a peer (close, break, kick, silence) re-evaluates every
+pending consensus, so the survivors never wait for a peer that is gone. A connection
+that delivers nothing for ``liveness_timeout`` seconds is treated as gone; the
+master sends heartbeats on quiet links every ``heartbeat_interval`` seconds so that
+the peers can judge the master the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from .errors import LocalProtocolError, RemoteProtocolError
+from .messages import (
+    C2M,
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Kick,
+    Message,
+    P2PEstablished,
+    P2PEstablishResult,
+    P2PInfo,
+    PeerEndpoint,
+    PeersPendingResult,
+    Register,
+    VoteEstablish,
+    VotePeersPending,
+    Welcome,
+    WorldSizes,
+)
+from .ring import find_ring
+
+__all__ = [
+    "TRANSITIONS",
+    "Action",
+    "Close",
+    "ConnectionBroken",
+    "ConnectionClosed",
+    "ConnectionOpened",
+    "Event",
+    "MasterCore",
+    "MessageReceived",
+    "PeerEvent",
+    "PeerPhase",
+    "PeerState",
+    "PeerView",
+    "Send",
+    "Tick",
+    "transition",
+]
+
+log = logging.getLogger("pccl_trio.master")
+
+
+class PeerPhase(enum.Enum):
+    REGISTERED = enum.auto()  # connected, waiting to be admitted by a round
+    ACCEPTED = enum.auto()  # a member of the run
+
+
+class PeerState(enum.Enum):
+    IDLE = enum.auto()
+    VOTE_ESTABLISH = enum.auto()  # voted to (re-)establish the ring
+    CONNECTING = enum.auto()  # in a round, connecting to its neighbours
+    WAITING = enum.auto()  # in a round, connected; waiting for the others
+    CONNECT_FAILED = enum.auto()  # its last round failed; must vote again
+
+
+class PeerEvent(enum.Enum):
+    # caused by the peer
+    VOTE_ESTABLISH = enum.auto()
+    REPORT_CONNECTED = enum.auto()
+    REPORT_FAILED = enum.auto()
+    # caused by the master
+    ROUND_START = enum.auto()
+    ROUND_SUCCEEDED = enum.auto()
+    ROUND_FAILED = enum.auto()
+
+
+REMOTE_EVENTS = frozenset(
+    {PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED}
+)
+
+#: Every legal state change, in one place.
+TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
+    (PeerState.IDLE, PeerEvent.VOTE_ESTABLISH): PeerState.VOTE_ESTABLISH,
+    (PeerState.CONNECT_FAILED, PeerEvent.VOTE_ESTABLISH): PeerState.VOTE_ESTABLISH,
+    (PeerState.IDLE, PeerEvent.ROUND_START): PeerState.CONNECTING,  # a joiner
+    (PeerState.VOTE_ESTABLISH, PeerEvent.ROUND_START): PeerState.CONNECTING,
+    (PeerState.CONNECTING, PeerEvent.REPORT_CONNECTED): PeerState.WAITING,
+    (PeerState.CONNECTING, PeerEvent.REPORT_FAILED): PeerState.CONNECT_FAILED,
+    (PeerState.WAITING, PeerEvent.ROUND_SUCCEEDED): PeerState.IDLE,
+    (PeerState.WAITING, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
+    (PeerState.CONNECT_FAILED, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
+}
+
+#: States in which a peer may ask whether peers are pending.
+PENDING_VOTE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
+
+
+def transition(state: PeerState, event: PeerEvent) -> PeerState:
+    """The state after ``event``.
+
+    Raises:
+        RemoteProtocolError: the peer caused an event its state does not allow.
+        LocalProtocolError: the master did (a bug).
+    """
+    try:
+        return TRANSITIONS[(state, event)]
+    except KeyError:
+        error = RemoteProtocolError if event in REMOTE_EVENTS else LocalProtocolError
+        raise error(
+            f"{event.name.lower().replace('_', ' ')} is not allowed in state {state.name}"
+        ) from None
+
+
+# --- events and actions ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ConnectionOpened:
+    conn: int
+    host: str  # the remote address as the master sees it
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MessageReceived:
+    conn: int
+    message: Message
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ConnectionBroken:
+    """The connection delivered bytes that are not a valid frame stream."""
+
+    conn: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ConnectionClosed:
+    conn: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Tick:
+    """Only time passed."""
+
+
+Event = ConnectionOpened | MessageReceived | ConnectionBroken | ConnectionClosed | Tick
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Send:
+    conn: int
+    message: Message
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Close:
+    """Close the connection once the frames queued before this action are sent."""
+
+    conn: int
+    reason: str
+
+
+Action = Send | Close
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PeerView:
+    """A read-only snapshot of one peer, for tests, logs and tools."""
+
+    peer_id: int
+    peer_group: int
+    host: str
+    port: int
+    phase: PeerPhase
+    state: PeerState
+
+
+# --- internal bookkeeping ----------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Peer:
+    peer_id: int
+    conn: int
+    peer_group: int
+    host: str
+    port: int
+    phase: PeerPhase = PeerPhase.REGISTERED
+    state: PeerState = PeerState.IDLE
+    accept_new_peers: bool = False
+    pending_vote: bool = False
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Conn:
+    conn: int
+    host: str
+    last_heard: float
+    last_sent: float
+    peer: _Peer | None = None
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Round:
+    number: int
+    participants: set[int]
+    accept_new_peers: bool
+    rings: dict[int, list[int]]
+    failed: bool = False
+    dropped: bool = False
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
+class MasterCore:
+    """The master's state machine. Feed it events; carry out the actions it returns.
+
+    Args:
+        heartbeat_interval: seconds between heartbeats the master sends on quiet links.
+        liveness_timeout: a connection silent this long is dropped (its peer removed).
+    """
+
+    def __init__(self, *, heartbeat_interval: float, liveness_timeout: float) -> None:
+        if not 0 < heartbeat_interval < liveness_timeout:
+            raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
+        self._heartbeat_interval = heartbeat_interval
+        self._liveness_timeout = liveness_timeout
+        self._conns: dict[int, _Conn] = {}
+        self._peers: dict[int, _Peer] = {}
+        self._next_peer_id = 1
+        self._round_counter = 0
+        self._round: _Round | None = None
+        self._rings: dict[int, list[int]] = {}
+        self._unreachable: set[tuple[int, int]] = set()
+        self._actions: list[Action] = []
+        self._now = -math.inf
+
+    # --- public surface ------------------------------------------------------------
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Process one event at time ``now``; return the actions to carry out, in order."""
+        self._now = max(self._now, now)
+        self._actions = []
+        match event:
+            case MessageReceived(conn=conn_id, message=message):
+                conn = self._conns.get(conn_id)
+                if conn is not None:
+                    conn.last_heard = self._now
+                    if not isinstance(message, Heartbeat):
+                        self._on_message(conn, message)
+                        self._reevaluate()
+            case ConnectionOpened(conn=conn_id, host=host):
+                if conn_id in self._conns:
+                    raise LocalProtocolError(f"connection {conn_id} opened twice")
+                self._conns[conn_id] = _Conn(
+                    conn=conn_id, host=host, last_heard=self._now, last_sent=self._now
+                )
+            case ConnectionBroken(conn=conn_id, reason=reason):
+                if conn_id in self._conns:
+                    self._kick(self._conns[conn_id], f"malformed input: {reason}")
+                    self._reevaluate()
+            case ConnectionClosed(conn=conn_id):
+                if conn_id in self._conns:
+                    self._drop(self._conns[conn_id], "connection closed")
+                    self._reevaluate()
+            case Tick():
+                self._on_tick()
+            case _:  # pragma: no cover - exhaustive
+                raise LocalProtocolError(f"unknown event {event!r}")
+        actions, self._actions = self._actions, []
+        return actions
+
+    def next_deadline(self) -> float:
+        """When to deliver a ``Tick`` if no other event comes first (``inf``: never)."""
+        deadline = math.inf
+        for conn in self._conns.values():
+            deadline = min(deadline, conn.last_heard + self._liveness_timeout)
+            if conn.peer is not None:
+                deadline = min(deadline, conn.last_sent + self._heartbeat_interval)
+        return deadline
+
+    def peers(self) -> list[PeerView]:
+        """Every registered peer, by id."""
+        return [
+            PeerView(
+                peer_id=p.peer_id,
+                peer_group=p.peer_group,
+                host=p.host,
+                port=p.port,
+                phase=p.phase,
+                state=p.state,
+            )
+            for p in sorted(self._peers.values(), key=lambda p: p.peer_id)
+        ]
+
+    def ring(self, peer_group: int) -> list[int]:
+        """The ring order last installed for ``peer_group`` (may name departed peers
+        until the next round rebuilds it)."""
+        return list(self._rings.get(peer_group, ()))
+
+    @property
+    def round_in_progress(self) -> bool:
+        return self._round is not None
+
+    # --- messages ------------------------------------------------------------------
+
+    def _on_message(self, conn: _Conn, message: Message) -> None:
+        if message.DIRECTION != C2M:
+            self._kick(conn, f"{type(message).__name__} is not a message a peer may send")
+            return
+        peer = conn.peer
+        if peer is None:
+            if isinstance(message, Register):
+                self._register(conn, message)
+            else:
+                self._kick(conn, f"{type(message).__name__} before Register")
+            return
+        try:
+            match message:
+                case Register():
+                    raise RemoteProtocolError("Register on a connection already registered")
+                case VoteEstablish(accept_new_peers=accept):
+                    if peer.phase is not PeerPhase.ACCEPTED:
+                        raise RemoteProtocolError(
+                            "VoteEstablish before being accepted into the run"
+                        )
+                    self._apply(peer, PeerEvent.VOTE_ESTABLISH)
+                    peer.accept_new_peers = accept
+                case P2PEstablished(round=number, success=success, failed_peers=failed):
+                    self._on_established(peer, number, success, failed)
+                case VotePeersPending():
+                    if peer.phase is not PeerPhase.ACCEPTED:
+                        raise RemoteProtocolError(
+                            "VotePeersPending before being accepted into the run"
+                        )
+                    if peer.pending_vote:
+                        raise RemoteProtocolError("VotePeersPending twice in one vote")
+                    if peer.state not in PENDING_VOTE_STATES:
+                        raise RemoteProtocolError(
+                            f"VotePeersPending is not allowed in state {peer.state.name}"
+                        )
+                    peer.pending_vote = True
+                case _:  # pragma: no cover - every C2M kind is handled above
+                    raise LocalProtocolError(f"unhandled message {message!r}")
+        except RemoteProtocolError as exc:
+            self._kick(conn, f"illegal {type(message).__name__}: {exc}")
+
+    def _register(self, conn: _Conn, message: Register) -> None:
+        if message.protocol_version != PROTOCOL_VERSION:
+            self._kick(
+                conn,
+                f"protocol version {message.protocol_version} is not supported; this master "
+                f"speaks version {PROTOCOL_VERSION}: run the same pccl_trio version everywhere",
+            )
+            return
+        host = message.advertised_host or conn.host
+        others = [p for p in self._peers.values()]
+        if others and _is_loopback(host) != _is_loopback(others[0].host):
+            self._kick(
+                conn,
+                f"address {host} mixes loopback and non-loopback peers (peer "
+                f"{others[0].peer_id} is at {others[0].host}); peers could not reach each "
+                "other: start the master and peers on real interfaces, or all on loopback",
+            )
+            return
+        peer = _Peer(
+            peer_id=self._next_peer_id,
+            conn=conn.conn,
+            peer_group=message.peer_group,
+            host=host,
+            port=message.p2p_port,
+        )
+        self._next_peer_id += 1
+        conn.peer = peer
+        self._peers[peer.peer_id] = peer
+        log.info(
+            "peer %d registered from %s (group %d, p2p port %d)",
+            peer.peer_id, host, peer.peer_group, peer.port,
+        )
+        self._send(
+            peer,
+            Welcome(
+                peer_id=peer.peer_id,
+                heartbeat_interval=self._heartbeat_interval,
+                liveness_timeout=self._liveness_timeout,
+            ),
+        )
+
+    def _on_established(
+        self, peer: _Peer, number: int, success: bool, failed: Sequence[int]
+    ) -> None:
+        current = self._round
+        if current is None or peer.peer_id not in current.participants:
+            raise RemoteProtocolError("P2PEstablished outside an establishment round")
+        if number != current.number:
+            raise RemoteProtocolError(
+                f"P2PEstablished for round {number}, but round {current.number} is running"
+            )
+        if success:
+            self._apply(peer, PeerEvent.REPORT_CONNECTED)
+            return
+        self._apply(peer, PeerEvent.REPORT_FAILED)
+        current.failed = True
+        for other in failed:
+            if other in self._peers and other != peer.peer_id:
+                self._unreachable.add((peer.peer_id, other))
+        log.warning("round %d: peer %d could not reach %s", number, peer.peer_id, list(failed))
+
+    # --- time ----------------------------------------------------------------------
+
+    def _on_tick(self) -> None:
+        silent = [
+            c for c in self._conns.values()
+            if self._now - c.last_heard >= self._liveness_timeout
+        ]
+        for conn in silent:
+            self._kick(
+                conn,
+                f"no message for {self._now - conn.last_heard:.2f}s "
+                f"(liveness timeout {self._liveness_timeout}s)",
+            )
+        if silent:
+            self._reevaluate()
+        for conn in self._conns.values():
+            if conn.peer is not None and self._now - conn.last_sent >= self._heartbeat_interval:
+                self._send(conn.peer, Heartbeat())
+
+    # --- consensus -----------------------------------------------------------------
+
+    def _reevaluate(self) -> None:
+        """Check every consensus that may have become complete."""
+        # A round can end because of an event, and the end of a round can make a new
+        # one startable (e.g. all voters died): loop until nothing changes.
+        while True:
+            if self._round is not None:
+                if not self._try_finish_round():
+                    break
+            elif not self._try_start_round():
+                break
+        self._try_answer_pending()
+
+    def _accepted(self) -> list[_Peer]:
+        return [p for p in self._peers.values() if p.phase is PeerPhase.ACCEPTED]
+
+    def _try_start_round(self) -> bool:
+        accepted = self._accepted()
+        if accepted:
+            if not all(p.state is PeerState.VOTE_ESTABLISH for p in accepted):
+                return False
+            accept_new = all(p.accept_new_peers for p in accepted)
+        elif any(p.phase is PeerPhase.REGISTERED for p in self._peers.values()):
+            accept_new = True  # nobody to ask: admit the waiting peers
+        else:
+            return False
+        self._start_round(accept_new)
+        return True
+
+    def _start_round(self, accept_new: bool) -> None:
+        while True:
+            participants = [
+                p for p in self._peers.values()
+                if p.phase is PeerPhase.ACCEPTED
+                or (accept_new and p.phase is PeerPhase.REGISTERED)
+            ]
+            rings, unplaceable = self._build_rings(participants)
+            if unplaceable is None:
+                break
+            # No ring avoids the edges reported unreachable: remove the peer most of
+            # them touch so the rest of the run can go on.
+            self._kick(
+                self._conns[unplaceable.conn],
+                "no ring can include this peer: it could not reach, or be reached by, "
+                "enough peers (check firewalls and the address it advertises)",
+            )
+        self._round_counter += 1
+        current = _Round(
+            number=self._round_counter,
+            participants={p.peer_id for p in participants},
+            accept_new_peers=accept_new,
+            rings=rings,
+        )
+        self._round = current
+        log.info(
+            "round %d: establishing rings %s (accepting new peers: %s)",
+            current.number, rings, accept_new,
+        )
+        worlds = self._world_sizes(participants)
+        for peer in participants:
+            self._apply(peer, PeerEvent.ROUND_START)
+            peer.pending_vote = False
+            ring = rings[peer.peer_group]
+            self._send(
+                peer,
+                P2PInfo(
+                    round=current.number,
+                    ring=tuple(ring),
+                    neighbours=self._neighbours(peer.peer_id, ring),
+                    world=worlds[peer.peer_group],
+                ),
+            )
+
+    def _build_rings(
+        self, participants: Iterable[_Peer]
+    ) -> tuple[dict[int, list[int]], _Peer | None]:
+        """One ring per peer group, or the peer to remove if some group has none."""
+        groups: dict[int, list[int]] = {}
+        for peer in participants:
+            groups.setdefault(peer.peer_group, []).append(peer.peer_id)
+        rings: dict[int, list[int]] = {}
+        for group, members in groups.items():
+            member_set = set(members)
+            kept = [p for p in self._rings.get(group, ()) if p in member_set]
+            preferred = kept + sorted(member_set.difference(kept))
+            blocked = {
+                (a, b) for (a, b) in self._unreachable if a in member_set and b in member_set
+            }
+            ring = find_ring(preferred, blocked)
+            if ring is None:
+                touches: dict[int, int] = {}
+                for a, b in blocked:
+                    touches[a] = touches.get(a, 0) + 1
+                    touches[b] = touches.get(b, 0) + 1
+                worst = max(touches, key=lambda p: (touches[p], p))
+                return rings, self._peers[worst]
+            rings[group] = ring
+        return rings, None
+
+    def _world_sizes(self, participants: Sequence[_Peer]) -> dict[int, WorldSizes]:
+        sizes: dict[int, int] = {}
+        for peer in participants:
+            sizes[peer.peer_group] = sizes.get(peer.peer_group, 0) + 1
+        return {
+            group: WorldSizes(
+                global_world_size=len(participants),
+                peer_group_world_size=size,
+                num_distinct_peer_groups=len(sizes),
+                largest_peer_group_world_size=max(sizes.values()),
+            )
+            for group, size in sizes.items()
+        }
+
+    def _neighbours(self, peer_id: int, ring: Sequence[int]) -> tuple[PeerEndpoint, ...]:
+        if len(ring) < 2:
+            return ()
+        index = ring.index(peer_id)
+        ids = dict.fromkeys((ring[index - 1], ring[(index + 1) % len(ring)]))
+        return tuple(
+            PeerEndpoint(peer_id=i, host=self._peers[i].host, port=self._peers[i].port)
+            for i in ids
+        )
+
+    def _try_finish_round(self) -> bool:
+        current = self._round
+        assert current is not None
+        members = [self._peers[p] for p in current.participants]
+        if not all(p.state in (PeerState.WAITING, PeerState.CONNECT_FAILED) for p in members):
+            return False
+        self._round = None
+        success = not current.failed and not current.dropped
+        for group, ring in current.rings.items():
+            self._rings[group] = [p for p in ring if p in self._peers]
+        worlds = self._world_sizes(members)
+        event = PeerEvent.ROUND_SUCCEEDED if success else PeerEvent.ROUND_FAILED
+        for peer in members:
+            peer.phase = PeerPhase.ACCEPTED
+            self._apply(peer, event)
+            self._send(
+                peer,
+                P2PEstablishResult(
+                    round=current.number,
+                    success=success,
+                    ring=tuple(self._rings[peer.peer_group]),
+                    world=worlds[peer.peer_group],
+                ),
+            )
+        log.info(
+            "round %d %s: %d peers in %d groups",
+            current.number, "succeeded" if success else "failed", len(members), len(worlds),
+        )
+        return True
+
+    def _try_answer_pending(self) -> None:
+        accepted = self._accepted()
+        if not accepted or not all(p.pending_vote for p in accepted):
+            return
+        pending = any(p.phase is PeerPhase.REGISTERED for p in self._peers.values())
+        for peer in accepted:
+            peer.pending_vote = False
+            self._send(peer, PeersPendingResult(pending=pending))
+
+    # --- helpers -------------------------------------------------------------------
+
+    def _apply(self, peer: _Peer, event: PeerEvent) -> None:
+        peer.state = transition(peer.state, event)
+
+    def _send(self, peer: _Peer, message: Message) -> None:
+        conn = self._conns[peer.conn]
+        conn.last_sent = self._now
+        self._actions.append(Send(conn=conn.conn, message=message))
+
+    def _kick(self, conn: _Conn, reason: str) -> None:
+        """Tell the peer why, close its connection, and remove it from the run."""
+        log.warning(
+            "kicking %s: %s",
+            f"peer {conn.peer.peer_id}" if conn.peer else f"connection {conn.conn}", reason,
+        )
+        self._actions.append(Send(conn=conn.conn, message=Kick(reason=reason)))
+        self._drop(conn, reason)
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        """Forget a connection and its peer; pending consensus is re-checked by the caller."""
+        del self._conns[conn.conn]
+        self._actions.append(Close(conn=conn.conn, reason=reason))
+        peer = conn.peer
+        if peer is None:
+            return
+        del self._peers[peer.peer_id]
+        log.info("peer %d left: %s", peer.peer_id, reason)
+        if self._round is not None and peer.peer_id in self._round.participants:
+            self._round.participants.discard(peer.peer_id)
+            self._round.dropped = True
+        self._unreachable = {
+            edge for edge in self._unreachable if peer.peer_id not in edge
+        }

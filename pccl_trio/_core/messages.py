@@ -1,0 +1,371 @@
+"""Control messages: frozen, validated records, encoded as msgpack arrays.
+
+Theory of operation
+-------------------
+Every control message is a frozen, keyword-only dataclass registered under a small
+integer ``KIND``. On the wire a message is ``kind`` (in the frame header, see
+``wire``) followed by a msgpack array holding the field values in declaration order;
+nested records (``PeerEndpoint``, ``WorldSizes``) are arrays too. Field types are
+checked in ``__post_init__``, so a record that exists is a valid record, whether it
+was built locally or decoded from the network. Decoding anything else (an unknown
+kind, a wrong field count, a wrong type, an out-of-range integer) raises
+``RemoteProtocolError`` naming the message and field.
+
+Directions: ``C2M`` messages go from a peer to the master, ``M2C`` from the master to
+a peer, ``P2P`` between peers. The master accepts only ``C2M`` kinds from peers; a peer
+accepts only ``M2C`` kinds from the master.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from .errors import RemoteProtocolError
+
+__all__ = [
+    "C2M",
+    "M2C",
+    "P2P",
+    "PROTOCOL_VERSION",
+    "Heartbeat",
+    "Kick",
+    "Message",
+    "P2PEstablished",
+    "P2PEstablishResult",
+    "P2PHello",
+    "P2PHelloAck",
+    "P2PInfo",
+    "PeerEndpoint",
+    "PeersPendingResult",
+    "Register",
+    "VoteEstablish",
+    "VotePeersPending",
+    "Welcome",
+    "WorldSizes",
+    "decode_message",
+    "encode_message",
+]
+
+#: Bumped whenever the wire format or a message changes incompatibly.
+PROTOCOL_VERSION = 1
+
+U16_MAX = (1 << 16) - 1
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+MAX_STRING = 4096
+MAX_SEQUENCE = 1 << 16
+
+
+def _check(value: Any, hint: Any, where: str) -> None:
+    """Raise ``RemoteProtocolError`` unless ``value`` matches the type ``hint``."""
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+    elif hint is float:
+        ok = (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+        )
+    elif hint is str:
+        ok = isinstance(value, str) and len(value) <= MAX_STRING
+    elif hint is bytes:
+        ok = isinstance(value, bytes) and len(value) <= MAX_STRING
+    elif origin is tuple:
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        if not isinstance(value, tuple) or len(value) > MAX_SEQUENCE:
+            raise RemoteProtocolError(f"{where}: expected a sequence, got {type(value).__name__}")
+        for index, item in enumerate(value):
+            _check(item, item_hint, f"{where}[{index}]")
+        return
+    elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        ok = isinstance(value, hint)
+    else:  # pragma: no cover - a message declared a field type this module can't check
+        raise TypeError(f"{where}: unsupported field type {hint!r}")
+    if not ok:
+        raise RemoteProtocolError(f"{where}: invalid value {value!r:.80} for a field of type "
+                                  f"{getattr(hint, '__name__', hint)}")
+
+
+class _Record:
+    """Mixin: type-check every field of a frozen dataclass after construction."""
+
+    _HINTS: ClassVar[Mapping[str, Any]] = types.MappingProxyType({})
+
+    def __post_init__(self) -> None:
+        for name, hint in type(self)._HINTS.items():
+            _check(getattr(self, name), hint, f"{type(self).__name__}.{name}")
+        self._validate()
+
+    def _validate(self) -> None:
+        """Extra range checks beyond the field types; raise ``RemoteProtocolError``."""
+
+
+class Message(_Record):
+    """Base of all control messages."""
+
+    KIND: ClassVar[int]
+    DIRECTION: ClassVar[str]
+
+
+C2M = "c2m"
+M2C = "m2c"
+P2P = "p2p"
+
+_BY_KIND: dict[int, type[Message]] = {}
+_R = TypeVar("_R", bound=type[_Record])
+
+
+def _record(cls: _R) -> _R:
+    hints = typing.get_type_hints(cls)
+    cls._HINTS = types.MappingProxyType(
+        {field.name: hints[field.name] for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    )
+    return cls
+
+
+def _message(kind: int, direction: str) -> typing.Callable[[_R], _R]:
+    def register(cls: _R) -> _R:
+        assert issubclass(cls, Message)
+        assert kind not in _BY_KIND, f"message kind {kind} registered twice"
+        cls.KIND = kind
+        cls.DIRECTION = direction
+        _BY_KIND[kind] = cls
+        return _record(cls)
+
+    return register
+
+
+def _frozen(cls: type) -> Any:
+    return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
+
+
+# --- nested records -------------------------------------------------------------
+
+
+@_record
+@_frozen
+class PeerEndpoint(_Record):
+    """Where a peer accepts p2p connections."""
+
+    peer_id: int
+    host: str
+    port: int
+
+    def _validate(self) -> None:
+        if not 1 <= self.port <= U16_MAX:
+            raise RemoteProtocolError(f"PeerEndpoint.port: {self.port} is not a TCP port")
+
+
+@_record
+@_frozen
+class WorldSizes(_Record):
+    """The four world-size attributes of one peer's view of the run."""
+
+    global_world_size: int
+    peer_group_world_size: int
+    num_distinct_peer_groups: int
+    largest_peer_group_world_size: int
+
+
+_NESTED: dict[type, type[_Record]] = {PeerEndpoint: PeerEndpoint, WorldSizes: WorldSizes}
+
+# --- peer -> master ---------------------------------------------------------------
+
+
+@_message(1, C2M)
+@_frozen
+class Register(Message):
+    """First message on a master link: join the run."""
+
+    protocol_version: int
+    peer_group: int
+    p2p_port: int
+    advertised_host: str = ""  # empty: use the address the master sees
+
+    def _validate(self) -> None:
+        if self.peer_group > U32_MAX:
+            raise RemoteProtocolError(f"Register.peer_group: {self.peer_group} exceeds 2**32-1")
+        if not 1 <= self.p2p_port <= U16_MAX:
+            raise RemoteProtocolError(f"Register.p2p_port: {self.p2p_port} is not a TCP port")
+
+
+@_message(2, C2M)
+@_frozen
+class Heartbeat(Message):
+    """Sent both ways on a quiet master link so silence can be told from calm."""
+
+
+@_message(3, C2M)
+@_frozen
+class VoteEstablish(Message):
+    """Vote to (re-)establish the ring; ``accept_new_peers`` also admits pending peers."""
+
+    accept_new_peers: bool
+
+
+@_message(4, C2M)
+@_frozen
+class P2PEstablished(Message):
+    """Report on connecting to the ring neighbours the master named in ``round``."""
+
+    round: int
+    success: bool
+    failed_peers: tuple[int, ...] = ()
+
+
+@_message(5, C2M)
+@_frozen
+class VotePeersPending(Message):
+    """Vote to learn whether peers are waiting to be accepted."""
+
+
+# --- master -> peer ---------------------------------------------------------------
+
+
+@_message(64, M2C)
+@_frozen
+class Welcome(Message):
+    """Registration accepted: the peer's id and the liveness timers to use."""
+
+    peer_id: int
+    heartbeat_interval: float
+    liveness_timeout: float
+
+
+@_message(65, M2C)
+@_frozen
+class Kick(Message):
+    """The master is removing this peer; the connection closes after this frame."""
+
+    reason: str
+
+
+@_message(66, M2C)
+@_frozen
+class P2PInfo(Message):
+    """Start of a p2p establishment round: whom to connect to."""
+
+    round: int
+    ring: tuple[int, ...]
+    neighbours: tuple[PeerEndpoint, ...]
+    world: WorldSizes
+
+
+@_message(67, M2C)
+@_frozen
+class P2PEstablishResult(Message):
+    """End of an establishment round, the same verdict for every participant."""
+
+    round: int
+    success: bool
+    ring: tuple[int, ...]
+    world: WorldSizes
+
+
+@_message(68, M2C)
+@_frozen
+class PeersPendingResult(Message):
+    pending: bool
+
+
+# --- peer <-> peer ----------------------------------------------------------------
+
+
+@_message(128, P2P)
+@_frozen
+class P2PHello(Message):
+    """First frame of a p2p connection: who connects, and into which pool slot."""
+
+    protocol_version: int
+    peer_id: int
+    slot: int
+
+
+@_message(129, P2P)
+@_frozen
+class P2PHelloAck(Message):
+    """The listener stored the connection; data may flow."""
+
+
+# --- codec ------------------------------------------------------------------------
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, _Record):
+        return [_to_wire(getattr(value, name)) for name in type(value)._HINTS]
+    if isinstance(value, tuple):
+        return [_to_wire(item) for item in value]
+    return value
+
+
+def _from_wire(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise RemoteProtocolError(f"{where}: expected an array, got {type(value).__name__}")
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        return tuple(_from_wire(item, item_hint, f"{where}[{i}]") for i, item in enumerate(value))
+    if isinstance(hint, type) and hint in _NESTED:
+        return _build(hint, value, where)
+    return value
+
+
+def _build(cls: type[_Record], fields: Any, where: str) -> Any:
+    hints = cls._HINTS
+    if not isinstance(fields, list) or len(fields) != len(hints):
+        raise RemoteProtocolError(
+            f"{where}: expected {len(hints)} fields, got "
+            f"{len(fields) if isinstance(fields, list) else type(fields).__name__}"
+        )
+    kwargs = {
+        name: _from_wire(value, hint, f"{where}.{name}")
+        for (name, hint), value in zip(hints.items(), fields, strict=True)
+    }
+    try:
+        return cls(**kwargs)
+    except RemoteProtocolError:
+        raise
+    except (TypeError, ValueError) as exc:  # pragma: no cover - defensive
+        raise RemoteProtocolError(f"{where}: {exc}") from exc
+
+
+def encode_message(message: Message) -> bytes:
+    """Encode the fields of ``message`` (its kind travels in the frame header)."""
+    return msgpack.packb(_to_wire(message), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode_message(kind: int, payload: bytes | memoryview) -> Message:
+    """Decode and validate one control message.
+
+    Raises:
+        RemoteProtocolError: unknown kind, undecodable msgpack, or invalid fields.
+    """
+    cls = _BY_KIND.get(kind)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message kind {kind}")
+    try:
+        fields = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types for garbage
+        raise RemoteProtocolError(f"{cls.__name__}: undecodable payload ({exc})") from exc
+    message: Message = _build(cls, fields, cls.__name__)
+    return message
+
+
+def message_kinds() -> Mapping[int, type[Message]]:
+    """Every registered message class by kind (for tests and docs)."""
+    return types.MappingProxyType(_BY_KIND)

@@ -1,0 +1,205 @@
+"""Frame codec: length-prefixed frames that survive any split of bytes across reads.
+
+Theory of operation
+-------------------
+Every frame is ``[u32 body_length BE][body]``. The body starts with a one-byte frame
+type:
+
+* ``CONTROL`` (1): ``[u8 1][u16 kind BE][msgpack fields]``, a control message (see
+  ``messages``), at most ``max_control_frame`` bytes of body.
+* ``DATA`` (2): ``[u8 2][u64 tag][u64 seq][u64 offset][u32 nbytes][payload]``, tensor
+  bytes that are never re-encoded: ``tag`` names the collective, ``seq`` the
+  master-assigned sequence number of the attempt (stale frames are dropped by it),
+  ``offset`` the byte offset of the payload in the receiver's buffer and ``nbytes``
+  its length (which must equal the rest of the body). At most ``max_data_frame``
+  bytes of body.
+
+The decoder is sans-IO (as h11's ``Connection``): feed it whatever bytes arrived with
+``receive_data`` (``b""`` for end of stream), then call ``next_frame`` until it says
+``NEED_DATA``. It keeps state across calls, so a length prefix or header split at any
+byte is fine. Violations (zero or oversized lengths, an unknown frame type, a bad
+message, end of stream inside a frame) raise ``RemoteProtocolError``; after one, the
+decoder is poisoned and the connection must be dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+
+from .errors import LocalProtocolError, RemoteProtocolError
+from .messages import Message, decode_message, encode_message
+
+__all__ = [
+    "DATA_HEADER",
+    "DataFrame",
+    "DecoderState",
+    "FrameDecoder",
+    "FrameType",
+    "encode_control",
+    "encode_data",
+    "encode_data_header",
+]
+
+
+class FrameType(enum.IntEnum):
+    CONTROL = 1
+    DATA = 2
+
+
+class DecoderState(enum.Enum):
+    NEED_DATA = enum.auto()
+    CLOSED = enum.auto()
+
+
+_LENGTH = struct.Struct(">I")
+_CONTROL_HEADER = struct.Struct(">BH")
+#: Header of a data frame, including its length prefix.
+DATA_HEADER = struct.Struct(">IBQQQI")
+_DATA_BODY_HEADER = DATA_HEADER.size - _LENGTH.size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DataFrame:
+    tag: int
+    seq: int
+    offset: int
+    payload: bytes
+
+
+def encode_control(message: Message) -> bytes:
+    """One complete control frame for ``message``."""
+    fields = encode_message(message)
+    body_length = _CONTROL_HEADER.size + len(fields)
+    return _LENGTH.pack(body_length) + _CONTROL_HEADER.pack(FrameType.CONTROL, message.KIND) + fields
+
+
+def encode_data_header(*, tag: int, seq: int, offset: int, nbytes: int) -> bytes:
+    """The header of a data frame whose ``nbytes`` payload the caller sends right after.
+
+    Sending header and payload separately keeps tensor bytes zero-copy.
+    """
+    if nbytes < 0 or nbytes > 0xFFFFFFFF - _DATA_BODY_HEADER:
+        raise LocalProtocolError(f"data payload of {nbytes} bytes does not fit in one frame")
+    return DATA_HEADER.pack(_DATA_BODY_HEADER + nbytes, FrameType.DATA, tag, seq, offset, nbytes)
+
+
+def encode_data(*, tag: int, seq: int, offset: int, payload: bytes | memoryview) -> bytes:
+    """One complete data frame (a copy; the hot path sends header and payload apart)."""
+    header = encode_data_header(tag=tag, seq=seq, offset=offset, nbytes=len(payload))
+    return header + bytes(payload)
+
+
+class FrameDecoder:
+    """Incremental decoder for one direction of one connection.
+
+    Args:
+        max_control_frame: largest control-frame body accepted, in bytes.
+        max_data_frame: largest data-frame body accepted, in bytes; 0 refuses data
+            frames altogether (the master link carries none).
+    """
+
+    def __init__(self, *, max_control_frame: int, max_data_frame: int = 0) -> None:
+        self._max_control = max_control_frame
+        self._max_data = max_data_frame
+        self._buffer = bytearray()
+        self._start = 0
+        self._eof = False
+        self._broken: RemoteProtocolError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received but not yet returned as frames."""
+        return len(self._buffer) - self._start
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Append received bytes; ``b""`` marks the end of the stream."""
+        if self._eof:
+            raise LocalProtocolError("receive_data after end of stream")
+        if not data:
+            self._eof = True
+            return
+        if self._start and self._start * 2 >= len(self._buffer):
+            del self._buffer[: self._start]
+            self._start = 0
+        self._buffer += data
+
+    def next_frame(self) -> Message | DataFrame | DecoderState:
+        """The next complete frame, ``NEED_DATA``, or ``CLOSED`` after a clean end.
+
+        Raises:
+            RemoteProtocolError: the bytes are not a valid frame stream.
+        """
+        if self._broken is not None:
+            raise self._broken
+        try:
+            return self._next_frame()
+        except RemoteProtocolError as exc:
+            self._broken = exc
+            raise
+
+    def _next_frame(self) -> Message | DataFrame | DecoderState:
+        available = len(self._buffer) - self._start
+        if available >= _LENGTH.size:
+            (body_length,) = _LENGTH.unpack_from(self._buffer, self._start)
+            self._check_length(body_length)
+            if available >= _LENGTH.size + 1:
+                self._check_type(body_length, self._buffer[self._start + _LENGTH.size])
+            if available >= _LENGTH.size + body_length:
+                body_start = self._start + _LENGTH.size
+                self._start = body_start + body_length
+                body = memoryview(self._buffer)[body_start : self._start]
+                try:
+                    return self._decode_body(body)
+                finally:
+                    body.release()
+        if self._eof:
+            if available:
+                raise RemoteProtocolError(
+                    f"connection closed inside a frame ({available} bytes of it received)"
+                )
+            return DecoderState.CLOSED
+        return DecoderState.NEED_DATA
+
+    def _check_length(self, body_length: int) -> None:
+        if body_length == 0:
+            raise RemoteProtocolError("frame with an empty body")
+        limit = max(self._max_control, self._max_data)
+        if body_length > limit:
+            raise RemoteProtocolError(
+                f"frame of {body_length} bytes exceeds the {limit}-byte limit"
+            )
+
+    def _check_type(self, body_length: int, frame_type: int) -> None:
+        if frame_type == FrameType.CONTROL:
+            if body_length > self._max_control:
+                raise RemoteProtocolError(
+                    f"control frame of {body_length} bytes exceeds the "
+                    f"{self._max_control}-byte limit"
+                )
+            if body_length < _CONTROL_HEADER.size:
+                raise RemoteProtocolError(f"control frame of {body_length} bytes is too short")
+        elif frame_type == FrameType.DATA:
+            if self._max_data == 0:
+                raise RemoteProtocolError("data frame on a connection that carries none")
+            if body_length > self._max_data:
+                raise RemoteProtocolError(
+                    f"data frame of {body_length} bytes exceeds the {self._max_data}-byte limit"
+                )
+            if body_length < _DATA_BODY_HEADER:
+                raise RemoteProtocolError(f"data frame of {body_length} bytes is too short")
+        else:
+            raise RemoteProtocolError(f"unknown frame type {frame_type}")
+
+    def _decode_body(self, body: memoryview) -> Message | DataFrame:
+        if body[0] == FrameType.CONTROL:
+            (_type, kind) = _CONTROL_HEADER.unpack_from(body)
+            return decode_message(kind, bytes(body[_CONTROL_HEADER.size :]))
+        (_type, tag, seq, offset, nbytes) = struct.unpack_from(">BQQQI", body)
+        payload = bytes(body[_DATA_BODY_HEADER:])
+        if nbytes != len(payload):
+            raise RemoteProtocolError(
+                f"data frame declares {nbytes} payload bytes but carries {len(payload)}"
+            )
+        return DataFrame(tag=tag, seq=seq, offset=offset, payload=payload)

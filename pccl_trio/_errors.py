@@ -1,0 +1,67 @@
+"""The exceptions pccl_trio raises. Every one derives from :class:`PCCLError`.
+
+Messages always say what was wrong and what the caller can do about it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CollectiveAborted",
+    "InvalidArgument",
+    "InvalidUsage",
+    "Kicked",
+    "MasterConnectionError",
+    "PCCLError",
+    "SharedStateSyncFailed",
+    "TooFewPeers",
+    "TopologyOptimizationFailed",
+    "UpdateTopologyFailed",
+]
+
+
+class PCCLError(Exception):
+    """Base class of every error raised by pccl_trio."""
+
+
+class MasterConnectionError(PCCLError):
+    """The master could not be reached, or the connection to it was lost."""
+
+
+class UpdateTopologyFailed(PCCLError):
+    """The topology update did not complete; calling ``update_topology`` again is safe."""
+
+
+class TopologyOptimizationFailed(PCCLError):
+    """Topology optimization did not complete; calling it again is safe."""
+
+
+class TooFewPeers(PCCLError):
+    """The operation needs more peers than the run (or peer group) has."""
+
+
+class CollectiveAborted(PCCLError):
+    """The collective was aborted for every surviving peer; inputs were restored."""
+
+
+class InvalidArgument(PCCLError):
+    """An argument was malformed or disagreed with the other peers' arguments."""
+
+
+class InvalidUsage(PCCLError):
+    """The call is not allowed in the communicator's current state."""
+
+
+class SharedStateSyncFailed(PCCLError):
+    """Shared-state synchronization did not complete."""
+
+
+class Kicked(PCCLError):
+    """The master removed this peer from the run.
+
+    Attributes:
+        reason: the master's explanation, e.g. which rule the peer broke.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"kicked by the master: {reason}")
+        self.reason = reason

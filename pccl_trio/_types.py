@@ -1,0 +1,89 @@
+"""Public enums and result records of the API."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+__all__ = [
+    "Attribute",
+    "DataType",
+    "DistributionHint",
+    "QuantizationAlgorithm",
+    "QuantizationOptions",
+    "ReduceInfo",
+    "ReduceOp",
+    "SharedStateSyncInfo",
+    "SharedStateSyncStrategy",
+]
+
+
+class ReduceOp(enum.Enum):
+    SUM = 0
+    AVG = 1
+    PROD = 2
+    MAX = 3
+    MIN = 4
+
+
+class DataType(enum.Enum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    UINT64 = 6
+    INT64 = 7
+    FLOAT16 = 8
+    BFLOAT16 = 9
+    FLOAT = 10
+    DOUBLE = 11
+
+
+class QuantizationAlgorithm(enum.Enum):
+    NONE = 0
+    MIN_MAX = 1
+    ZERO_POINT_SCALE = 2
+
+
+class DistributionHint(enum.Enum):
+    NONE = 0
+    NORMAL = 1
+    UNIFORM = 2
+
+
+class Attribute(enum.Enum):
+    """World-size attributes, as last reported by the master."""
+
+    GLOBAL_WORLD_SIZE = 1
+    PEER_GROUP_WORLD_SIZE = 2
+    NUM_DISTINCT_PEER_GROUPS = 3
+    LARGEST_PEER_GROUP_WORLD_SIZE = 4
+
+
+class SharedStateSyncStrategy(enum.Enum):
+    ENFORCE_POPULAR = 0
+    RECEIVE_ONLY = 1
+    SEND_ONLY = 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class QuantizationOptions:
+    quantized_datatype: DataType = DataType.UINT8
+    algorithm: QuantizationAlgorithm = QuantizationAlgorithm.MIN_MAX
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ReduceInfo:
+    """Outcome of an all-reduce: the peer-group world size and payload bytes moved."""
+
+    world_size: int
+    tx_bytes: int
+    rx_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateSyncInfo:
+    tx_bytes: int
+    rx_bytes: int
