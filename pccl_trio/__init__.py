@@ -1,1 +1,38 @@
-"""pccl_trio: fault-tolerant collective communications on Trio."""
+"""pccl_trio: fault-tolerant collective communications for training over ordinary networks.
+
+A master tracks who is in the run; peers join and leave at any moment. Use it as::
+
+    import pccl_trio as pccl
+
+    async with pccl.Communicator("127.0.0.1:48148") as comm:
+        await comm.update_topology()
+"""
+
+from ._config import Config as Config
+from ._errors import CollectiveAborted as CollectiveAborted
+from ._errors import InvalidArgument as InvalidArgument
+from ._errors import InvalidUsage as InvalidUsage
+from ._errors import Kicked as Kicked
+from ._errors import MasterConnectionError as MasterConnectionError
+from ._errors import PCCLError as PCCLError
+from ._errors import SharedStateSyncFailed as SharedStateSyncFailed
+from ._errors import TooFewPeers as TooFewPeers
+from ._errors import TopologyOptimizationFailed as TopologyOptimizationFailed
+from ._errors import UpdateTopologyFailed as UpdateTopologyFailed
+from ._types import Attribute as Attribute
+from ._types import DataType as DataType
+from ._types import DistributionHint as DistributionHint
+from ._types import QuantizationAlgorithm as QuantizationAlgorithm
+from ._types import QuantizationOptions as QuantizationOptions
+from ._types import ReduceInfo as ReduceInfo
+from ._types import ReduceOp as ReduceOp
+from ._types import SharedStateSyncInfo as SharedStateSyncInfo
+from ._types import SharedStateSyncStrategy as SharedStateSyncStrategy
+from .master import serve_master as serve_master
+from .master import serve_master_tcp as serve_master_tcp
+from .peer import Communicator as Communicator
+from .peer import CommunicatorStatistics as CommunicatorStatistics
+from .transport import Network as Network
+from .transport import TcpNetwork as TcpNetwork
+
+__version__ = "0.1.0"

@@ -362,6 +362,12 @@ class MasterCore:
                         raise RemoteProtocolError(
                             "VoteEstablish before being accepted into the run"
                         )
+                    if self._round is not None and peer.peer_id in self._round.participants:
+                        # CONNECT_FAILED allows a vote, but only once the verdict is out:
+                        # a participant leaving CONNECT_FAILED early would stall the round.
+                        raise RemoteProtocolError(
+                            "VoteEstablish before the result of its establishment round"
+                        )
                     self._apply(peer, PeerEvent.VOTE_ESTABLISH)
                     peer.accept_new_peers = accept
                 case P2PEstablished(round=number, success=success, failed_peers=failed):
@@ -447,9 +453,12 @@ class MasterCore:
     # --- time ----------------------------------------------------------------------
 
     def _on_tick(self) -> None:
+        # Compare against the same sums next_deadline() returns: ``now - last >= timeout``
+        # can be false at ``now == last + timeout`` in floating point, and a Tick at the
+        # deadline that does nothing would leave the deadline in the past (a busy loop).
         silent = [
             c for c in self._conns.values()
-            if self._now - c.last_heard >= self._liveness_timeout
+            if self._now >= c.last_heard + self._liveness_timeout
         ]
         for conn in silent:
             self._kick(
@@ -460,7 +469,7 @@ class MasterCore:
         if silent:
             self._reevaluate()
         for conn in self._conns.values():
-            if conn.peer is not None and self._now - conn.last_sent >= self._heartbeat_interval:
+            if conn.peer is not None and self._now >= conn.last_sent + self._heartbeat_interval:
                 self._send(conn.peer, Heartbeat())
 
     # --- consensus -----------------------------------------------------------------

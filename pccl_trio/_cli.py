@@ -1,0 +1,110 @@
+"""Command line: ``pccl-trio master ...`` (and ``python -m pccl_trio.master ...``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from ._config import Config
+from .master import serve_master_tcp
+from .transport import format_address, parse_address
+
+__all__ = ["main", "master_main"]
+
+DEFAULT_LISTEN = "0.0.0.0:48148"
+
+
+def _master_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Run the master of a pccl_trio run."
+    )
+    parser.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"address to listen on (default {DEFAULT_LISTEN}; port 0 picks a free port)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"],
+        type=str.upper,
+        help="log verbosity on stderr (default INFO)",
+    )
+    defaults = Config()
+    parser.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=defaults.heartbeat_interval,
+        metavar="SECONDS",
+        help=f"heartbeat period on quiet links (default {defaults.heartbeat_interval})",
+    )
+    parser.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=defaults.liveness_timeout,
+        metavar="SECONDS",
+        help="a peer silent this long is removed from the run "
+        f"(default {defaults.liveness_timeout})",
+    )
+    return parser
+
+
+async def _run_master(host: str, port: int, config: Config) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            bound_host, bound_port = await nursery.start(
+                lambda task_status: serve_master_tcp(
+                    port, host, config=config, task_status=task_status
+                )
+            )
+            print(f"pccl-trio master listening on {format_address(bound_host, bound_port)}",
+                  flush=True)
+            async for signum in signals:
+                logging.getLogger("pccl_trio.master").info(
+                    "received %s, closing every connection", signal.Signals(signum).name
+                )
+                nursery.cancel_scope.cancel()
+                break
+
+
+def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master") -> int:
+    parser = _master_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        host, port = parse_address(args.listen)
+        config = Config(
+            heartbeat_interval=args.heartbeat_interval, liveness_timeout=args.liveness_timeout
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    level = {"TRACE": "DEBUG", "WARN": "WARNING"}.get(args.log_level, args.log_level)
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        trio.run(_run_master, host, port, config)
+    except OSError as exc:
+        print(f"pccl-trio master: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"master": master_main}
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: pccl-trio {master} [options]\n\n"
+              "commands:\n  master   run the master of a run (see pccl-trio master --help)",
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:], prog=f"pccl-trio {argv[0]}")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The trio shell around ``MasterCore``.
+
+One task per connection reads frames and turns them into core events; one task
+feeds those events (and the passing of time) to the core, in order, and carries out
+the actions it returns. Each connection has its own writer task fed by a queue, so a
+slow or stuck peer can never block the master's event loop or other peers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import trio
+
+from .._config import Config
+from .._core.errors import RemoteProtocolError
+from .._core.master import (
+    Action,
+    Close,
+    ConnectionBroken,
+    ConnectionClosed,
+    ConnectionOpened,
+    Event,
+    MasterCore,
+    MessageReceived,
+    Send,
+    Tick,
+)
+from .._core.wire import encode_control
+from ..transport import FramedStream, TcpNetwork, listener_address, remote_host
+
+__all__ = ["serve_master", "serve_master_tcp"]
+
+log = logging.getLogger("pccl_trio.master")
+
+
+class _Connection:
+    def __init__(self, conn_id: int, stream: trio.abc.Stream, config: Config) -> None:
+        self.conn_id = conn_id
+        self.framed = FramedStream(stream, max_control_frame=config.max_control_frame)
+        self.outgoing_send, self.outgoing_receive = trio.open_memory_channel[bytes](math.inf)
+        self.scope = trio.CancelScope()
+        self.flush_timeout = config.liveness_timeout
+
+    def close_after_flush(self) -> None:
+        self.outgoing_send.close()
+
+
+class _MasterServer:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.core = MasterCore(
+            heartbeat_interval=config.heartbeat_interval,
+            liveness_timeout=config.liveness_timeout,
+        )
+        self.events_send, self.events_receive = trio.open_memory_channel[Event](math.inf)
+        self.connections: dict[int, _Connection] = {}
+        self.ids = itertools.count(1)
+
+    async def accept_loop(self, listener: trio.abc.Listener[Any], nursery: trio.Nursery) -> None:
+        async with listener:
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:  # e.g. EMFILE: back off, keep serving
+                    log.warning("accept failed: %s", exc)
+                    await trio.sleep(0.1)
+                    continue
+                conn = _Connection(next(self.ids), stream, self.config)
+                self.connections[conn.conn_id] = conn
+                self.events_send.send_nowait(
+                    ConnectionOpened(conn=conn.conn_id, host=remote_host(stream))
+                )
+                nursery.start_soon(self.serve_connection, conn)
+
+    async def serve_connection(self, conn: _Connection) -> None:
+        try:
+            with conn.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self.write_loop, conn)
+                    await self.read_loop(conn)
+                    await trio.sleep_forever()  # until the writer finishes the close
+        finally:
+            self.connections.pop(conn.conn_id, None)
+            await conn.framed.aclose()
+
+    async def read_loop(self, conn: _Connection) -> None:
+        try:
+            while True:
+                message = await conn.framed.receive_message()
+                self.events_send.send_nowait(MessageReceived(conn=conn.conn_id, message=message))
+        except RemoteProtocolError as exc:
+            self.events_send.send_nowait(ConnectionBroken(conn=conn.conn_id, reason=str(exc)))
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.events_send.send_nowait(ConnectionClosed(conn=conn.conn_id))
+
+    async def write_loop(self, conn: _Connection) -> None:
+        """Send queued frames until the core closes the queue, then end the connection."""
+        try:
+            async for frame in conn.outgoing_receive:
+                await conn.framed.send_bytes(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.events_send.send_nowait(ConnectionClosed(conn=conn.conn_id))
+            async for _frame in conn.outgoing_receive:
+                pass  # discard until the core's Close ends the queue
+        conn.scope.cancel()
+
+    def execute(self, actions: Sequence[Action]) -> None:
+        for action in actions:
+            conn = self.connections.get(action.conn)
+            if conn is None:
+                continue
+            match action:
+                case Send(message=message):
+                    try:
+                        conn.outgoing_send.send_nowait(encode_control(message))
+                    except trio.ClosedResourceError:
+                        pass
+                case Close(reason=reason):
+                    log.debug("closing connection %d: %s", action.conn, reason)
+                    conn.close_after_flush()
+                    # A silent peer may never drain its socket: bound the flush.
+                    conn.scope.deadline = min(
+                        conn.scope.deadline, trio.current_time() + conn.flush_timeout
+                    )
+
+    async def run_core(self) -> NoReturn:
+        while True:
+            event: Event
+            with trio.move_on_at(self.core.next_deadline()):
+                event = await self.events_receive.receive()
+                self.execute(self.core.handle(event, trio.current_time()))
+            # Deadlines are checked even when events never stop coming.
+            if trio.current_time() >= self.core.next_deadline():
+                self.execute(self.core.handle(Tick(), trio.current_time()))
+
+
+async def serve_master(
+    listeners: Sequence[trio.abc.Listener[Any]],
+    *,
+    config: Config | None = None,
+    task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Run a master on ``listeners`` until cancelled.
+
+    Args:
+        listeners: any trio listeners yielding byte streams (TCP or in-memory).
+        config: timers and limits; the master's liveness timers are imposed on peers.
+        task_status: started with the listeners' ``(host, port)`` addresses.
+    """
+    server = _MasterServer(config or Config())
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(server.accept_loop, listener, nursery)
+        task_status.started([listener_address(listener) for listener in listeners])
+        await server.run_core()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def serve_master_tcp(
+    port: int = 48148,
+    host: str = "0.0.0.0",
+    *,
+    config: Config | None = None,
+    task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Run a master on TCP ``host:port`` until cancelled; started with the bound address."""
+    listener = await TcpNetwork().listen(host, port)
+    await serve_master(
+        [listener], config=config, task_status=_StartedWith(task_status, listener_address(listener))
+    )
+
+
+class _StartedWith:
+    """Reports ``value`` as started, whatever the wrapped server reports."""
+
+    def __init__(self, task_status: trio.TaskStatus[Any], value: object) -> None:
+        self._task_status = task_status
+        self._value = value
+
+    def started(self, _value: object = None) -> None:
+        self._task_status.started(self._value)

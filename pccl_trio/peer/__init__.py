@@ -1,0 +1,4 @@
+"""The peer side of a run: ``Communicator``."""
+
+from ._communicator import Communicator as Communicator
+from ._communicator import CommunicatorStatistics as CommunicatorStatistics

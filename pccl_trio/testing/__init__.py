@@ -1,0 +1,11 @@
+"""Public test helpers: an in-memory network with failure hooks.
+
+Not imported by ``import pccl_trio``; import it explicitly::
+
+    from pccl_trio.testing import MemoryNetwork
+"""
+
+from ._memory import MemoryHost as MemoryHost
+from ._memory import MemoryListener as MemoryListener
+from ._memory import MemoryNetwork as MemoryNetwork
+from ._memory import MemoryStream as MemoryStream

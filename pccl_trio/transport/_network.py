@@ -1,0 +1,139 @@
+"""The ``Network`` seam and its TCP implementation.
+
+OSErrors from the operating system are turned into trio's resource errors here and
+nowhere else: ``connect`` raises ``OSError`` subclasses only for "could not connect"
+(refused, unreachable, timed out by the OS), and established streams raise
+``trio.BrokenResourceError`` when the peer or the network broke them and
+``trio.ClosedResourceError`` when we closed them ourselves (trio's own taxonomy).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, Protocol
+
+import trio
+
+__all__ = [
+    "Network",
+    "TcpNetwork",
+    "format_address",
+    "listener_address",
+    "parse_address",
+    "remote_host",
+]
+
+#: Socket buffer size asked for on every TCP connection (the kernel may cap it).
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+class Network(Protocol):
+    """Where a master or a peer gets its listeners and outgoing connections."""
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        """Open a stream to ``host:port``; ``OSError`` if nobody answers."""
+        ...
+
+    async def listen(self, host: str, port: int) -> trio.abc.Listener[Any]:
+        """Listen on ``host:port`` (port 0: any free port); see ``listener_address``."""
+        ...
+
+
+def _tune(sock: trio.socket.SocketType) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError:  # pragma: no cover - a kernel that refuses; defaults still work
+            pass
+
+
+class TcpNetwork:
+    """Real TCP through trio's socket layer (Nagle off, large buffers)."""
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        stream = await trio.open_tcp_stream(host, port)
+        _tune(stream.socket)
+        return stream
+
+    async def listen(self, host: str, port: int) -> trio.abc.Listener[Any]:
+        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        # One address is enough: a peer advertises one p2p endpoint.
+        for extra in listeners[1:]:
+            await extra.aclose()
+        return _TunedListener(listeners[0])
+
+
+class _TunedListener(trio.abc.Listener[trio.SocketStream]):
+    def __init__(self, inner: trio.SocketListener) -> None:
+        self.inner = inner
+        self.socket = inner.socket
+
+    async def accept(self) -> trio.SocketStream:
+        stream = await self.inner.accept()
+        _tune(stream.socket)
+        return stream
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def listener_address(listener: trio.abc.Listener[Any]) -> tuple[str, int]:
+    """The ``(host, port)`` a listener is bound to (the real port when 0 was asked)."""
+    sock = getattr(listener, "socket", None)
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+        return str(host), int(port)
+    return str(getattr(listener, "host")), int(getattr(listener, "port"))
+
+
+def remote_host(stream: trio.abc.Stream) -> str:
+    """The address of the other end of ``stream``, as this side sees it."""
+    sock = getattr(stream, "socket", None)
+    if sock is not None:
+        try:
+            return str(sock.getpeername()[0])
+        except OSError:
+            return "unknown"
+    return str(getattr(stream, "remote_host", "unknown"))
+
+
+def parse_address(address: str, *, default_port: int | None = None) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[v6]:port"``) into its parts.
+
+    Raises:
+        ValueError: with a message that shows the expected form.
+    """
+    if not isinstance(address, str) or not address.strip():
+        raise ValueError(f"expected an address like '127.0.0.1:48148', got {address!r}")
+    text = address.strip()
+    host: str
+    port_text: str | None
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError(f"unclosed '[' in address {address!r}")
+        host, rest = text[1:end], text[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"expected ':port' after ']' in address {address!r}")
+        port_text = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    elif ":" not in text:
+        host, port_text = text, None
+    else:
+        raise ValueError(f"write IPv6 addresses as '[addr]:port', got {address!r}")
+    if port_text is None:
+        if default_port is None:
+            raise ValueError(f"address {address!r} has no port; expected 'host:port'")
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"port {port_text!r} in address {address!r} is not 0-65535")
+    if not host:
+        raise ValueError(f"address {address!r} has no host")
+    return host, int(port_text)
+
+
+def format_address(host: str, port: int) -> str:
+    """The inverse of ``parse_address``."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

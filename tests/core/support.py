@@ -1,0 +1,72 @@
+"""Shared fixtures for the core tests: one valid instance of every message, and the
+Hypothesis settings every property test here runs under."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+from hypothesis import HealthCheck, settings
+
+from pccl_trio._core.messages import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Kick,
+    Message,
+    P2PEstablished,
+    P2PEstablishResult,
+    P2PHello,
+    P2PHelloAck,
+    P2PInfo,
+    PeerEndpoint,
+    PeersPendingResult,
+    Register,
+    VoteEstablish,
+    VotePeersPending,
+    Welcome,
+    WorldSizes,
+    encode_message,
+)
+
+#: Deterministic and free of wall-clock judgements: the same examples on every run,
+#: no example database, no per-example deadline, no "too slow" health check.
+DETERMINISTIC = settings(
+    derandomize=True,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+WORLD = WorldSizes(
+    global_world_size=4,
+    peer_group_world_size=3,
+    num_distinct_peer_groups=2,
+    largest_peer_group_world_size=3,
+)
+NEIGHBOURS = (
+    PeerEndpoint(peer_id=2, host="10.0.0.2", port=48149),
+    PeerEndpoint(peer_id=5, host="10.0.0.5", port=65535),
+)
+
+#: One valid, non-trivial instance per message class (every field away from its default).
+SAMPLES: dict[type[Message], Message] = {
+    Register: Register(
+        protocol_version=PROTOCOL_VERSION, peer_group=7, p2p_port=48148, advertised_host="10.0.0.1"
+    ),
+    Heartbeat: Heartbeat(),
+    VoteEstablish: VoteEstablish(accept_new_peers=True),
+    P2PEstablished: P2PEstablished(round=3, success=False, failed_peers=(2, 5)),
+    VotePeersPending: VotePeersPending(),
+    Welcome: Welcome(peer_id=1, heartbeat_interval=0.5, liveness_timeout=2.0),
+    Kick: Kick(reason="kicked: ünïcödé ✓"),
+    P2PInfo: P2PInfo(round=3, ring=(1, 2, 5), neighbours=NEIGHBOURS, world=WORLD),
+    P2PEstablishResult: P2PEstablishResult(round=3, success=True, ring=(1, 2, 5), world=WORLD),
+    PeersPendingResult: PeersPendingResult(pending=True),
+    P2PHello: P2PHello(protocol_version=PROTOCOL_VERSION, peer_id=3, slot=2),
+    P2PHelloAck: P2PHelloAck(),
+}
+
+
+def wire_fields(message: Message) -> Any:
+    """The message's fields as they travel: a (nested) list."""
+    return msgpack.unpackb(encode_message(message), raw=False, use_list=True)

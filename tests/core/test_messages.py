@@ -1,0 +1,324 @@
+"""Message records: validation at construction and on decode, errors that name the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pccl_trio._core.errors import RemoteProtocolError
+from pccl_trio._core.messages import (
+    C2M,
+    M2C,
+    MAX_SEQUENCE,
+    MAX_STRING,
+    P2P,
+    U16_MAX,
+    U32_MAX,
+    U64_MAX,
+    Heartbeat,
+    Kick,
+    Message,
+    P2PEstablished,
+    P2PEstablishResult,
+    P2PInfo,
+    PeerEndpoint,
+    PeersPendingResult,
+    Register,
+    VoteEstablish,
+    Welcome,
+    WorldSizes,
+    decode_message,
+    encode_message,
+    message_kinds,
+)
+
+from .support import DETERMINISTIC, NEIGHBOURS, SAMPLES, WORLD, wire_fields
+
+
+def decode(cls: type[Message], fields: Any) -> Message:
+    """Decode ``fields`` (anything msgpack can pack) as a message of class ``cls``."""
+    return decode_message(cls.KIND, msgpack.packb(fields, use_bin_type=True))
+
+
+def replaced(message: Message, path: tuple[int, ...], value: Any) -> Any:
+    """The wire fields of ``message`` with the item at ``path`` replaced by ``value``."""
+    fields = wire_fields(message)
+    target = fields
+    for index in path[:-1]:
+        target = target[index]
+    target[path[-1]] = value
+    return fields
+
+
+# --- construction ---------------------------------------------------------------------
+
+INVALID_RECORDS: list[tuple[type[Any], dict[str, Any], str]] = [
+    (VoteEstablish, {"accept_new_peers": 1}, "VoteEstablish.accept_new_peers"),
+    (VoteEstablish, {"accept_new_peers": None}, "VoteEstablish.accept_new_peers"),
+    (P2PEstablished, {"round": True, "success": True}, "P2PEstablished.round"),
+    (P2PEstablished, {"round": -1, "success": True}, "P2PEstablished.round"),
+    (P2PEstablished, {"round": U64_MAX + 1, "success": True}, "P2PEstablished.round"),
+    (P2PEstablished, {"round": 1.0, "success": True}, "P2PEstablished.round"),
+    (P2PEstablished, {"round": "1", "success": True}, "P2PEstablished.round"),
+    (P2PEstablished, {"round": 1, "success": True, "failed_peers": [2]},
+     "P2PEstablished.failed_peers"),
+    (P2PEstablished, {"round": 1, "success": True, "failed_peers": (2, -3)},
+     r"P2PEstablished.failed_peers\[1\]"),
+    (P2PEstablished, {"round": 1, "success": True, "failed_peers": (False,)},
+     r"P2PEstablished.failed_peers\[0\]"),
+    (P2PEstablished, {"round": 1, "success": True,
+                      "failed_peers": tuple(range(MAX_SEQUENCE + 1))},
+     "P2PEstablished.failed_peers"),
+    (Kick, {"reason": "x" * (MAX_STRING + 1)}, "Kick.reason"),
+    (Kick, {"reason": b"bytes"}, "Kick.reason"),
+    (Welcome, {"peer_id": 1, "heartbeat_interval": math.nan, "liveness_timeout": 2.0},
+     "Welcome.heartbeat_interval"),
+    (Welcome, {"peer_id": 1, "heartbeat_interval": 1.0, "liveness_timeout": math.inf},
+     "Welcome.liveness_timeout"),
+    (Welcome, {"peer_id": 1, "heartbeat_interval": -math.inf, "liveness_timeout": 2.0},
+     "Welcome.heartbeat_interval"),
+    (Welcome, {"peer_id": 1, "heartbeat_interval": True, "liveness_timeout": 2.0},
+     "Welcome.heartbeat_interval"),
+    (Welcome, {"peer_id": 1, "heartbeat_interval": "1", "liveness_timeout": 2.0},
+     "Welcome.heartbeat_interval"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 0}, "Register.p2p_port"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": U16_MAX + 1},
+     "Register.p2p_port"),
+    (Register, {"protocol_version": 1, "peer_group": U32_MAX + 1, "p2p_port": 1},
+     "Register.peer_group"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1, "advertised_host": None},
+     "Register.advertised_host"),
+    (PeerEndpoint, {"peer_id": 1, "host": "h", "port": 0}, "PeerEndpoint.port"),
+    (PeerEndpoint, {"peer_id": 1, "host": "h", "port": U16_MAX + 1}, "PeerEndpoint.port"),
+    (WorldSizes, {"global_world_size": -1, "peer_group_world_size": 1,
+                  "num_distinct_peer_groups": 1, "largest_peer_group_world_size": 1},
+     "WorldSizes.global_world_size"),
+    (P2PInfo, {"round": 1, "ring": [1], "neighbours": (), "world": WORLD}, "P2PInfo.ring"),
+    (P2PInfo, {"round": 1, "ring": (1,), "neighbours": ({"peer_id": 2},), "world": WORLD},
+     r"P2PInfo.neighbours\[0\]"),
+    (P2PInfo, {"round": 1, "ring": (1,), "neighbours": (), "world": (1, 1, 1, 1)},
+     "P2PInfo.world"),
+    (P2PEstablishResult, {"round": 1, "success": 1, "ring": (), "world": WORLD},
+     "P2PEstablishResult.success"),
+    (PeersPendingResult, {"pending": "yes"}, "PeersPendingResult.pending"),
+]
+
+
+@pytest.mark.parametrize(("cls", "kwargs", "match"), INVALID_RECORDS,
+                         ids=[f"{cls.__name__}-{i}" for i, (cls, _, _) in enumerate(INVALID_RECORDS)])
+def test_invalid_record_cannot_be_built(cls: type[Any], kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=match):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        P2PEstablished(round=U64_MAX, success=True, failed_peers=tuple(range(MAX_SEQUENCE))),
+        Kick(reason="é" * MAX_STRING),  # the limit counts characters, not bytes
+        Register(protocol_version=0, peer_group=U32_MAX, p2p_port=U16_MAX),
+        Register(protocol_version=0, peer_group=0, p2p_port=1),
+        Welcome(peer_id=0, heartbeat_interval=1, liveness_timeout=2.5),  # an int is a float
+        PeerEndpoint(peer_id=0, host="", port=1),
+        P2PInfo(round=0, ring=(), neighbours=(), world=WORLD),
+    ],
+    ids=["max-ints-and-sequence", "max-string", "max-port-and-group", "min-port", "int-as-float",
+         "empty-host", "empty-ring"],
+)
+def test_boundary_values_are_valid_and_round_trip(record: Any) -> None:
+    if isinstance(record, Message):
+        assert decode_message(record.KIND, encode_message(record)) == record
+
+
+def test_defaults() -> None:
+    assert Register(protocol_version=1, peer_group=0, p2p_port=1).advertised_host == ""
+    assert P2PEstablished(round=1, success=True).failed_peers == ()
+
+
+def test_records_are_frozen_and_keyword_only() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        SAMPLES[Kick].reason = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Kick("positional")  # type: ignore[misc]
+
+
+def test_kinds_are_grouped_by_direction() -> None:
+    ranges = {C2M: range(1, 64), M2C: range(64, 128), P2P: range(128, 192)}
+    for kind, cls in message_kinds().items():
+        assert cls.KIND == kind
+        assert kind in ranges[cls.DIRECTION], cls.__name__
+
+
+def test_message_kinds_is_read_only() -> None:
+    with pytest.raises(TypeError):
+        message_kinds()[999] = Kick  # type: ignore[index]
+
+
+# --- decoding -------------------------------------------------------------------------
+
+INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
+    # wrong field count or shape
+    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 4 fields, got 3"),
+    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 4 fields, got 5"),
+    (Register, {"protocol_version": 1}, "Register: expected 4 fields, got dict"),
+    (Register, 5, "Register: expected 4 fields, got int"),
+    (Heartbeat, [1], "Heartbeat: expected 0 fields, got 1"),
+    (VoteEstablish, None, "VoteEstablish: expected 1 fields, got NoneType"),
+    # wrong types and ranges
+    (Register, replaced(SAMPLES[Register], (0,), True), "Register.protocol_version"),
+    (Register, replaced(SAMPLES[Register], (0,), -1), "Register.protocol_version"),
+    (Register, replaced(SAMPLES[Register], (0,), 1.0), "Register.protocol_version"),
+    (Register, replaced(SAMPLES[Register], (1,), U32_MAX + 1), "Register.peer_group"),
+    (Register, replaced(SAMPLES[Register], (2,), 0), "Register.p2p_port"),
+    (Register, replaced(SAMPLES[Register], (2,), U16_MAX + 1), "Register.p2p_port"),
+    (Register, replaced(SAMPLES[Register], (3,), b"10.0.0.1"), "Register.advertised_host"),
+    (Register, replaced(SAMPLES[Register], (3,), "h" * (MAX_STRING + 1)),
+     "Register.advertised_host"),
+    (Kick, ["x" * (MAX_STRING + 1)], "Kick.reason"),
+    (VoteEstablish, [1], "VoteEstablish.accept_new_peers"),
+    (VoteEstablish, ["true"], "VoteEstablish.accept_new_peers"),
+    (Welcome, [1, math.nan, 2.0], "Welcome.heartbeat_interval"),
+    (Welcome, [1, 1.0, math.inf], "Welcome.liveness_timeout"),
+    (Welcome, [1, -math.inf, 2.0], "Welcome.heartbeat_interval"),
+    (Welcome, [1, None, 2.0], "Welcome.heartbeat_interval"),
+    (P2PEstablished, [1, True, {"2": 2}], "P2PEstablished.failed_peers: expected an array"),
+    (P2PEstablished, [1, True, [2, None]], r"P2PEstablished.failed_peers\[1\]"),
+    (P2PEstablished, [1, True, list(range(MAX_SEQUENCE + 1))], "P2PEstablished.failed_peers"),
+    # nested records
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (1,), 5), "P2PInfo.ring: expected an array"),
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (1, 1), "2"), r"P2PInfo.ring\[1\]"),
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 1), [5, "h"]),
+     r"P2PInfo.neighbours\[1\]: expected 3 fields, got 2"),
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0), "peer"),
+     r"P2PInfo.neighbours\[0\]: expected 3 fields, got str"),
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0, 2), 0), "PeerEndpoint.port"),
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0, 1), 7), "PeerEndpoint.host"),
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (3,), [4, 3, 2]),
+     "P2PInfo.world: expected 4 fields, got 3"),
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (3, 3), -3), "WorldSizes.largest_peer_group_world_size"),
+    (P2PEstablishResult, replaced(SAMPLES[P2PEstablishResult], (3,), None),
+     "P2PEstablishResult.world: expected 4 fields, got NoneType"),
+]
+
+
+@pytest.mark.parametrize(("cls", "fields", "match"), INVALID_WIRE,
+                         ids=[f"{cls.__name__}-{i}" for i, (cls, _, _) in enumerate(INVALID_WIRE)])
+def test_invalid_fields_on_the_wire(cls: type[Message], fields: Any, match: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=match):
+        decode(cls, fields)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"", b"\xc1", msgpack.packb([True]) + b"\x00", b"\x92\x01"],
+    ids=["empty", "reserved-byte", "trailing-bytes", "truncated-array"],
+)
+def test_undecodable_payload(payload: bytes) -> None:
+    with pytest.raises(RemoteProtocolError, match="VoteEstablish: undecodable payload"):
+        decode_message(VoteEstablish.KIND, payload)
+
+
+@pytest.mark.parametrize("kind", [0, 6, 63, 127, 200, 0xFFFF])
+def test_unknown_kind(kind: int) -> None:
+    with pytest.raises(RemoteProtocolError, match=f"unknown message kind {kind}"):
+        decode_message(kind, msgpack.packb([]))
+
+
+def test_decode_accepts_a_memoryview() -> None:
+    payload = encode_message(SAMPLES[P2PInfo])
+    assert decode_message(P2PInfo.KIND, memoryview(payload)) == SAMPLES[P2PInfo]
+
+
+# --- properties -----------------------------------------------------------------------
+
+#: Fields whose valid range is narrower than their type's.
+NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
+    (Register, "peer_group"): st.integers(0, U32_MAX),
+    (Register, "p2p_port"): st.integers(1, U16_MAX),
+    (PeerEndpoint, "port"): st.integers(1, U16_MAX),
+}
+
+
+def valid(hint: Any) -> st.SearchStrategy[Any]:
+    """Any value valid for a field of type ``hint``."""
+    if hint is bool:
+        return st.booleans()
+    if hint is int:
+        return st.integers(0, U64_MAX)
+    if hint is float:
+        return st.floats(allow_nan=False, allow_infinity=False) | st.integers(0, 1000)
+    if hint is str:
+        return st.text(max_size=30)
+    if typing.get_origin(hint) is tuple:
+        return st.lists(valid(typing.get_args(hint)[0]), max_size=5).map(tuple)
+    return records(hint)
+
+
+def records(cls: type[Any]) -> st.SearchStrategy[Any]:
+    return st.builds(
+        cls,
+        **{
+            name: NARROWER[(cls, name)] if (cls, name) in NARROWER else valid(hint)
+            for name, hint in cls._HINTS.items()
+        },
+    )
+
+
+any_message = st.sampled_from(sorted(message_kinds().values(), key=lambda c: c.KIND)).flatmap(
+    records
+)
+
+
+@DETERMINISTIC
+@given(any_message)
+def test_every_valid_message_round_trips(message: Message) -> None:
+    assert decode_message(message.KIND, encode_message(message)) == message
+
+
+@DETERMINISTIC
+@given(message=any_message, data=st.data())
+def test_a_mutated_field_decodes_or_names_the_message(message: Message, data: st.DataObject) -> None:
+    fields = wire_fields(message)
+    if fields:
+        index = data.draw(st.integers(0, len(fields) - 1), label="field")
+        fields[index] = data.draw(
+            st.none() | st.booleans() | st.integers(-(1 << 63), U64_MAX) | st.floats()
+            | st.text(max_size=5) | st.binary(max_size=5)
+            | st.lists(st.integers(-5, 5) | st.text(max_size=3), max_size=4),
+            label="value",
+        )
+    else:
+        fields.append(data.draw(st.integers(), label="extra"))
+    try:
+        decoded = decode(type(message), fields)
+    except RemoteProtocolError as exc:
+        nested = {"PeerEndpoint", "WorldSizes"}
+        assert str(exc).startswith((type(message).__name__, *nested)), str(exc)
+    else:
+        assert type(decoded) is type(message)
+        assert wire_fields(decoded) == fields
+
+
+@DETERMINISTIC
+@given(kind=st.sampled_from(sorted(message_kinds())), payload=st.binary(max_size=64))
+def test_arbitrary_payload_decodes_or_raises_remote_protocol_error(
+    kind: int, payload: bytes
+) -> None:
+    try:
+        message = decode_message(kind, payload)
+    except RemoteProtocolError:
+        return
+    assert type(message) is message_kinds()[kind]
+
+
+def test_samples_use_non_default_nested_values() -> None:
+    # Guards the fixtures the other tests lean on.
+    assert SAMPLES[P2PInfo].neighbours == NEIGHBOURS
+    assert len({type(m) for m in SAMPLES.values()}) == len(message_kinds())
