@@ -1,0 +1,241 @@
+"""The master's transition table, alone and as peers' messages drive it."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import pytest
+
+from pccl_trio._core.errors import LocalProtocolError, RemoteProtocolError
+from pccl_trio._core.master import (
+    REMOTE_EVENTS,
+    TRANSITIONS,
+    PeerEvent,
+    PeerPhase,
+    PeerState,
+    transition,
+)
+from pccl_trio._core.messages import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Message,
+    P2PEstablished,
+    Register,
+    VoteEstablish,
+    VotePeersPending,
+)
+
+from .master_harness import MasterHarness, only, was_kicked
+
+# --- the table alone ------------------------------------------------------------------
+
+PAIRS = list(itertools.product(PeerState, PeerEvent))
+
+
+@pytest.mark.parametrize(("state", "event"), PAIRS, ids=[f"{s.name}-{e.name}" for s, e in PAIRS])
+def test_transition(state: PeerState, event: PeerEvent) -> None:
+    if (state, event) in TRANSITIONS:
+        assert transition(state, event) is TRANSITIONS[(state, event)]
+    elif event in REMOTE_EVENTS:
+        with pytest.raises(RemoteProtocolError, match=f"not allowed in state {state.name}"):
+            transition(state, event)
+    else:
+        with pytest.raises(LocalProtocolError, match=f"not allowed in state {state.name}"):
+            transition(state, event)
+
+
+def test_remote_events_are_the_ones_peers_cause() -> None:
+    assert REMOTE_EVENTS == {
+        PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED
+    }
+
+
+def test_every_state_is_reachable_from_idle_and_leads_back() -> None:
+    def reachable(start: PeerState, edges: dict[PeerState, set[PeerState]]) -> set[PeerState]:
+        seen, todo = {start}, [start]
+        while todo:
+            for after in edges.get(todo.pop(), set()) - seen:
+                seen.add(after)
+                todo.append(after)
+        return seen
+
+    forward: dict[PeerState, set[PeerState]] = {}
+    backward: dict[PeerState, set[PeerState]] = {}
+    for (before, _event), after in TRANSITIONS.items():
+        forward.setdefault(before, set()).add(after)
+        backward.setdefault(after, set()).add(before)
+    assert reachable(PeerState.IDLE, forward) == set(PeerState)
+    assert reachable(PeerState.IDLE, backward) == set(PeerState)
+
+
+# --- the table as messages drive it ---------------------------------------------------
+#
+# Each setup puts a subject peer in one reachable (phase, state), next to one other
+# peer, and returns (subject conn, other conn). Then each peer-to-master message is sent
+# by the subject: it is kicked exactly when the table (or the phase) forbids it.
+
+Setup = Callable[[MasterHarness], tuple[int, int]]
+
+
+def registered_waiting(h: MasterHarness) -> tuple[int, int]:
+    h.join(1)
+    h.register(2)
+    return 2, 1
+
+
+def registered_mid_round(h: MasterHarness) -> tuple[int, int]:
+    h.register(1)  # its one-member round is running
+    h.register(2)
+    return 2, 1
+
+
+def joiner_connecting(h: MasterHarness) -> tuple[int, int]:
+    h.join(1)
+    h.register(2)
+    h.vote(1)
+    return 2, 1
+
+
+def joiner_waiting(h: MasterHarness) -> tuple[int, int]:
+    joiner_connecting(h)
+    h.report(2)
+    return 2, 1
+
+
+def joiner_failed(h: MasterHarness) -> tuple[int, int]:
+    joiner_connecting(h)
+    h.report(2, ok=False)
+    return 2, 1
+
+
+def accepted_idle(h: MasterHarness) -> tuple[int, int]:
+    joiner_connecting(h)
+    h.report(1)
+    h.report(2)
+    return 1, 2
+
+
+def accepted_voted(h: MasterHarness) -> tuple[int, int]:
+    accepted_idle(h)
+    h.vote(1)
+    return 1, 2
+
+
+def accepted_connecting(h: MasterHarness) -> tuple[int, int]:
+    accepted_voted(h)
+    h.vote(2)
+    return 1, 2
+
+
+def accepted_waiting(h: MasterHarness) -> tuple[int, int]:
+    accepted_connecting(h)
+    h.report(1)
+    return 1, 2
+
+
+def accepted_failed_mid_round(h: MasterHarness) -> tuple[int, int]:
+    accepted_connecting(h)
+    h.report(1, ok=False)
+    return 1, 2
+
+
+def accepted_failed_after_round(h: MasterHarness) -> tuple[int, int]:
+    accepted_failed_mid_round(h)
+    h.report(2)
+    return 1, 2
+
+
+REG, ACC = PeerPhase.REGISTERED, PeerPhase.ACCEPTED
+IDLE, VOTED, CONN, WAIT, FAIL = (
+    PeerState.IDLE, PeerState.VOTE_ESTABLISH, PeerState.CONNECTING, PeerState.WAITING,
+    PeerState.CONNECT_FAILED,
+)
+KICK = None
+MESSAGES = ("register", "heartbeat", "vote", "report_ok", "report_failed", "report_stale",
+            "pending")
+
+#: setup -> (where the subject starts, its fate after each message in MESSAGES)
+TABLE: dict[Setup, tuple[tuple[PeerPhase, PeerState], tuple[tuple[PeerPhase, PeerState] | None, ...]]] = {  # noqa: E501
+    registered_waiting: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK)),
+    registered_mid_round: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK)),
+    joiner_connecting: ((REG, CONN), (KICK, (REG, CONN), KICK, (REG, WAIT), (REG, FAIL), KICK,
+                                      KICK)),
+    joiner_waiting: ((REG, WAIT), (KICK, (REG, WAIT), KICK, KICK, KICK, KICK, KICK)),
+    joiner_failed: ((REG, FAIL), (KICK, (REG, FAIL), KICK, KICK, KICK, KICK, KICK)),
+    accepted_idle: ((ACC, IDLE), (KICK, (ACC, IDLE), (ACC, VOTED), KICK, KICK, KICK,
+                                  (ACC, IDLE))),
+    accepted_voted: ((ACC, VOTED), (KICK, (ACC, VOTED), KICK, KICK, KICK, KICK, KICK)),
+    accepted_connecting: ((ACC, CONN), (KICK, (ACC, CONN), KICK, (ACC, WAIT), (ACC, FAIL), KICK,
+                                        KICK)),
+    accepted_waiting: ((ACC, WAIT), (KICK, (ACC, WAIT), KICK, KICK, KICK, KICK, KICK)),
+    # Voting again before the round's verdict would stall the round: kicked.
+    accepted_failed_mid_round: ((ACC, FAIL), (KICK, (ACC, FAIL), KICK, KICK, KICK, KICK,
+                                              (ACC, FAIL))),
+    accepted_failed_after_round: ((ACC, FAIL), (KICK, (ACC, FAIL), (ACC, VOTED), KICK, KICK, KICK,
+                                                (ACC, FAIL))),
+}
+
+CASES = [
+    (setup, name, start, fate)
+    for setup, (start, fates) in TABLE.items()
+    for name, fate in zip(MESSAGES, fates, strict=True)
+]
+
+
+def message(name: str, h: MasterHarness) -> Message:
+    current = h.latest_round
+    match name:
+        case "register":
+            return Register(protocol_version=PROTOCOL_VERSION, peer_group=0, p2p_port=9)
+        case "heartbeat":
+            return Heartbeat()
+        case "vote":
+            return VoteEstablish(accept_new_peers=True)
+        case "report_ok":
+            return P2PEstablished(round=current, success=True)
+        case "report_failed":
+            return P2PEstablished(round=current, success=False)
+        case "report_stale":
+            return P2PEstablished(round=current + 1, success=True)
+        case "pending":
+            return VotePeersPending()
+    raise AssertionError(name)  # pragma: no cover
+
+
+def test_table_covers_every_reachable_combination() -> None:
+    starts = {start for start, _fates in TABLE.values()}
+    # A REGISTERED peer never votes, so it is never VOTE_ESTABLISH; every other pair occurs.
+    assert starts == set(itertools.product(PeerPhase, PeerState)) - {(REG, VOTED)}
+
+
+@pytest.mark.parametrize(
+    ("setup", "name", "start", "fate"),
+    CASES,
+    ids=[f"{setup.__name__}-{name}" for setup, name, _start, _fate in CASES],
+)
+def test_message_in_state(
+    setup: Setup,
+    name: str,
+    start: tuple[PeerPhase, PeerState],
+    fate: tuple[PeerPhase, PeerState] | None,
+) -> None:
+    h = MasterHarness()
+    subject, other = setup(h)
+    assert h.where(subject) == start
+    other_before = h.view(other)
+    round_before = h.core.round_in_progress
+
+    actions = h.send(subject, message(name, h))
+
+    if fate is KICK:
+        assert was_kicked(actions, subject)
+        assert h.view(subject) is None
+        assert h.kick_reason(subject) is not None
+    else:
+        assert only(actions, subject) == []
+        assert h.where(subject) == fate
+        assert h.core.round_in_progress == round_before
+    # The other peer is untouched either way: nothing sent to it, its state unchanged.
+    assert only(actions, other) == []
+    assert h.view(other) == other_before

@@ -1,0 +1,254 @@
+"""Peers joining, forming groups, leaving, dying and going silent; over both networks."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import pccl_trio as pccl
+
+from .conftest import Cluster, all_do, form_run
+
+A = pccl.Attribute
+
+
+def attributes(comm: pccl.Communicator) -> tuple[int, int, int, int]:
+    return (
+        comm.get_attribute(A.GLOBAL_WORLD_SIZE),
+        comm.get_attribute(A.PEER_GROUP_WORLD_SIZE),
+        comm.get_attribute(A.NUM_DISTINCT_PEER_GROUPS),
+        comm.get_attribute(A.LARGEST_PEER_GROUP_WORLD_SIZE),
+    )
+
+
+async def test_first_peer_forms_a_run_alone(cluster: Cluster, clock: object) -> None:
+    with trio.fail_after(30):
+        async with cluster.communicator("p0") as comm:
+            assert attributes(comm) == (1, 1, 1, 1)
+            assert comm.ring == (comm.peer_id,)
+            assert await comm.are_peers_pending() is False
+            await comm.update_topology()
+            assert attributes(comm) == (1, 1, 1, 1)
+
+
+async def test_groups_and_world_sizes(cluster: Cluster, clock: object) -> None:
+    with trio.fail_after(60):
+        comms = [cluster.communicator(f"p{i}", 0, pool_size=2) for i in range(3)]
+        comms.append(cluster.communicator("p3", 1, pool_size=2))
+        members = await form_run([], comms)
+        assert len(members) == 4
+        for comm in comms[:3]:
+            assert attributes(comm) == (4, 3, 2, 3)
+            assert sorted(comm.ring) == sorted(c.peer_id for c in comms[:3])
+        assert attributes(comms[3]) == (4, 1, 2, 3)
+        assert comms[3].ring == (comms[3].peer_id,)
+        # Each group-0 peer holds a full pool to its successor and from its predecessor.
+        for comm in comms[:3]:
+            stats = comm.statistics()
+            ring = stats.ring
+            index = ring.index(comm.peer_id)
+            assert stats.tx_connections == {ring[(index + 1) % 3]: 2}
+        for comm in comms[:3]:
+            ring = comm.ring
+            predecessor = ring[ring.index(comm.peer_id) - 1]
+            # The last HelloAck was sent before the round ended, so all are stored.
+            assert comm.statistics().rx_connections == {predecessor: 2}
+        assert comms[3].statistics().tx_connections == {}
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_dead_peer_leaves_the_run(cluster: Cluster, clock: object) -> None:
+    with trio.fail_after(60):
+        comms = [cluster.communicator(f"p{i}", 0) for i in range(3)]
+        comms.append(cluster.communicator("p3", 1))
+        await form_run([], comms)
+        victim = comms[1]
+        await cluster.kill("p1", victim)
+        survivors = [c for c in comms if c is not victim]
+        await all_do(survivors, "update_topology")
+        for comm in survivors[:2]:
+            assert attributes(comm) == (3, 2, 2, 2)
+            assert victim.peer_id not in comm.ring
+            stats = comm.statistics()
+            assert victim.peer_id not in stats.tx_connections
+            assert victim.peer_id not in stats.rx_connections
+        assert attributes(survivors[2]) == (3, 1, 2, 2)
+        for comm in survivors:
+            await comm.aclose()
+
+
+async def test_silent_peer_is_removed_within_the_liveness_timeout(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        silent = comms[2]
+        cluster.partition("p2")
+        start = trio.current_time()
+        await all_do(comms[:2], "update_topology")
+        elapsed = trio.current_time() - start
+        for comm in comms[:2]:
+            assert attributes(comm) == (2, 2, 1, 2)
+        # Virtual time: removal happens at the liveness deadline, not TCP keepalive's.
+        assert elapsed <= cluster.config.liveness_timeout + cluster.config.heartbeat_interval
+        with pytest.raises(pccl.MasterConnectionError, match="liveness timeout"):
+            await silent.update_topology()
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_late_joiner_is_admitted_by_update_topology(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        late = cluster.communicator("late")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(late.connect)
+            # The joiner is registered once the members see it pending.
+            while not all(await all_do(comms, "are_peers_pending")):
+                pass
+            await all_do(comms, "update_topology")
+        assert attributes(late) == (3, 3, 1, 3)
+        assert sorted(late.ring) == sorted(c.peer_id for c in [*comms, late])
+        assert all(await all_do([*comms, late], "are_peers_pending")) is False
+        for comm in [*comms, late]:
+            await comm.aclose()
+
+
+async def test_master_survives_garbage_and_serves_new_peers(
+    cluster: Cluster, clock: object
+) -> None:
+    host, port = cluster.master_address.rsplit(":", 1)
+    bad_inputs = [
+        b"\x00\x00\x00\x05\x07garbage-bytes-follow",  # unknown frame type
+        b"\xff\xff\xff\xff\x01",  # oversized length prefix
+        b"\x00\x00\x00\x10\x01\x00",  # truncated frame, then EOF
+        b"\x00\x00\x00\x04\x01\x00\x03\xc3",  # VoteEstablish before Register
+    ]
+    with trio.fail_after(60):
+        first = cluster.communicator("p0")
+        await first.connect()
+        for index, payload in enumerate(bad_inputs):
+            stream = await cluster.network(f"evil{index}").connect(host, int(port))
+            await stream.send_all(payload)
+            if index == 2:
+                await stream.aclose()  # EOF inside a frame
+                continue
+            # The master answers with a Kick (or just closes) and hangs up on us.
+            received = b""
+            while chunk := await stream.receive_some(1 << 16):
+                received += chunk
+            await stream.aclose()
+        late = cluster.communicator("p1")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(late.connect)
+            while not await first.are_peers_pending():
+                pass
+            await first.update_topology()
+        assert attributes(first) == (2, 2, 1, 2)
+        await first.aclose()
+        await late.aclose()
+
+
+async def test_illegal_vote_kicks_only_the_offender(cluster: Cluster, clock: object) -> None:
+    from pccl_trio._core.messages import P2PEstablished, PROTOCOL_VERSION, Register, Welcome
+    from pccl_trio.transport import FramedStream
+
+    host, port = cluster.master_address.rsplit(":", 1)
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        # A raw client registers properly, then reports on a round it is not part of.
+        raw = FramedStream(
+            await cluster.network("rogue").connect(host, int(port)), max_control_frame=1 << 20
+        )
+        await raw.send_message(Register(protocol_version=PROTOCOL_VERSION, peer_group=0,
+                                        p2p_port=9))
+        assert isinstance(await raw.receive_message(), Welcome)
+        await raw.send_message(P2PEstablished(round=99, success=True))
+        kick = await raw.receive_message()
+        assert type(kick).__name__ == "Kick"
+        assert "P2PEstablished" in kick.reason  # type: ignore[attr-defined]
+        await raw.aclose()
+        await all_do(comms, "update_topology")
+        assert attributes(comms[0]) == (2, 2, 1, 2)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_unreachable_peer_is_kicked_and_the_rest_go_on(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        # This peer advertises an address nobody can reach: rounds fail, the master
+        # learns which links are dead, and gives up on the peer once no ring avoids
+        # them; update_topology rides that out and succeeds without it.
+        nowhere = "127.0.0.9" if cluster.memory is None else "nowhere"
+        lost = cluster.communicator("lost", advertised_host=nowhere)
+        async with trio.open_nursery() as nursery:
+
+            async def join_and_expect_kick() -> None:
+                with pytest.raises(pccl.Kicked, match="no ring can include"):
+                    await lost.connect()
+
+            nursery.start_soon(join_and_expect_kick)
+            while not all(await all_do(comms, "are_peers_pending")):
+                pass
+            await all_do(comms, "update_topology")
+        assert attributes(comms[0]) == (2, 2, 1, 2)
+        assert lost.peer_id not in comms[0].ring
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_master_loss_fails_every_call(cluster: Cluster, clock: object) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        cluster.master_scope.cancel()
+        for comm in comms:
+            with pytest.raises(pccl.MasterConnectionError):
+                await comm.update_topology()
+            with pytest.raises(pccl.MasterConnectionError):
+                await comm.are_peers_pending()
+            await comm.aclose()
+
+
+async def test_master_unreachable(cluster: Cluster, clock: object) -> None:
+    with trio.fail_after(30):
+        comm = pccl.Communicator(
+            "127.0.0.1:1" if cluster.memory is None else "nohost:1",
+            network=cluster.network("p0"),
+            config=cluster.config,
+            p2p_host="127.0.0.1" if cluster.memory is None else "0.0.0.0",
+        )
+        with pytest.raises(pccl.MasterConnectionError, match="could not reach the master"):
+            await comm.connect()
+        with pytest.raises(pccl.InvalidUsage):
+            await comm.connect()
+
+
+async def test_usage_errors(cluster: Cluster, clock: object) -> None:
+    comm = cluster.communicator("p0")
+    with pytest.raises(pccl.InvalidUsage, match="connect"):
+        await comm.update_topology()
+    with pytest.raises(pccl.InvalidUsage):
+        comm.get_attribute(A.GLOBAL_WORLD_SIZE)
+    with pytest.raises(pccl.InvalidArgument):
+        pccl.Communicator("no-port-here")
+    with pytest.raises(pccl.InvalidArgument):
+        pccl.Communicator("127.0.0.1:1", peer_group=-1)
+    with pytest.raises(pccl.InvalidArgument):
+        pccl.Communicator("127.0.0.1:1", p2p_connection_pool_size=-3)
+    with trio.fail_after(30):
+        await comm.connect()
+        with pytest.raises(pccl.InvalidArgument):
+            comm.get_attribute("GLOBAL_WORLD_SIZE")  # type: ignore[arg-type]
+        with pytest.raises(pccl.InvalidUsage, match="connect"):
+            await comm.connect()
+        await comm.aclose()
+        await comm.aclose()  # idempotent
+        with pytest.raises(pccl.InvalidUsage, match="closed"):
+            await comm.update_topology()
