@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -11,8 +12,8 @@ from collections.abc import Sequence
 import trio
 
 from ._config import Config
-from .master import serve_master_tcp
-from .transport import format_address, parse_address
+from .master import serve_master
+from .transport import TcpNetwork, format_address, listener_address, parse_address
 
 __all__ = ["main", "master_main"]
 
@@ -56,13 +57,12 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
 
 
 async def _run_master(host: str, port: int, config: Config) -> None:
+    # Bind before anything else so "address in use" surfaces as a plain OSError.
+    listener = await TcpNetwork().listen(host, port)
+    bound_host, bound_port = listener_address(listener)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            bound_host, bound_port = await nursery.start(
-                lambda task_status: serve_master_tcp(
-                    port, host, config=config, task_status=task_status
-                )
-            )
+            await nursery.start(functools.partial(serve_master, [listener], config=config))
             print(f"pccl-trio master listening on {format_address(bound_host, bound_port)}",
                   flush=True)
             async for signum in signals:

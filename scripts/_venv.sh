@@ -22,8 +22,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.pccl_trio-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    .venv/bin/python -m pip install --quiet --upgrade pip
-    .venv/bin/python -m pip install --quiet -e '.[test]'
+    log=.venv/install.log
+    echo "setting up .venv (log in $log) ..." >&2
+    if ! { .venv/bin/python -m pip install --upgrade pip &&
+        .venv/bin/python -m pip install -e '.[test]'; } >"$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        echo "installing pccl_trio into .venv failed; see $log" >&2
+        exit 1
+    fi
     touch "$stamp"
 fi
 export PATH="$root/.venv/bin:$PATH"

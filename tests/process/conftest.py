@@ -1,0 +1,100 @@
+"""Real processes on loopback TCP: the master CLI and peer programs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+PEER_PROGRAM = Path(__file__).with_name("peer_program.py")
+LIVENESS_TIMEOUT = 2.0
+
+
+class LineReader:
+    """Reads a process's stdout line by line (JSON lines for peers)."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+        self.lines: list[str] = []
+
+    async def next_line(self) -> str | None:
+        assert self.process.stdout is not None
+        while b"\n" not in self._buffer:
+            chunk = await self.process.stdout.receive_some(4096)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        text = line.decode()
+        self.lines.append(text)
+        return text
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        while True:
+            line = await self.next_line()
+            if line is None:
+                raise AssertionError(f"process exited before the expected line; saw {self.lines}")
+            record = json.loads(line)
+            if predicate(record):
+                return record
+
+
+class Processes:
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.started: list[trio.Process] = []
+
+    async def start(self, *argv: str, stdout: bool = True) -> trio.Process:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = await trio.lowlevel.open_process(
+            [sys.executable, *argv],
+            stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
+        self.started.append(process)
+        return process
+
+    async def master(self, *extra: str) -> tuple[trio.Process, str]:
+        process = await self.start(
+            "-m", "pccl_trio.master", "--listen", "127.0.0.1:0",
+            "--liveness-timeout", str(LIVENESS_TIMEOUT), "--heartbeat-interval", "0.2", *extra,
+        )
+        line = await LineReader(process).next_line()
+        assert line is not None and line.startswith("pccl-trio master listening on "), line
+        return process, line.rsplit(" ", 1)[1]
+
+    async def peer(self, master: str, group: int = 0) -> LineReader:
+        process = await self.start(str(PEER_PROGRAM), master, "--group", str(group))
+        return LineReader(process)
+
+    def cleanup(self) -> None:
+        for process in self.started:
+            if process.returncode is None:
+                try:
+                    process.send_signal(signal.SIGCONT)
+                    process.kill()
+                except ProcessLookupError:
+                    pass
+
+
+@pytest.fixture
+async def processes(nursery: trio.Nursery) -> AsyncIterator[Processes]:
+    procs = Processes(nursery)
+    try:
+        yield procs
+    finally:
+        procs.cleanup()
+        with trio.CancelScope(shield=True):
+            for process in procs.started:
+                await process.wait()

@@ -1,0 +1,134 @@
+"""Acceptance over real processes: the master CLI, SIGKILL, SIGSTOP, hostile bytes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import struct
+import subprocess
+import sys
+
+import msgpack
+import pytest
+import trio
+
+from pccl_trio._core.messages import PROTOCOL_VERSION
+
+from .conftest import LIVENESS_TIMEOUT, LineReader, Processes
+
+pytestmark = pytest.mark.process
+
+
+def world(size: int, group: int | None = None) -> object:
+    def check(record: dict[str, object]) -> bool:
+        attributes = record.get("attributes")
+        return (
+            record.get("event") == "world"
+            and isinstance(attributes, list)
+            and attributes[0] == size
+            and (group is None or attributes[1] == group)
+        )
+
+    return check
+
+
+async def test_cli_master_four_peers_kill_and_silence(processes: Processes) -> None:
+    with trio.fail_after(120):
+        master, address = await processes.master()
+        peers = [await processes.peer(address, group=0) for _ in range(3)]
+        peers.append(await processes.peer(address, group=1))
+        views = [await peer.wait_for(world(4)) for peer in peers]
+        for view in views[:3]:
+            assert view["attributes"] == [4, 3, 2, 3]
+            assert len(view["ring"]) == 3
+        assert views[3]["attributes"] == [4, 1, 2, 3]
+
+        # SIGKILL one peer of group 0: the rest, looping update_topology, see 3.
+        peers[0].process.kill()
+        views = [await peer.wait_for(world(3)) for peer in peers[1:]]
+        assert [v["attributes"] for v in views] == [[3, 2, 2, 2], [3, 2, 2, 2], [3, 1, 2, 2]]
+
+        # SIGSTOP another (no FIN, the socket stays open): the master drops it at its
+        # liveness deadline and the others carry on without it.
+        peers[1].process.send_signal(signal.SIGSTOP)
+        views = [await peer.wait_for(world(2)) for peer in peers[2:]]
+        assert [v["attributes"] for v in views] == [[2, 1, 2, 1], [2, 1, 2, 1]]
+        peers[1].process.send_signal(signal.SIGCONT)
+        # Once resumed it learns it was removed, and says so instead of hanging.
+        record = await peers[1].wait_for(lambda r: r.get("event") == "error")
+        assert record["kind"] in ("Kicked", "MasterConnectionError")
+
+        master.send_signal(signal.SIGTERM)
+        assert await master.wait() == 0
+
+
+def frame(kind: int, fields: list[object]) -> bytes:
+    body = struct.pack(">BH", 1, kind) + msgpack.packb(fields)
+    return struct.pack(">I", len(body)) + body
+
+
+HOSTILE = {
+    "random": bytes(range(256)) * 4,
+    "truncated": frame(1, [PROTOCOL_VERSION, 0, 5000, ""])[:-3],
+    "oversized": struct.pack(">I", 0xFFFFFFF0) + b"\x01" * 16,
+    "illegal-vote": frame(1, [PROTOCOL_VERSION, 0, 5000, ""]) + frame(4, [7, True, []]),
+    "unknown-kind": frame(999, []),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+async def test_hostile_bytes_cost_only_that_connection(processes: Processes, name: str) -> None:
+    with trio.fail_after(60):
+        master, address = await processes.master()
+        first = await processes.peer(address)
+        await first.wait_for(world(1))
+        host, port = address.rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        await stream.send_all(HOSTILE[name])
+        if name == "truncated":
+            await stream.send_eof()
+        received = b""
+        while chunk := await stream.receive_some(65536):  # the master hangs up on us
+            received += chunk
+        await stream.aclose()
+        # The master still serves: a new peer joins the existing one.
+        second = await processes.peer(address)
+        await second.wait_for(world(2))
+        await first.wait_for(world(2))
+        assert master.returncode is None
+        master.send_signal(signal.SIGINT)
+        assert await master.wait() == 0
+
+
+async def test_cli_sigint_exits_zero_and_console_script(processes: Processes) -> None:
+    with trio.fail_after(60):
+        master, address = await processes.master()
+        assert address.startswith("127.0.0.1:") and not address.endswith(":0")
+        master.send_signal(signal.SIGINT)
+        assert await master.wait() == 0
+        script = subprocess.run(
+            [sys.executable, "-m", "pccl_trio._cli", "master", "--help"],
+            capture_output=True, text=True, check=False,
+        )
+        assert script.returncode == 0 and "--listen" in script.stdout
+        bad = subprocess.run(
+            [sys.executable, "-m", "pccl_trio.master", "--listen", "nonsense"],
+            capture_output=True, text=True, check=False,
+        )
+        assert bad.returncode == 2 and "host:port" in bad.stderr
+
+
+def test_busy_port_is_a_clear_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "pccl_trio.master", "--listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, check=False, timeout=60,
+        )
+    assert result.returncode == 1
+    assert "cannot listen" in result.stderr
+
+
