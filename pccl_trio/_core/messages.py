@@ -145,15 +145,11 @@ def _message(kind: int, direction: str) -> typing.Callable[[_R], _R]:
     return register
 
 
-def _frozen(cls: type) -> Any:
-    return dataclasses.dataclass(frozen=True, kw_only=True, slots=True)(cls)
-
-
 # --- nested records -------------------------------------------------------------
 
 
 @_record
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PeerEndpoint(_Record):
     """Where a peer accepts p2p connections."""
 
@@ -167,7 +163,7 @@ class PeerEndpoint(_Record):
 
 
 @_record
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class WorldSizes(_Record):
     """The four world-size attributes of one peer's view of the run."""
 
@@ -183,7 +179,7 @@ _NESTED: dict[type, type[_Record]] = {PeerEndpoint: PeerEndpoint, WorldSizes: Wo
 
 
 @_message(1, C2M)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Register(Message):
     """First message on a master link: join the run."""
 
@@ -200,13 +196,13 @@ class Register(Message):
 
 
 @_message(2, C2M)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Heartbeat(Message):
     """Sent both ways on a quiet master link so silence can be told from calm."""
 
 
 @_message(3, C2M)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class VoteEstablish(Message):
     """Vote to (re-)establish the ring; ``accept_new_peers`` also admits pending peers."""
 
@@ -214,7 +210,7 @@ class VoteEstablish(Message):
 
 
 @_message(4, C2M)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PEstablished(Message):
     """Report on connecting to the ring neighbours the master named in ``round``."""
 
@@ -224,7 +220,7 @@ class P2PEstablished(Message):
 
 
 @_message(5, C2M)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class VotePeersPending(Message):
     """Vote to learn whether peers are waiting to be accepted."""
 
@@ -233,7 +229,7 @@ class VotePeersPending(Message):
 
 
 @_message(64, M2C)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Welcome(Message):
     """Registration accepted: the peer's id and the liveness timers to use."""
 
@@ -243,7 +239,7 @@ class Welcome(Message):
 
 
 @_message(65, M2C)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Kick(Message):
     """The master is removing this peer; the connection closes after this frame."""
 
@@ -251,7 +247,7 @@ class Kick(Message):
 
 
 @_message(66, M2C)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PInfo(Message):
     """Start of a p2p establishment round: whom to connect to."""
 
@@ -262,7 +258,7 @@ class P2PInfo(Message):
 
 
 @_message(67, M2C)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PEstablishResult(Message):
     """End of an establishment round, the same verdict for every participant."""
 
@@ -273,7 +269,7 @@ class P2PEstablishResult(Message):
 
 
 @_message(68, M2C)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PeersPendingResult(Message):
     pending: bool
 
@@ -282,7 +278,7 @@ class PeersPendingResult(Message):
 
 
 @_message(128, P2P)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PHello(Message):
     """First frame of a p2p connection: who connects, and into which pool slot."""
 
@@ -292,7 +288,7 @@ class P2PHello(Message):
 
 
 @_message(129, P2P)
-@_frozen
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PHelloAck(Message):
     """The listener stored the connection; data may flow."""
 

@@ -5,10 +5,10 @@ Everything above this package gets its streams from a ``Network`` (``listen`` an
 (``TcpNetwork``) and over the in-memory network of ``pccl_trio.testing``.
 """
 
+from ._framed import FramedStream as FramedStream
 from ._network import Network as Network
 from ._network import TcpNetwork as TcpNetwork
 from ._network import format_address as format_address
 from ._network import listener_address as listener_address
 from ._network import parse_address as parse_address
 from ._network import remote_host as remote_host
-from ._framed import FramedStream as FramedStream

@@ -84,7 +84,10 @@ def listener_address(listener: trio.abc.Listener[Any]) -> tuple[str, int]:
     if sock is not None:
         host, port = sock.getsockname()[:2]
         return str(host), int(port)
-    return str(getattr(listener, "host")), int(getattr(listener, "port"))
+    host, port = getattr(listener, "host", None), getattr(listener, "port", None)
+    if host is None or port is None:
+        raise TypeError(f"cannot tell the address of listener {listener!r}")
+    return str(host), int(port)
 
 
 def remote_host(stream: trio.abc.Stream) -> str:

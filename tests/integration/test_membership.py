@@ -154,7 +154,7 @@ async def test_master_survives_garbage_and_serves_new_peers(
 
 
 async def test_illegal_vote_kicks_only_the_offender(cluster: Cluster, clock: object) -> None:
-    from pccl_trio._core.messages import P2PEstablished, PROTOCOL_VERSION, Register, Welcome
+    from pccl_trio._core.messages import PROTOCOL_VERSION, P2PEstablished, Register, Welcome
     from pccl_trio.transport import FramedStream
 
     host, port = cluster.master_address.rsplit(":", 1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import socket
 import struct
@@ -15,7 +14,7 @@ import trio
 
 from pccl_trio._core.messages import PROTOCOL_VERSION
 
-from .conftest import LIVENESS_TIMEOUT, LineReader, Processes
+from .conftest import Processes
 
 pytestmark = pytest.mark.process
 
@@ -107,16 +106,16 @@ async def test_cli_sigint_exits_zero_and_console_script(processes: Processes) ->
         assert address.startswith("127.0.0.1:") and not address.endswith(":0")
         master.send_signal(signal.SIGINT)
         assert await master.wait() == 0
-        script = subprocess.run(
+        script = await trio.run_process(
             [sys.executable, "-m", "pccl_trio._cli", "master", "--help"],
-            capture_output=True, text=True, check=False,
+            capture_stdout=True, capture_stderr=True, check=False,
         )
-        assert script.returncode == 0 and "--listen" in script.stdout
-        bad = subprocess.run(
+        assert script.returncode == 0 and b"--listen" in script.stdout
+        bad = await trio.run_process(
             [sys.executable, "-m", "pccl_trio.master", "--listen", "nonsense"],
-            capture_output=True, text=True, check=False,
+            capture_stdout=True, capture_stderr=True, check=False,
         )
-        assert bad.returncode == 2 and "host:port" in bad.stderr
+        assert bad.returncode == 2 and b"host:port" in bad.stderr
 
 
 def test_busy_port_is_a_clear_error() -> None:
