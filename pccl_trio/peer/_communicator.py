@@ -183,6 +183,7 @@ class Communicator:
         self._status = _Status.NEW
         self._failure: PCCLError | None = None
         self._busy: str | None = None
+        self._voted = False  # the running membership call has sent a vote
         self._peer_id: int | None = None
         self._world: WorldSizes | None = None
         self._ring: tuple[int, ...] = ()
@@ -248,6 +249,7 @@ class Communicator:
             with self._operation("connect"):
                 await self._start_background()
                 await self._open_master_link()
+                self._voted = True  # registering is the joiner's vote
                 while not await self._establish_round():
                     await self._send(VoteEstablish(accept_new_peers=True))
             self._status = _Status.CONNECTED
@@ -269,6 +271,7 @@ class Communicator:
         self._check_connected()
         with self._operation("update_topology"):
             for _attempt in range(self._config.establish_attempts):
+                self._voted = True
                 await self._send(VoteEstablish(accept_new_peers=True))
                 if await self._establish_round():
                     return
@@ -281,6 +284,7 @@ class Communicator:
         """Collective vote: whether peers wait to be admitted by ``update_topology``."""
         self._check_connected()
         with self._operation("are_peers_pending"):
+            self._voted = True
             await self._send(VotePeersPending())
             result = await self._wait_for(PeersPendingResult)
             return result.pending
@@ -341,16 +345,35 @@ class Communicator:
 
     @contextmanager
     def _operation(self, name: str) -> Iterator[None]:
+        """Run one membership call; at most one runs at a time.
+
+        The master counts on every peer that voted to see its vote through. If the call
+        is interrupted (cancelled, or an unexpected error) after it voted, this peer
+        can no longer follow the protocol, so it leaves the run at once: the others
+        are told by the master instead of waiting for a peer that will never answer.
+        """
         if self._busy is not None:
             raise InvalidUsage(
                 f"{name}() while {self._busy}() is running on this communicator; "
                 "membership calls must not overlap"
             )
         self._busy = name
+        self._voted = False
         try:
             yield
+        except BaseException as exc:
+            if self._voted and not isinstance(exc, PCCLError):
+                self._fail(
+                    InvalidUsage(
+                        f"{name}() was interrupted ({type(exc).__name__}) after voting; "
+                        "this peer left the run so the others do not wait for it: "
+                        "create a new Communicator to join again"
+                    )
+                )
+            raise
         finally:
             self._busy = None
+            self._voted = False
 
     def _fail(self, error: PCCLError) -> None:
         """The run is over for this peer: wake every waiter with ``error``."""
@@ -440,13 +463,15 @@ class Communicator:
             self._fail(exc)
         except RemoteProtocolError as exc:
             self._fail(MasterConnectionError(f"the master sent malformed data ({exc})"))
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except trio.BrokenResourceError as exc:
             self._fail(
                 MasterConnectionError(
                     f"lost the connection to the master at {self.master_address} ({exc}); "
                     "a run cannot go on without its master"
                 )
             )
+        except trio.ClosedResourceError:
+            pass  # we closed the link ourselves, and whoever did recorded why
 
     async def _send_heartbeats(self) -> None:
         while True:

@@ -252,3 +252,29 @@ async def test_usage_errors(cluster: Cluster, clock: object) -> None:
         await comm.aclose()  # idempotent
         with pytest.raises(pccl.InvalidUsage, match="closed"):
             await comm.update_topology()
+
+
+async def test_interrupted_vote_leaves_the_run_instead_of_stalling_it(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        quitter = comms[2]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(all_do, comms[:2], "update_topology")
+            with trio.CancelScope() as scope:
+                # Cancelled while waiting for the round it voted for.
+                async def cancel_once_voted() -> None:
+                    while not quitter._voted:
+                        await trio.sleep(0)
+                    scope.cancel()
+
+                nursery.start_soon(cancel_once_voted)
+                await quitter.update_topology()
+        assert scope.cancelled_caught
+        for comm in comms[:2]:
+            assert attributes(comm) == (2, 2, 1, 2)
+        with pytest.raises(pccl.InvalidUsage, match="interrupted"):
+            await quitter.are_peers_pending()
+        for comm in comms:
+            await comm.aclose()

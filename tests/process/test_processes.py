@@ -7,6 +7,7 @@ import socket
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import msgpack
 import pytest
@@ -106,8 +107,9 @@ async def test_cli_sigint_exits_zero_and_console_script(processes: Processes) ->
         assert address.startswith("127.0.0.1:") and not address.endswith(":0")
         master.send_signal(signal.SIGINT)
         assert await master.wait() == 0
+        console_script = Path(sys.executable).with_name("pccl-trio")
         script = await trio.run_process(
-            [sys.executable, "-m", "pccl_trio._cli", "master", "--help"],
+            [str(console_script), "master", "--help"],
             capture_stdout=True, capture_stderr=True, check=False,
         )
         assert script.returncode == 0 and b"--listen" in script.stdout
