@@ -284,7 +284,9 @@ class MasterCore:
                 conn = self._conns.get(conn_id)
                 if conn is not None:
                     conn.last_heard = self._now
-                    if not isinstance(message, Heartbeat):
+                    # Heartbeats only prove a registered peer alive; before Register
+                    # they are refused like any other message.
+                    if conn.peer is None or not isinstance(message, Heartbeat):
                         self._on_message(conn, message)
                         self._reevaluate()
             case ConnectionOpened(conn=conn_id, host=host):

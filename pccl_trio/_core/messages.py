@@ -82,8 +82,12 @@ def _check(value: Any, hint: Any, where: str) -> None:
         ok = isinstance(value, bytes) and len(value) <= MAX_STRING
     elif origin is tuple:
         (item_hint, _ellipsis) = typing.get_args(hint)
-        if not isinstance(value, tuple) or len(value) > MAX_SEQUENCE:
+        if not isinstance(value, tuple):
             raise RemoteProtocolError(f"{where}: expected a sequence, got {type(value).__name__}")
+        if len(value) > MAX_SEQUENCE:
+            raise RemoteProtocolError(
+                f"{where}: {len(value)} items exceed the limit of {MAX_SEQUENCE}"
+            )
         for index, item in enumerate(value):
             _check(item, item_hint, f"{where}[{index}]")
         return

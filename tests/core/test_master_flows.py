@@ -20,8 +20,8 @@ from pccl_trio._core.master import (
     Send,
 )
 from pccl_trio._core.messages import (
-    PROTOCOL_VERSION,
     C2M,
+    PROTOCOL_VERSION,
     Heartbeat,
     Kick,
     Message,
@@ -662,7 +662,7 @@ def test_loopback_and_non_loopback_peers_do_not_mix(
 @pytest.mark.parametrize(
     "message",
     [VoteEstablish(accept_new_peers=True), P2PEstablished(round=1, success=True),
-     VotePeersPending()],
+     VotePeersPending(), Heartbeat()],
     ids=lambda m: type(m).__name__,
 )
 def test_message_before_register_is_kicked(message: Message) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 import pccl_trio as pccl
@@ -266,7 +267,7 @@ async def test_interrupted_vote_leaves_the_run_instead_of_stalling_it(
                 # Cancelled while waiting for the round it voted for.
                 async def cancel_once_voted() -> None:
                     while not quitter._voted:
-                        await trio.sleep(0)
+                        await trio.lowlevel.checkpoint()
                     scope.cancel()
 
                 nursery.start_soon(cancel_once_voted)
