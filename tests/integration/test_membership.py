@@ -80,6 +80,7 @@ async def test_dead_peer_leaves_the_run(cluster: Cluster, clock: object) -> None
             await comm.aclose()
 
 
+@pytest.mark.parametrize("network_kind", ["memory"])  # TCP: tests/process (SIGSTOP)
 async def test_silent_peer_is_removed_within_the_liveness_timeout(
     cluster: Cluster, clock: object
 ) -> None:
