@@ -30,6 +30,7 @@ from ._types import SharedStateSyncInfo as SharedStateSyncInfo
 from ._types import SharedStateSyncStrategy as SharedStateSyncStrategy
 from .master import serve_master as serve_master
 from .master import serve_master_tcp as serve_master_tcp
+from .peer import AsyncReduceHandle as AsyncReduceHandle
 from .peer import Communicator as Communicator
 from .peer import CommunicatorStatistics as CommunicatorStatistics
 from .transport import Network as Network

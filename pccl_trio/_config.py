@@ -30,6 +30,9 @@ class Config:
             rides out internally before raising ``UpdateTopologyFailed``.
         p2p_connection_pool_size: TCP connections per ring neighbour when the
             communicator is asked for "a good default" (0).
+        slice_bytes: payload of one all-reduce data frame; a slice is forwarded as
+            soon as it arrived, so smaller slices pipeline better and larger ones cost
+            less per byte.
     """
 
     heartbeat_interval: float = 0.5
@@ -39,6 +42,7 @@ class Config:
     max_data_frame: int = (64 << 20) + 64
     establish_attempts: int = 5
     p2p_connection_pool_size: int = 1
+    slice_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout"):
@@ -51,7 +55,7 @@ class Config:
                 f"({self.heartbeat_interval} >= {self.liveness_timeout}); otherwise a healthy, "
                 "quiet link would be declared dead"
             )
-        for name in ("max_control_frame", "max_data_frame", "establish_attempts"):
+        for name in ("max_control_frame", "max_data_frame", "establish_attempts", "slice_bytes"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"Config.{name} must be a positive integer, got {value!r}")
@@ -60,3 +64,5 @@ class Config:
                 "Config.p2p_connection_pool_size must be a positive integer, "
                 f"got {self.p2p_connection_pool_size!r}"
             )
+        if self.slice_bytes + 64 > self.max_data_frame:
+            raise ValueError("Config.slice_bytes must fit in Config.max_data_frame")

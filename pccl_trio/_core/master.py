@@ -45,8 +45,16 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .errors import LocalProtocolError, RemoteProtocolError
 from .messages import (
+    ABORTED,
     C2M,
     PROTOCOL_VERSION,
+    REJECTED,
+    SUCCESS,
+    CollectiveAbort,
+    CollectiveCommence,
+    CollectiveComplete,
+    CollectiveInitiate,
+    CollectiveVerdict,
     Heartbeat,
     Kick,
     Message,
@@ -128,6 +136,12 @@ TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
 
 #: States in which a peer may ask whether peers are pending.
 PENDING_VOTE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
+
+
+def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
+    return (
+        message.count, message.dtype, message.op, message.quantized_dtype, message.quantization
+    )
 
 
 def transition(state: PeerState, event: PeerEvent) -> PeerState:
@@ -225,6 +239,7 @@ class _Peer:
     state: PeerState = PeerState.IDLE
     accept_new_peers: bool = False
     pending_vote: bool = False
+    collectives: set[int] = dataclasses.field(default_factory=set)  # tags in flight
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -244,6 +259,25 @@ class _Round:
     rings: dict[int, list[int]]
     failed: bool = False
     dropped: bool = False
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Collective:
+    """One all-reduce of a peer group, from the first initiate vote to the verdicts."""
+
+    group: int
+    tag: int
+    descriptors: dict[int, CollectiveInitiate]  # peer id -> its initiate vote
+    seq: int = 0  # 0 until commenced
+    participants: set[int] = dataclasses.field(default_factory=set)
+    completed: set[int] = dataclasses.field(default_factory=set)
+    aborted: bool = False
+    reason: str = ""
+
+
+#: States in which a peer may initiate a collective (a failed round leaves the ring
+#: stale; the collective then ends at once with an ABORTED verdict).
+COLLECTIVE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
 
 
 def _is_loopback(host: str) -> bool:
@@ -270,6 +304,11 @@ class MasterCore:
         self._round: _Round | None = None
         self._rings: dict[int, list[int]] = {}
         self._unreachable: set[tuple[int, int]] = set()
+        self._collectives: dict[tuple[int, int], _Collective] = {}
+        self._next_seq = 1
+        # Groups whose ring lost a member or failed to connect since its last
+        # successful round: their collectives cannot run until they re-establish.
+        self._stale_groups: set[int] = set()
         self._actions: list[Action] = []
         self._now = -math.inf
 
@@ -370,6 +409,10 @@ class MasterCore:
                         raise RemoteProtocolError(
                             "VoteEstablish before the result of its establishment round"
                         )
+                    if peer.collectives:
+                        raise RemoteProtocolError(
+                            f"VoteEstablish with collectives in flight (tags {sorted(peer.collectives)})"
+                        )
                     self._apply(peer, PeerEvent.VOTE_ESTABLISH)
                     peer.accept_new_peers = accept
                 case P2PEstablished(round=number, success=success, failed_peers=failed):
@@ -386,6 +429,10 @@ class MasterCore:
                             f"VotePeersPending is not allowed in state {peer.state.name}"
                         )
                     peer.pending_vote = True
+                case CollectiveInitiate():
+                    self._on_initiate(peer, message)
+                case CollectiveComplete(tag=tag, seq=seq, aborted=aborted):
+                    self._on_complete(peer, tag, seq, aborted)
                 case _:  # pragma: no cover - every C2M kind is handled above
                     raise LocalProtocolError(f"unhandled message {message!r}")
         except RemoteProtocolError as exc:
@@ -452,6 +499,126 @@ class MasterCore:
                 self._unreachable.add((peer.peer_id, other))
         log.warning("round %d: peer %d could not reach %s", number, peer.peer_id, list(failed))
 
+    # --- collectives ----------------------------------------------------------------
+
+    def _on_initiate(self, peer: _Peer, message: CollectiveInitiate) -> None:
+        if peer.phase is not PeerPhase.ACCEPTED:
+            raise RemoteProtocolError("CollectiveInitiate before being accepted into the run")
+        if peer.state not in COLLECTIVE_STATES:
+            raise RemoteProtocolError(f"CollectiveInitiate is not allowed in state {peer.state.name}")
+        if message.tag in peer.collectives:
+            raise RemoteProtocolError(f"tag {message.tag} is already in flight for this peer")
+        key = (peer.peer_group, message.tag)
+        collective = self._collectives.get(key)
+        if collective is None:
+            collective = _Collective(group=peer.peer_group, tag=message.tag, descriptors={})
+            self._collectives[key] = collective
+        elif collective.seq:
+            # Others are already running this tag without us: our vote is for the
+            # next use of the tag, which cannot start before this one ends.
+            raise RemoteProtocolError(
+                f"CollectiveInitiate for tag {message.tag} while its attempt {collective.seq} "
+                "runs without this peer"
+            )
+        peer.collectives.add(message.tag)
+        collective.descriptors[peer.peer_id] = message
+
+    def _on_complete(self, peer: _Peer, tag: int, seq: int, aborted: bool) -> None:
+        collective = self._collectives.get((peer.peer_group, tag))
+        if collective is None or not collective.seq or peer.peer_id not in collective.participants:
+            raise RemoteProtocolError(f"CollectiveComplete for tag {tag}, which is not running")
+        if seq != collective.seq:
+            raise RemoteProtocolError(
+                f"CollectiveComplete for attempt {seq} of tag {tag}; attempt {collective.seq} runs"
+            )
+        if peer.peer_id in collective.completed:
+            raise RemoteProtocolError(f"CollectiveComplete twice for tag {tag}")
+        collective.completed.add(peer.peer_id)
+        if aborted:
+            self._abort(collective, f"peer {peer.peer_id} failed during the collective")
+
+    def _abort(self, collective: _Collective, reason: str) -> None:
+        """Stop a running collective everywhere; its verdict will be ABORTED."""
+        if collective.aborted:
+            return
+        collective.aborted = True
+        collective.reason = reason
+        log.info("collective tag %d attempt %d aborted: %s", collective.tag, collective.seq, reason)
+        for peer_id in sorted(collective.participants - collective.completed):
+            self._send(
+                self._peers[peer_id],
+                CollectiveAbort(tag=collective.tag, seq=collective.seq, reason=reason),
+            )
+
+    def _end_collective(self, collective: _Collective, outcome: int, reason: str) -> None:
+        """Send every voter its one verdict and forget the collective."""
+        del self._collectives[(collective.group, collective.tag)]
+        voters = collective.participants if collective.seq else set(collective.descriptors)
+        for peer_id in sorted(voters):
+            peer = self._peers.get(peer_id)
+            if peer is None:
+                continue
+            peer.collectives.discard(collective.tag)
+            self._send(
+                peer,
+                CollectiveVerdict(
+                    tag=collective.tag, seq=collective.seq, outcome=outcome, reason=reason
+                ),
+            )
+
+    def _try_collectives(self) -> None:
+        for collective in list(self._collectives.values()):
+            if collective.seq:
+                if collective.participants <= collective.completed:
+                    outcome = ABORTED if collective.aborted else SUCCESS
+                    self._end_collective(collective, outcome, collective.reason)
+                continue
+            members = [
+                p for p in self._accepted() if p.peer_group == collective.group
+            ]
+            blocker = next((p for p in members if p.state is PeerState.VOTE_ESTABLISH), None)
+            if blocker is not None:
+                # That peer is blocked in a topology vote and will never initiate:
+                # waiting would deadlock the group.
+                self._end_collective(
+                    collective,
+                    ABORTED,
+                    f"peer {blocker.peer_id} voted to re-establish the ring instead of joining "
+                    f"the all-reduce with tag {collective.tag}",
+                )
+                continue
+            if not all(p.peer_id in collective.descriptors for p in members):
+                continue
+            descriptors = {p.peer_id: collective.descriptors[p.peer_id] for p in members}
+            if len({_descriptor_key(d) for d in descriptors.values()}) > 1:
+                views = "; ".join(
+                    f"peer {peer_id}: {d.describe()}" for peer_id, d in sorted(descriptors.items())
+                )
+                self._end_collective(
+                    collective,
+                    REJECTED,
+                    f"peers disagree on the all-reduce with tag {collective.tag} ({views}); "
+                    "every peer must pass the same count, dtype, op and quantization",
+                )
+                continue
+            if collective.group in self._stale_groups:
+                self._end_collective(
+                    collective,
+                    ABORTED,
+                    "the peer group's ring changed (a peer left or a round failed) and must "
+                    "be re-established first",
+                )
+                continue
+            self._commence(collective, members)
+
+    def _commence(self, collective: _Collective, members: Sequence[_Peer]) -> None:
+        collective.seq = self._next_seq
+        self._next_seq += 1
+        collective.participants = {p.peer_id for p in members}
+        ring = tuple(self._rings.get(collective.group, ()))
+        for peer in members:
+            self._send(peer, CollectiveCommence(tag=collective.tag, seq=collective.seq, ring=ring))
+
     # --- time ----------------------------------------------------------------------
 
     def _on_tick(self) -> None:
@@ -487,6 +654,7 @@ class MasterCore:
             elif not self._try_start_round():
                 break
         self._try_answer_pending()
+        self._try_collectives()
 
     def _accepted(self) -> list[_Peer]:
         return [p for p in self._peers.values() if p.phase is PeerPhase.ACCEPTED]
@@ -609,6 +777,10 @@ class MasterCore:
         for group, ring in current.rings.items():
             self._rings[group] = [p for p in ring if p in self._peers]
         worlds = self._world_sizes(members)
+        if success:
+            self._stale_groups.difference_update(current.rings)
+        else:
+            self._stale_groups.update(current.rings)
         event = PeerEvent.ROUND_SUCCEEDED if success else PeerEvent.ROUND_FAILED
         for peer in members:
             peer.phase = PeerPhase.ACCEPTED
@@ -630,6 +802,23 @@ class MasterCore:
 
     def _try_answer_pending(self) -> None:
         accepted = self._accepted()
+        blocker = next((p for p in accepted if p.state is PeerState.VOTE_ESTABLISH), None)
+        if blocker is not None:
+            # A peer blocked in a topology vote will never ask: answer those who did
+            # with an error rather than leave both sides waiting for each other.
+            for peer in accepted:
+                if peer.pending_vote:
+                    peer.pending_vote = False
+                    self._send(
+                        peer,
+                        PeersPendingResult(
+                            pending=False,
+                            error=f"peer {blocker.peer_id} called update_topology while this "
+                            "peer called are_peers_pending; every peer must make the same "
+                            "calls in the same order",
+                        ),
+                    )
+            return
         if not accepted or not all(p.pending_vote for p in accepted):
             return
         pending = any(p.phase is PeerPhase.REGISTERED for p in self._peers.values())
@@ -668,6 +857,18 @@ class MasterCore:
         if self._round is not None and peer.peer_id in self._round.participants:
             self._round.participants.discard(peer.peer_id)
             self._round.dropped = True
+        if peer.phase is PeerPhase.ACCEPTED:
+            self._stale_groups.add(peer.peer_group)
+        for collective in list(self._collectives.values()):
+            if collective.group != peer.peer_group:
+                continue
+            collective.descriptors.pop(peer.peer_id, None)
+            if peer.peer_id in collective.participants:
+                collective.participants.discard(peer.peer_id)
+                collective.completed.discard(peer.peer_id)
+                self._abort(collective, f"peer {peer.peer_id} left the run ({reason})")
+            if not collective.seq and not collective.descriptors:
+                del self._collectives[(collective.group, collective.tag)]
         self._unreachable = {
             edge for edge in self._unreachable if peer.peer_id not in edge
         }

@@ -31,6 +31,11 @@ from .errors import RemoteProtocolError
 
 __all__ = [
     "C2M",
+    "CollectiveAbort",
+    "CollectiveCommence",
+    "CollectiveComplete",
+    "CollectiveInitiate",
+    "CollectiveVerdict",
     "M2C",
     "P2P",
     "PROTOCOL_VERSION",
@@ -55,6 +60,18 @@ __all__ = [
 
 #: Bumped whenever the wire format or a message changes incompatibly.
 PROTOCOL_VERSION = 1
+
+#: Names by wire value; the public enums in ``pccl_trio._types`` use the same values
+#: (a test holds them together).
+DTYPE_NAMES = (
+    "UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64",
+    "FLOAT16", "BFLOAT16", "FLOAT", "DOUBLE",
+)
+OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
+QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
+#: ``CollectiveVerdict.outcome`` values.
+SUCCESS, ABORTED, REJECTED = 0, 1, 2
+OUTCOMES = (SUCCESS, ABORTED, REJECTED)
 
 U16_MAX = (1 << 16) - 1
 U32_MAX = (1 << 32) - 1
@@ -229,6 +246,50 @@ class VotePeersPending(Message):
     """Vote to learn whether peers are waiting to be accepted."""
 
 
+@_message(6, C2M)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveInitiate(Message):
+    """Vote to run all-reduce ``tag``; every peer of the group must describe it alike."""
+
+    tag: int
+    count: int
+    dtype: int
+    op: int
+    quantized_dtype: int
+    quantization: int
+
+    def _validate(self) -> None:
+        for name, names in (
+            ("dtype", DTYPE_NAMES), ("op", OP_NAMES), ("quantized_dtype", DTYPE_NAMES),
+            ("quantization", QUANTIZATION_NAMES),
+        ):
+            value = getattr(self, name)
+            if value >= len(names):
+                raise RemoteProtocolError(f"CollectiveInitiate.{name}: unknown value {value}")
+
+    def describe(self) -> str:
+        """The descriptor in words, for error messages."""
+        text = (
+            f"count={self.count} dtype={DTYPE_NAMES[self.dtype]} op={OP_NAMES[self.op]}"
+        )
+        if self.quantization:
+            text += (
+                f" quantization={QUANTIZATION_NAMES[self.quantization]}"
+                f"->{DTYPE_NAMES[self.quantized_dtype]}"
+            )
+        return text
+
+
+@_message(7, C2M)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveComplete(Message):
+    """This peer is done with attempt ``seq`` of ``tag``; ``aborted``: it failed locally."""
+
+    tag: int
+    seq: int
+    aborted: bool
+
+
 # --- master -> peer ---------------------------------------------------------------
 
 
@@ -275,7 +336,45 @@ class P2PEstablishResult(Message):
 @_message(68, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PeersPendingResult(Message):
+    """The answer to a pending-peers vote; ``error`` non-empty: the vote was refused."""
+
     pending: bool
+    error: str = ""
+
+
+@_message(69, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveCommence(Message):
+    """Every peer of the group initiated ``tag`` alike: run it as attempt ``seq``."""
+
+    tag: int
+    seq: int
+    ring: tuple[int, ...]
+
+
+@_message(70, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveAbort(Message):
+    """Stop attempt ``seq`` now (the verdict will say aborted); ``reason`` says why."""
+
+    tag: int
+    seq: int
+    reason: str
+
+
+@_message(71, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveVerdict(Message):
+    """The one final outcome of a collective for this peer (``seq`` 0: never ran)."""
+
+    tag: int
+    seq: int
+    outcome: int
+    reason: str = ""
+
+    def _validate(self) -> None:
+        if self.outcome not in OUTCOMES:
+            raise RemoteProtocolError(f"CollectiveVerdict.outcome: unknown outcome {self.outcome}")
 
 
 # --- peer <-> peer ----------------------------------------------------------------

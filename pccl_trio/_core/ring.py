@@ -6,9 +6,13 @@ receives from ``ring[i - 1]``. Only those directed edges must be reachable.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import bisect
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
 
-__all__ = ["find_ring", "ring_edges"]
+from .errors import RemoteProtocolError
+
+__all__ = ["RingSchedule", "Segment", "chunk_bounds", "find_ring", "ring_edges"]
 
 #: Bound on the search for a ring around blocked edges; past it we give up (and the
 #: master removes a peer) rather than stall the master's event loop.
@@ -63,3 +67,145 @@ def find_ring(
         return False
 
     return path if extend() else None
+
+
+# --- the all-reduce schedule --------------------------------------------------------
+
+
+def chunk_bounds(count: int, world: int) -> list[tuple[int, int]]:
+    """Element ranges of the ``world`` chunks of a ``count``-element buffer.
+
+    Chunk ``c`` has ``count // world`` elements, plus one for the first
+    ``count % world`` chunks; chunks are contiguous and in order, and may be empty
+    when ``count < world``.
+    """
+    if world < 1 or count < 0:
+        raise ValueError(f"need world >= 1 and count >= 0, got {world}, {count}")
+    base, extra = divmod(count, world)
+    bounds = []
+    start = 0
+    for chunk in range(world):
+        stop = start + base + (1 if chunk < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Segment:
+    """One chunk's worth of a peer's send or receive stream.
+
+    Attributes:
+        index: position in the stream, 0 .. 2W-3.
+        chunk: which chunk of the buffer it carries.
+        start: byte offset of that chunk in the buffer.
+        nbytes: its length in bytes.
+        stream_offset: where the segment starts in the stream.
+        reduce: received data is combined into the buffer (reduce-scatter) rather
+            than copied over it (all-gather).
+    """
+
+    index: int
+    chunk: int
+    start: int
+    nbytes: int
+    stream_offset: int
+    reduce: bool
+
+
+class RingSchedule:
+    """Who sends which bytes when, for one peer of a ring all-reduce.
+
+    Theory of operation: reduce-scatter then all-gather, fused into one stream per
+    direction. Rank ``r`` of ``W`` sends ``2(W-1)`` segments to ``r+1``: segment 0 is
+    its own chunk ``r``; segment ``k`` is chunk ``r-k``, i.e. exactly what it received
+    as segment ``k-1``, once combined (``k-1 < W-1``) or copied (``k-1 >= W-1``). So a
+    slice may be forwarded as soon as the same slice of the previous segment arrived,
+    and the whole operation pipelines slice by slice. The accumulation order of chunk
+    ``c`` is fixed (it starts at rank ``c`` and is combined at ``c+1, ..., c+W-1``, in
+    the form ``local OP incoming``), and its final value is computed once, by its
+    owner ``c-1``, and copied everywhere else: every peer ends bit-identical.
+
+    Every segment is cut into slices of ``slice_bytes`` (a multiple of the item size);
+    a slice travels as one data frame whose offset is its position in the stream.
+    """
+
+    def __init__(
+        self, *, count: int, itemsize: int, world: int, rank: int, slice_bytes: int
+    ) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in a ring of {world}")
+        if itemsize < 1 or slice_bytes < 1:
+            raise ValueError("itemsize and slice_bytes must be positive")
+        self.count = count
+        self.itemsize = itemsize
+        self.world = world
+        self.rank = rank
+        self.slice_bytes = max(itemsize, slice_bytes - slice_bytes % itemsize)
+        self.chunks = [
+            (start * itemsize, (stop - start) * itemsize)
+            for start, stop in chunk_bounds(count, world)
+        ]
+        self.send = self._segments(lambda k: (rank - k) % world)
+        self.recv = self._segments(lambda k: (rank - k - 1) % world)
+        self._recv_starts = [s.stream_offset for s in self.recv]
+
+    def _segments(self, chunk_of: Callable[[int], int]) -> list[Segment]:
+        segments = []
+        offset = 0
+        for k in range(2 * (self.world - 1)):
+            chunk = chunk_of(k)
+            start, nbytes = self.chunks[chunk]
+            segments.append(
+                Segment(
+                    index=k, chunk=chunk, start=start, nbytes=nbytes, stream_offset=offset,
+                    reduce=k < self.world - 1,
+                )
+            )
+            offset += nbytes
+        return segments
+
+    @property
+    def stream_bytes(self) -> int:
+        """Bytes each peer sends (and receives) in one all-reduce."""
+        return sum(s.nbytes for s in self.send)
+
+    @property
+    def owned_chunk(self) -> int:
+        """The chunk whose final value this rank computes."""
+        return (self.rank + 1) % self.world
+
+    def slice_count(self, segment: Segment) -> int:
+        return -(-segment.nbytes // self.slice_bytes)
+
+    def slice_range(self, segment: Segment, index: int) -> tuple[int, int]:
+        """Byte range ``[start, stop)`` in the buffer of slice ``index`` of ``segment``."""
+        start = segment.start + index * self.slice_bytes
+        return start, min(start + self.slice_bytes, segment.start + segment.nbytes)
+
+    def locate(self, stream_offset: int, nbytes: int) -> tuple[Segment, int]:
+        """The received segment and slice index a data frame carries.
+
+        Raises:
+            RemoteProtocolError: the frame is not exactly one slice of the stream.
+        """
+        position = bisect.bisect_right(self._recv_starts, stream_offset) - 1
+        # Empty segments share their start with the next one: skip to a non-empty one.
+        while 0 <= position < len(self.recv) and self.recv[position].nbytes == 0:
+            position += 1
+        if position < 0 or position >= len(self.recv):
+            raise RemoteProtocolError(f"data frame at stream offset {stream_offset} is out of range")
+        segment = self.recv[position]
+        relative = stream_offset - segment.stream_offset
+        index, misaligned = divmod(relative, self.slice_bytes)
+        if misaligned or relative < 0 or index >= self.slice_count(segment):
+            raise RemoteProtocolError(
+                f"data frame at stream offset {stream_offset} does not start a slice"
+            )
+        start, stop = self.slice_range(segment, index)
+        if nbytes != stop - start:
+            raise RemoteProtocolError(
+                f"data frame at stream offset {stream_offset} carries {nbytes} bytes; "
+                f"the slice has {stop - start}"
+            )
+        return segment, index

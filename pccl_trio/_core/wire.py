@@ -40,6 +40,7 @@ __all__ = [
     "encode_control",
     "encode_data",
     "encode_data_header",
+    "parse_data_header",
 ]
 
 
@@ -89,6 +90,28 @@ def encode_data(*, tag: int, seq: int, offset: int, payload: bytes | memoryview)
     """One complete data frame (a copy; the hot path sends header and payload apart)."""
     header = encode_data_header(tag=tag, seq=seq, offset=offset, nbytes=len(payload))
     return header + bytes(payload)
+
+
+def parse_data_header(header: bytes | bytearray | memoryview, *, max_data_frame: int) -> tuple[int, int, int, int]:
+    """``(tag, seq, offset, nbytes)`` of a data frame from its ``DATA_HEADER.size`` bytes.
+
+    For readers that receive payloads straight into their own buffers.
+
+    Raises:
+        RemoteProtocolError: not a data frame, inconsistent lengths, or too large.
+    """
+    (body_length, frame_type, tag, seq, offset, nbytes) = DATA_HEADER.unpack(header)
+    if frame_type != FrameType.DATA:
+        raise RemoteProtocolError(f"expected a data frame, got frame type {frame_type}")
+    if body_length != _DATA_BODY_HEADER + nbytes:
+        raise RemoteProtocolError(
+            f"data frame declares {nbytes} payload bytes in a {body_length}-byte body"
+        )
+    if body_length > max_data_frame:
+        raise RemoteProtocolError(
+            f"data frame of {body_length} bytes exceeds the {max_data_frame}-byte limit"
+        )
+    return tag, seq, offset, nbytes
 
 
 class FrameDecoder:

@@ -2,3 +2,4 @@
 
 from ._communicator import Communicator as Communicator
 from ._communicator import CommunicatorStatistics as CommunicatorStatistics
+from ._allreduce import AsyncReduceHandle as AsyncReduceHandle

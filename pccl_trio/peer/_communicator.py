@@ -24,20 +24,29 @@ every participant. A failed round is voted again, up to ``Config.establish_attem
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, TypeVar
 
+import numpy as np
 import trio
 
 from .._config import Config
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
     PROTOCOL_VERSION,
+    REJECTED,
+    SUCCESS,
+    CollectiveAbort,
+    CollectiveCommence,
+    CollectiveComplete,
+    CollectiveInitiate,
+    CollectiveVerdict,
     Heartbeat,
     Kick,
     Message,
@@ -55,14 +64,25 @@ from .._core.messages import (
     WorldSizes,
 )
 from .._errors import (
+    CollectiveAborted,
     InvalidArgument,
     InvalidUsage,
     Kicked,
     MasterConnectionError,
     PCCLError,
+    TooFewPeers,
     UpdateTopologyFailed,
 )
-from .._types import Attribute
+from .._types import (
+    Attribute,
+    DistributionHint,
+    QuantizationAlgorithm,
+    QuantizationOptions,
+    ReduceInfo,
+    ReduceOp,
+)
+from ..ops import as_array, from_numpy_dtype
+from ._allreduce import AllReduceAttempt, AsyncReduceHandle, LocalFailure
 from ..transport import (
     FramedStream,
     Network,
@@ -193,6 +213,16 @@ class Communicator:
         self._tx: dict[int, _Pool] = {}
         self._rx: dict[int, _Pool] = {}
         self._p2p_listener: trio.abc.Listener[Any] | None = None
+        # Collectives: tags reserved at launch; attempts by tag and by master number.
+        self._tags_in_flight: set[int] = set()
+        self._attempts_by_tag: dict[int, AllReduceAttempt] = {}
+        self._attempts_by_seq: dict[int, AllReduceAttempt] = {}
+        self._last_commenced = 0
+        self._commence_lot = trio.lowlevel.ParkingLot()
+        # The ring must be re-established (a collective was aborted) before the next
+        # collective; ``_ensure_ring`` does it once no collective is in flight.
+        self._ring_stale = False
+        self._ring_lot = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
         self._background_done = trio.Event()
 
@@ -269,11 +299,17 @@ class Communicator:
             MasterConnectionError, Kicked: the run is over for this peer.
         """
         self._check_connected()
+        if self._tags_in_flight:
+            raise InvalidUsage(
+                f"update_topology() while all-reduces are in flight (tags "
+                f"{sorted(self._tags_in_flight)}); await them first"
+            )
         with self._operation("update_topology"):
             for _attempt in range(self._config.establish_attempts):
                 self._voted = True
                 await self._send(VoteEstablish(accept_new_peers=True))
                 if await self._establish_round():
+                    self._ring_stale = False
                     return
             raise UpdateTopologyFailed(
                 f"the ring could not be established in {self._config.establish_attempts} "
@@ -288,6 +324,337 @@ class Communicator:
             await self._send(VotePeersPending())
             result = await self._wait_for(PeersPendingResult)
             return result.pending
+
+    # --- all-reduce ------------------------------------------------------------------
+
+    async def all_reduce(
+        self,
+        send: Any,
+        recv: Any = None,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        tag: int = 0,
+        quantization: QuantizationOptions | None = None,
+        distribution_hint: DistributionHint = DistributionHint.NONE,
+    ) -> ReduceInfo:
+        """Reduce ``send`` across the peer group; the result lands in ``recv``, or in
+        ``send`` itself when ``recv`` is None.
+
+        Every peer of the group must call it with the same ``tag``, count, dtype and
+        op. On success every peer holds bit-identical results.
+
+        Raises:
+            CollectiveAborted: a peer failed or left; an in-place ``send`` is restored
+                and a retry (after which the ring excludes departed peers) is safe.
+            InvalidArgument: bad buffers, or the peers disagree on the arguments.
+            InvalidUsage: the tag is already in flight, or a topology update runs.
+            TooFewPeers: the peer group has a single peer.
+        """
+        handle = self.all_reduce_async(
+            send, recv, op=op, tag=tag, quantization=quantization,
+            distribution_hint=distribution_hint,
+        )
+        try:
+            return await handle.wait()
+        except trio.Cancelled:
+            # The other peers count on our part: stop it as a failure, which aborts the
+            # collective for everyone and restores our input, and wait (a bounded
+            # while) so the caller's buffer is settled when we return.
+            attempt = self._attempts_by_tag.get(tag)
+            if attempt is not None:
+                attempt.fail("the caller cancelled the all-reduce")
+            with trio.move_on_after(self._liveness_timeout) as cleanup:
+                cleanup.shield = True
+                await handle._done.wait()
+            raise
+
+    def all_reduce_async(
+        self,
+        send: Any,
+        recv: Any = None,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        tag: int = 0,
+        quantization: QuantizationOptions | None = None,
+        distribution_hint: DistributionHint = DistributionHint.NONE,
+    ) -> AsyncReduceHandle:
+        """Start an all-reduce in the communicator's own tasks; see ``all_reduce``.
+
+        Arguments are checked before this returns (``InvalidArgument`` /
+        ``InvalidUsage``); everything else is raised by ``await handle.wait()``.
+        """
+        self._check_connected()
+        if self._busy == "update_topology":
+            raise InvalidUsage("all_reduce() while update_topology() runs on this communicator")
+        xp, send_array, result = self._check_reduce_arguments(
+            send, recv, op, tag, quantization, distribution_hint
+        )
+        if tag in self._tags_in_flight:
+            raise InvalidUsage(
+                f"tag {tag} is already in flight; give concurrent all-reduces distinct tags"
+            )
+        self._tags_in_flight.add(tag)
+        handle = AsyncReduceHandle(tag)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._run_all_reduce, handle, xp, send_array, result, op)
+        return handle
+
+    async def all_reduce_multiple_with_retry(
+        self,
+        tensors: Sequence[Any],
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        quantization: QuantizationOptions | None = None,
+        max_in_flight: int = 16,
+    ) -> ReduceInfo:
+        """All-reduce every tensor in place (tag = its index), retrying after dropouts.
+
+        At most ``max_in_flight`` run at once, launched in index order on every peer.
+        When a peer drops, every all-reduce in flight is aborted together (inputs
+        restored); the unfinished ones run again with the survivors, so each tensor
+        ends as the reduction over the old world or over the new one, identical on
+        every survivor.
+
+        Returns:
+            the payload bytes of the successful attempts and the final world size.
+
+        Raises:
+            TooFewPeers: the peer group shrank to a single peer.
+        """
+        if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
+            raise InvalidArgument(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+        for index, tensor in enumerate(tensors):
+            self._check_reduce_arguments(tensor, None, op, index, quantization,
+                                         DistributionHint.NONE)
+        pending = list(range(len(tensors)))
+        tx = rx = 0
+        while pending:
+            if len(self._ring) < 2:
+                raise TooFewPeers(
+                    f"the peer group has {len(self._ring)} peer; {len(pending)} of "
+                    f"{len(tensors)} all-reduces could not complete"
+                )
+            failed: list[int] = []
+            slots = trio.Semaphore(max_in_flight)
+
+            async def one(index: int) -> None:
+                nonlocal tx, rx
+                try:
+                    info = await handle_of[index].wait()
+                except CollectiveAborted:
+                    failed.append(index)
+                else:
+                    tx += info.tx_bytes
+                    rx += info.rx_bytes
+                finally:
+                    slots.release()
+
+            handle_of: dict[int, AsyncReduceHandle] = {}
+            async with trio.open_nursery() as nursery:
+                for index in pending:
+                    await slots.acquire()  # launch in index order, the same on every peer
+                    handle_of[index] = self.all_reduce_async(
+                        tensors[index], op=op, tag=index, quantization=quantization
+                    )
+                    nursery.start_soon(one, index)
+            pending = sorted(failed)
+            if pending:
+                log.info("peer %s: retrying %d all-reduces", self._peer_id, len(pending))
+        return ReduceInfo(world_size=len(self._ring), tx_bytes=tx, rx_bytes=rx)
+
+    def _check_reduce_arguments(
+        self,
+        send: Any,
+        recv: Any,
+        op: ReduceOp,
+        tag: int,
+        quantization: QuantizationOptions | None,
+        distribution_hint: DistributionHint,
+    ) -> tuple[Any, Any, Any]:
+        if not isinstance(op, ReduceOp):
+            raise InvalidArgument(f"op must be a pccl_trio.ReduceOp, got {op!r}")
+        if not (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 1 << 64):
+            raise InvalidArgument(f"tag must be an integer in [0, 2**64), got {tag!r}")
+        if not isinstance(distribution_hint, DistributionHint):
+            raise InvalidArgument(
+                f"distribution_hint must be a pccl_trio.DistributionHint, got {distribution_hint!r}"
+            )
+        if quantization is not None:
+            if not isinstance(quantization, QuantizationOptions):
+                raise InvalidArgument(
+                    f"quantization must be QuantizationOptions or None, got {quantization!r}"
+                )
+            if quantization.algorithm is not QuantizationAlgorithm.NONE:
+                raise InvalidArgument(
+                    f"quantization {quantization.algorithm.name} is not available in this "
+                    "version of pccl_trio; pass quantization=None"
+                )
+        xp, send_array = as_array(send, name="send")
+        if recv is None or recv is send:
+            return xp, send_array, send_array
+        recv_xp, recv_array = as_array(recv, name="recv")
+        if recv_xp is not xp:
+            raise InvalidArgument("send and recv must live on the same device")
+        if recv_array.dtype != send_array.dtype or recv_array.size != send_array.size:
+            raise InvalidArgument(
+                f"recv ({recv_array.size} x {recv_array.dtype}) must match send "
+                f"({send_array.size} x {send_array.dtype}) in count and dtype"
+            )
+        if np.shares_memory(send_array, recv_array):
+            if send_array.ctypes.data == recv_array.ctypes.data:
+                return xp, send_array, send_array  # the same memory: in place
+            raise InvalidArgument("send and recv overlap without being the same buffer")
+        return xp, send_array, recv_array
+
+    async def _run_all_reduce(
+        self, handle: AsyncReduceHandle, xp: Any, send: Any, result: Any, op: ReduceOp
+    ) -> None:
+        """The task behind a handle; every outcome ends up in the handle."""
+        try:
+            info = await self._all_reduce_attempt(handle.tag, xp, send, result, op)
+        except PCCLError as exc:
+            handle._finish(None, exc)
+        except trio.Cancelled:
+            handle._finish(None, InvalidUsage("the communicator was closed during the all-reduce"))
+            raise
+        except Exception as exc:  # a bug: report it to the caller, keep the peer alive
+            log.exception("all-reduce with tag %d failed unexpectedly", handle.tag)
+            handle._finish(None, exc)
+        else:
+            handle._finish(info, None)
+        finally:
+            self._tags_in_flight.discard(handle.tag)
+
+    async def _all_reduce_attempt(
+        self, tag: int, xp: Any, send: Any, result: Any, op: ReduceOp
+    ) -> ReduceInfo:
+        await self._ensure_ring()
+        ring = self._ring
+        if len(ring) < 2:
+            raise TooFewPeers(
+                "all_reduce() needs at least 2 peers in the peer group; it has 1"
+            )
+        assert self._peer_id is not None
+        rank = ring.index(self._peer_id)
+        attempt = AllReduceAttempt(
+            xp=xp, send=send, result=result, op=op, tag=tag, world=len(ring), rank=rank,
+            slice_bytes=self._config.slice_bytes,
+        )
+        attempt.ring = ring
+        attempt.predecessor = ring[rank - 1]
+        self._attempts_by_tag[tag] = attempt
+        verdict: CollectiveVerdict | None = None
+        local_ok = False
+        try:
+            await self._send(
+                CollectiveInitiate(
+                    tag=tag,
+                    count=int(result.size),
+                    dtype=from_numpy_dtype(result.dtype).value,
+                    op=op.value,
+                    quantized_dtype=from_numpy_dtype(result.dtype).value,
+                    quantization=QuantizationAlgorithm.NONE.value,
+                )
+            )
+            reply: CollectiveCommence | CollectiveVerdict = await self._wait_for(
+                (CollectiveCommence, CollectiveVerdict),
+                lambda m: m.tag == tag and (isinstance(m, CollectiveCommence) or m.seq == 0),
+            )
+            if isinstance(reply, CollectiveVerdict):
+                verdict = reply
+            else:
+                local_ok = await self._run_ring(attempt)
+                await self._send(
+                    CollectiveComplete(tag=tag, seq=attempt.seq, aborted=not local_ok)
+                )
+                verdict = await self._wait_for(
+                    CollectiveVerdict, lambda m: m.tag == tag and m.seq == attempt.seq
+                )
+        finally:
+            attempt.stop()
+            del self._attempts_by_tag[tag]
+            self._attempts_by_seq.pop(attempt.seq, None)
+            self._inbox = [
+                m for m in self._inbox
+                if not (isinstance(m, CollectiveAbort) and m.seq == attempt.seq)
+            ]
+            if verdict is None or verdict.outcome != SUCCESS or not local_ok:
+                attempt.restore()
+            self._ring_lot.unpark_all()
+        if verdict.outcome == SUCCESS and local_ok:
+            return ReduceInfo(
+                world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes
+            )
+        if verdict.outcome == REJECTED:
+            raise InvalidArgument(verdict.reason)
+        reason = verdict.reason or attempt.failure or "a peer failed"
+        self._ring_stale = True
+        if not self._attempts_by_tag:
+            # The last collective of the failed set re-establishes the ring now, so a
+            # retry runs at once on the surviving peers.
+            with contextlib.suppress(UpdateTopologyFailed):
+                await self._ensure_ring()
+        raise CollectiveAborted(
+            f"the all-reduce with tag {tag} was aborted for every peer: {reason}; the input "
+            "was restored and retrying is safe"
+        )
+
+    async def _run_ring(self, attempt: AllReduceAttempt) -> bool:
+        """This peer's part of a commenced attempt; True if it completed locally."""
+        successor = attempt.ring[(attempt.schedule.rank + 1) % len(attempt.ring)]
+        pool = self._tx.get(successor)
+        connections = [s for _, s in sorted(pool.slots.items())] if pool else []
+        connections = [c for c in connections if not c.closed]
+        if not connections:
+            attempt.fail(f"no open connection to the next peer ({successor})")
+        master_error: PCCLError | None = None
+        ok = False
+        async with trio.open_nursery() as nursery:
+
+            async def watch_for_abort() -> None:
+                nonlocal master_error
+                try:
+                    await self._wait_for(
+                        CollectiveAbort, lambda m: m.tag == attempt.tag and m.seq == attempt.seq
+                    )
+                except PCCLError as exc:
+                    master_error = exc
+                attempt.stop()  # aborted: no more writes, whatever is in flight
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_for_abort)
+            try:
+                await attempt.send_all(connections)
+                ok = True
+            except LocalFailure as exc:
+                log.info("peer %s: tag %d failed locally: %s", self._peer_id, attempt.tag, exc)
+            nursery.cancel_scope.cancel()
+        if master_error is not None:
+            raise master_error
+        return ok and attempt.live
+
+    async def _ensure_ring(self) -> None:
+        """Re-establish the ring (without admitting peers) if an abort left it stale.
+
+        Runs once no collective is in flight on this peer: every survivor of an
+        aborted collective does the same, so the vote completes.
+        """
+        while self._ring_stale:
+            self._raise_if_failed()
+            if self._attempts_by_tag or self._busy is not None:
+                await self._ring_lot.park()
+                continue
+            with self._operation("re-establishing the ring"):
+                for _attempt in range(self._config.establish_attempts):
+                    self._voted = True
+                    await self._send(VoteEstablish(accept_new_peers=False))
+                    if await self._establish_round():
+                        self._ring_stale = False
+                        return
+            raise UpdateTopologyFailed(
+                "the ring could not be re-established after an aborted collective; "
+                "call update_topology()"
+            )
 
     def get_attribute(self, attribute: Attribute) -> int:
         """A world-size attribute, as of the last successful topology update."""
@@ -374,6 +741,7 @@ class Communicator:
         finally:
             self._busy = None
             self._voted = False
+            self._ring_lot.unpark_all()
 
     def _fail(self, error: PCCLError) -> None:
         """The run is over for this peer: wake every waiter with ``error``."""
@@ -382,6 +750,8 @@ class Communicator:
             self._failure = error
             self._status = _Status.FAILED
         self._inbox_lot.unpark_all()
+        self._commence_lot.unpark_all()
+        self._ring_lot.unpark_all()
         if self._nursery is not None:
             self._nursery.start_soon(self._close_connections)
 
@@ -457,6 +827,8 @@ class Communicator:
                     raise Kicked(message.reason)
                 if isinstance(message, Heartbeat):
                     continue
+                if isinstance(message, CollectiveCommence):
+                    self._on_commence(message)
                 self._inbox.append(message)
                 self._inbox_lot.unpark_all()
         except PCCLError as exc:
@@ -472,6 +844,20 @@ class Communicator:
             )
         except trio.ClosedResourceError:
             pass  # we closed the link ourselves, and whoever did recorded why
+
+    def _on_commence(self, message: CollectiveCommence) -> None:
+        """Make the attempt reachable by its number before any of its data is read."""
+        attempt = self._attempts_by_tag.get(message.tag)
+        if attempt is not None and attempt.seq == 0:
+            attempt.seq = message.seq
+            self._attempts_by_seq[message.seq] = attempt
+            if message.ring != attempt.ring:
+                attempt.fail(
+                    f"the master's ring {list(message.ring)} differs from this peer's "
+                    f"{list(attempt.ring)}"
+                )
+        self._last_commenced = max(self._last_commenced, message.seq)
+        self._commence_lot.unpark_all()
 
     async def _send_heartbeats(self) -> None:
         while True:
@@ -494,7 +880,9 @@ class Communicator:
             )
             self._raise_if_failed()
 
-    async def _wait_for(self, kind: type[_M], match: Callable[[_M], bool] | None = None) -> _M:
+    async def _wait_for(
+        self, kind: type[_M] | tuple[type[_M], ...], match: Callable[[_M], bool] | None = None
+    ) -> _M:
         """Take the first message of ``kind`` (and matching ``match``) from the inbox."""
         while True:
             for index, message in enumerate(self._inbox):
@@ -543,16 +931,49 @@ class Communicator:
                 if old is not None:
                     await old.aclose()
                 await framed.send_message(P2PHelloAck())
-            # The data path reads here; until a collective claims the connection the
-            # only legal thing to arrive is the end of the stream.
-            frame = await framed.receive()
-            raise RemoteProtocolError(f"unexpected {type(frame).__name__} on an idle p2p link")
+            await self._read_data(framed, hello.peer_id)
         except (RemoteProtocolError, trio.TooSlowError) as exc:
             log.warning("dropping a p2p connection: %s", exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:
             await framed.aclose()
+
+    async def _read_data(self, framed: FramedStream, sender: int) -> None:
+        """Receive data frames from ``sender`` and hand each slice to its attempt."""
+        staging = np.empty(0, dtype=np.uint8)
+        try:
+            while True:
+                tag, seq, offset, nbytes = await framed.receive_data_header()
+                if nbytes > staging.size:
+                    staging = np.empty(nbytes, dtype=np.uint8)
+                attempt = await self._attempt_for(seq)
+                payload = staging[:nbytes]
+                await framed.receive_into(payload.data)
+                if attempt is not None:
+                    try:
+                        attempt.on_slice(tag, offset, payload)
+                    except RemoteProtocolError as exc:
+                        attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
+                        raise
+        except trio.BrokenResourceError as exc:
+            for attempt in list(self._attempts_by_seq.values()):
+                if attempt.predecessor == sender:
+                    attempt.fail(f"the link from peer {sender} broke ({exc})")
+            raise
+
+    async def _attempt_for(self, seq: int) -> AllReduceAttempt | None:
+        """The attempt a data frame belongs to; None for a finished or aborted one.
+
+        A frame may arrive before the master's commence for its attempt reached this
+        peer; it waits for it (attempt numbers grow, so anything at or below the last
+        commence seen and not running is stale).
+        """
+        while seq > self._last_commenced:
+            if self._failure is not None or self._status is _Status.CLOSED:
+                raise trio.ClosedResourceError("the communicator is shutting down")
+            await self._commence_lot.park()
+        return self._attempts_by_seq.get(seq)
 
     async def _open_pool(self, endpoint: PeerEndpoint) -> bool:
         """Open ``pool_size`` connections to ``endpoint``; False if any failed."""

@@ -107,6 +107,12 @@ class MemoryStream(trio.abc.Stream):
         finally:
             self._receive_conflict = False
 
+    async def receive_into(self, view: memoryview) -> int:
+        """Like ``socket.recv_into``: fill a prefix of ``view``; 0 means end of stream."""
+        data = await self.receive_some(len(view))
+        view[: len(data)] = data
+        return len(data)
+
     async def aclose(self) -> None:
         self._close()
         await trio.lowlevel.checkpoint()

@@ -6,7 +6,15 @@ import trio
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import Message
-from .._core.wire import DataFrame, DecoderState, FrameDecoder, encode_control
+from .._core.wire import (
+    DATA_HEADER,
+    DataFrame,
+    DecoderState,
+    FrameDecoder,
+    encode_control,
+    encode_data_header,
+    parse_data_header,
+)
 
 __all__ = ["FramedStream"]
 
@@ -25,6 +33,10 @@ class FramedStream:
         self, stream: trio.abc.Stream, *, max_control_frame: int, max_data_frame: int = 0
     ) -> None:
         self.stream = stream
+        self._max_data_frame = max_data_frame
+        # Zero-copy paths: a trio socket (TCP) or the memory network's receive_into.
+        self._socket = getattr(stream, "socket", None)
+        self._header = bytearray(DATA_HEADER.size)
         self._decoder = FrameDecoder(
             max_control_frame=max_control_frame, max_data_frame=max_data_frame
         )
@@ -48,6 +60,66 @@ class FramedStream:
             except BaseException:
                 await self.aclose()
                 raise
+
+    async def send_data(
+        self, *, tag: int, seq: int, offset: int, payload: memoryview
+    ) -> None:
+        """Send one data frame; the payload goes from the caller's memory to the kernel."""
+        header = encode_data_header(tag=tag, seq=seq, offset=offset, nbytes=len(payload))
+        async with self._send_lock:
+            if self._closed:
+                raise trio.ClosedResourceError("framed stream was closed")
+            try:
+                if self._socket is None:
+                    await self.stream.send_all(header)
+                    await self.stream.send_all(payload)
+                    return
+                buffers = [memoryview(header), payload]
+                while buffers:
+                    sent = await self._socket.sendmsg(buffers)
+                    while buffers and sent >= len(buffers[0]):
+                        sent -= len(buffers[0])
+                        buffers.pop(0)
+                    if buffers and sent:
+                        buffers[0] = buffers[0][sent:]
+            except OSError as exc:
+                await self.aclose()
+                raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+            except BaseException:
+                await self.aclose()
+                raise
+
+    async def receive_data_header(self) -> tuple[int, int, int, int]:
+        """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame;
+        the caller then receives the payload with ``receive_into``."""
+        if self._decoder.buffered:
+            raise RemoteProtocolError("unexpected bytes before the data stream")
+        await self.receive_into(memoryview(self._header))
+        return parse_data_header(self._header, max_data_frame=self._max_data_frame)
+
+    async def receive_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly from the stream.
+
+        Raises:
+            trio.BrokenResourceError: the stream ended first.
+        """
+        received = 0
+        total = len(view)
+        while received < total:
+            try:
+                if self._socket is not None:
+                    n = await self._socket.recv_into(view[received:])
+                elif hasattr(self.stream, "receive_into"):
+                    n = await self.stream.receive_into(view[received:])
+                else:  # pragma: no cover - any other stream: one copy
+                    data = await self.stream.receive_some(total - received)
+                    n = len(data)
+                    view[received : received + n] = data
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"receive failed: {exc}") from exc
+            if n == 0:
+                raise trio.BrokenResourceError("connection closed by the other side")
+            received += n
 
     async def receive(self) -> Message | DataFrame:
         """The next frame.

@@ -1,0 +1,15 @@
+"""Array work of the collectives: dtypes, zero-copy buffer views, and reduction kernels.
+
+Everything here takes the array module ``xp`` (numpy, or cupy for GPU buffers) beside the arrays it
+works on, so one code path serves both. Nothing here does IO or touches trio.
+"""
+
+from ._buffers import Array as Array
+from ._buffers import ArrayModule as ArrayModule
+from ._buffers import as_array as as_array
+from ._buffers import byte_view as byte_view
+from ._dtypes import from_numpy_dtype as from_numpy_dtype
+from ._dtypes import to_numpy_dtype as to_numpy_dtype
+from ._kernels import copy_into as copy_into
+from ._kernels import finalize_average as finalize_average
+from ._kernels import reduce_into as reduce_into

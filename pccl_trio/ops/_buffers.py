@@ -1,0 +1,147 @@
+"""Zero-copy views of the caller's buffers, and the array module that operates on each.
+
+The all-reduce writes its result into the caller's buffer, so every accepted input is viewed, never
+copied: a C-contiguous numpy array, a cupy array, or any object that exports DLPack (a torch tensor,
+say). The view is flat because the reduction is elementwise and the shape travels nowhere.
+
+numpy cannot import torch's bfloat16 through DLPack (it has no such builtin dtype), so a torch
+bfloat16 tensor is exported as int16, the same bits, and viewed back as ``ml_dtypes.bfloat16``.
+torch and cupy are optional: neither is imported unless the caller hands over one of their objects.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any, TypeAlias
+
+import ml_dtypes
+import numpy
+
+from .._errors import InvalidArgument
+from ._dtypes import from_numpy_dtype
+
+__all__ = ["Array", "ArrayModule", "as_array", "byte_view"]
+
+Array: TypeAlias = Any
+"""A ``numpy.ndarray`` or ``cupy.ndarray``; the two share no static type."""
+
+ArrayModule: TypeAlias = Any
+"""The module (``numpy`` or ``cupy``) whose functions create and operate on an :data:`Array`."""
+
+# DLPack device types whose memory the host cannot address: kDLCUDA, kDLROCM.
+_DLPACK_GPU_DEVICES = frozenset({2, 10})
+
+_ACCEPTED = (
+    "a C-contiguous numpy.ndarray, a cupy.ndarray, or an object implementing __dlpack__ (e.g. a "
+    "torch.Tensor)"
+)
+
+
+def as_array(obj: object, *, name: str) -> tuple[ArrayModule, Array]:
+    """View ``obj`` as a flat, writable array, without copying.
+
+    Args:
+        obj: the caller's buffer; see the module docstring for what is accepted.
+        name: the argument's name in the caller's API (e.g. ``"send"``), used in error messages.
+
+    Returns:
+        ``(xp, array)``: the array module (``numpy`` or ``cupy``) and a 1-D C-contiguous view of
+        ``obj``'s memory; writing to it writes to ``obj``.
+
+    Raises:
+        InvalidArgument: ``obj`` is of an unsupported kind or dtype, not C-contiguous, read-only, or
+            on a GPU while cupy is not installed.
+    """
+    if isinstance(obj, numpy.ndarray):
+        # A subclass's __array_ufunc__ must not run inside the reduction kernels.
+        return numpy, _flat_view(numpy, obj.view(numpy.ndarray), name=name)
+    if type(obj).__module__.startswith("cupy"):
+        cupy = _import_cupy(name=name, what=type(obj).__qualname__)
+        if isinstance(obj, cupy.ndarray):
+            return cupy, _flat_view(cupy, obj, name=name)
+    if hasattr(obj, "__dlpack__"):
+        return _from_dlpack(obj, name=name)
+    raise InvalidArgument(
+        f"{name}: expected {_ACCEPTED}, got {type(obj).__module__}.{type(obj).__qualname__}; "
+        "wrap raw bytes with numpy.frombuffer(bytearray_object, dtype=...)"
+    )
+
+
+def byte_view(xp: ArrayModule, array: Array) -> memoryview:
+    """A writable, flat ``uint8`` memoryview of a numpy array's memory, for socket IO.
+
+    Raises:
+        InvalidArgument: ``array`` is not a writable C-contiguous numpy array; GPU arrays must be
+            staged through host memory by the caller.
+    """
+    if xp is not numpy or not isinstance(array, numpy.ndarray):
+        raise InvalidArgument(
+            "byte_view needs a numpy array; stage GPU arrays through a host (numpy) buffer first"
+        )
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        raise InvalidArgument("byte_view needs a writable C-contiguous array; pass one from as_array")
+    # Flatten before changing the dtype: a 0-d array cannot change its itemsize.
+    return array.reshape(-1).view(numpy.uint8).data
+
+
+def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
+    """View a DLPack exporter as a numpy array (host memory) or a cupy array (GPU memory)."""
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    device_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
+    torch_bfloat16 = type(obj).__module__.startswith("torch") and repr(obj.dtype) == "torch.bfloat16"
+    xp: ModuleType
+    if int(device_type) in _DLPACK_GPU_DEVICES:
+        if torch_bfloat16:
+            raise InvalidArgument(
+                f"{name}: bfloat16 GPU tensors are not supported (cupy has no bfloat16 dtype); "
+                "reduce in float32 or float16, or stage the tensor through host memory"
+            )
+        xp = _import_cupy(name=name, what=f"a GPU {kind}")
+        exported = obj
+    else:
+        xp = numpy
+        # obj is a torch tensor, so torch is already imported; this only fetches the module.
+        exported = obj.view(importlib.import_module("torch").int16) if torch_bfloat16 else obj
+    try:
+        array = xp.from_dlpack(exported)
+    except (BufferError, RuntimeError, TypeError, ValueError) as error:
+        raise InvalidArgument(f"{name}: could not view the {kind} through DLPack: {error}") from error
+    if torch_bfloat16:
+        array = array.view(ml_dtypes.bfloat16)
+    return xp, _flat_view(xp, array, name=name)
+
+
+def _flat_view(xp: ArrayModule, array: Array, *, name: str) -> Array:
+    """Check ``array`` can be reduced into in place, and flatten it without copying."""
+    try:
+        from_numpy_dtype(array.dtype)
+    except InvalidArgument as error:
+        raise InvalidArgument(
+            f"{name}: {error}; convert it first (e.g. .astype(numpy.float32)) and copy the result back"
+        ) from error
+    if not array.flags.c_contiguous:
+        raise InvalidArgument(
+            f"{name}: the array is not C-contiguous (shape {tuple(array.shape)}, strides "
+            f"{tuple(array.strides)}); pass a contiguous copy (numpy.ascontiguousarray, or torch's "
+            ".contiguous()) and copy the result back"
+        )
+    # cupy arrays have no writeable flag: device memory is always writable.
+    if not getattr(array.flags, "writeable", True):
+        raise InvalidArgument(
+            f"{name}: the array is read-only, but the all-reduce writes its result into it; "
+            "pass a writable array (e.g. numpy.array(x) makes a writable copy)"
+        )
+    # C-contiguous, so reshape returns a view, never a copy.
+    return array.reshape(-1)
+
+
+def _import_cupy(*, name: str, what: str) -> ModuleType:
+    """Import cupy, which GPU buffers need and CPU-only installs lack."""
+    try:
+        return importlib.import_module("cupy")
+    except ImportError as error:
+        raise InvalidArgument(
+            f"{name}: {what} lives in GPU memory, which needs cupy; install it with "
+            "pip install 'pccl_trio[gpu]', or pass a host (CPU) buffer"
+        ) from error

@@ -1,0 +1,111 @@
+"""Elementwise kernels of the ring all-reduce, for numpy and cupy alike.
+
+Every kernel works in place, in the array's own dtype: a reduce step folds a received chunk into the
+local one (``dst = dst OP src``) and the last step divides by the world size for AVG. Results never
+widen, so integers wrap on overflow and half-precision floats round at every step, exactly as they
+would in the peers' C counterparts. Each peer runs the same loops on the same bytes, so results are
+bitwise reproducible.
+
+numpy reports overflow, inf - inf and NaN comparisons as floating-point errors (RuntimeWarning, or
+an exception under a strict errstate). For a reduction they are ordinary IEEE or wraparound
+results, so the kernels silence them. cupy reports no such errors; numpy's errstate is harmless
+around cupy calls.
+"""
+
+from __future__ import annotations
+
+import numpy
+
+from .._errors import InvalidArgument
+from .._types import DataType, ReduceOp
+from ._buffers import Array, ArrayModule
+from ._dtypes import from_numpy_dtype
+
+__all__ = ["copy_into", "finalize_average", "reduce_into"]
+
+# AVG accumulates as SUM; finalize_average divides once, after the last reduce step.
+_UFUNC_NAMES = {
+    ReduceOp.SUM: "add",
+    ReduceOp.AVG: "add",
+    ReduceOp.PROD: "multiply",
+    # maximum/minimum (not fmax/fmin) so that a NaN anywhere is a NaN in the result.
+    ReduceOp.MAX: "maximum",
+    ReduceOp.MIN: "minimum",
+}
+
+_FLOATS = frozenset({DataType.FLOAT16, DataType.BFLOAT16, DataType.FLOAT, DataType.DOUBLE})
+_SIGNED = frozenset({DataType.INT8, DataType.INT16, DataType.INT32, DataType.INT64})
+
+# The largest world size finalize_average accepts: any larger has no int64 divisor.
+_MAX_WORLD_SIZE = 2**63 - 1
+
+
+def reduce_into(xp: ArrayModule, dst: Array, src: Array, op: ReduceOp) -> None:
+    """Fold ``src`` into ``dst`` elementwise: ``dst = dst OP src``, in place and in ``dst``'s dtype.
+
+    AVG accumulates as SUM; :func:`finalize_average` divides at the end.
+
+    Raises:
+        InvalidArgument: the arrays differ in dtype or shape.
+    """
+    _check_same_layout(dst, src, what="reduce_into")
+    ufunc = getattr(xp, _UFUNC_NAMES[op])
+    with numpy.errstate(all="ignore"):
+        ufunc(dst, src, out=dst)
+
+
+def copy_into(xp: ArrayModule, dst: Array, src: Array) -> None:
+    """Copy ``src`` into ``dst`` elementwise.
+
+    Raises:
+        InvalidArgument: the arrays differ in dtype or shape.
+    """
+    _check_same_layout(dst, src, what="copy_into")
+    xp.copyto(dst, src)
+
+
+def finalize_average(xp: ArrayModule, array: Array, world_size: int) -> None:
+    """Divide ``array`` by ``world_size`` in place, in the array's own dtype.
+
+    Floats (float16 and bfloat16 included) divide by ``world_size`` rounded to their dtype. Signed
+    integers truncate toward zero, as C does (-7 / 2 == -3); unsigned integers floor, which for
+    them is the same thing.
+
+    Raises:
+        InvalidArgument: ``world_size`` is not a positive int below 2**63.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not (
+        1 <= world_size <= _MAX_WORLD_SIZE
+    ):
+        raise InvalidArgument(f"world_size must be an int in [1, 2**63 - 1], got {world_size!r}")
+    data_type = from_numpy_dtype(array.dtype)
+    with numpy.errstate(all="ignore"):
+        if data_type in _FLOATS:
+            xp.divide(array, array.dtype.type(world_size), out=array)
+        elif world_size <= numpy.iinfo(array.dtype).max:
+            _divide_integers(xp, array, array.dtype.type(world_size), signed=data_type in _SIGNED)
+        else:
+            # The divisor does not fit the dtype; divide in int64, where it does. Every quotient
+            # is no larger in magnitude than its dividend, so the narrowing copy back is exact.
+            wide = array.astype(xp.int64)
+            _divide_integers(xp, wide, numpy.int64(world_size), signed=True)
+            xp.copyto(array, wide, casting="unsafe")
+
+
+def _divide_integers(xp: ArrayModule, array: Array, divisor: numpy.integer, *, signed: bool) -> None:
+    """Divide integers in place, truncating toward zero; ``divisor`` is positive."""
+    if signed:
+        # floor_divide rounds negative quotients down; first subtracting the C remainder (fmod
+        # has the dividend's sign) leaves an exact multiple, whose floor quotient is the truncated
+        # one. The subtraction moves toward zero, so it cannot overflow.
+        remainder = xp.fmod(array, divisor)
+        xp.subtract(array, remainder, out=array)
+    xp.floor_divide(array, divisor, out=array)
+
+
+def _check_same_layout(dst: Array, src: Array, *, what: str) -> None:
+    if dst.dtype != src.dtype or dst.shape != src.shape:
+        raise InvalidArgument(
+            f"{what}: dst and src must have the same dtype and shape, got dst {dst.dtype}"
+            f"{tuple(dst.shape)} and src {src.dtype}{tuple(src.shape)}"
+        )

@@ -1,0 +1,252 @@
+"""One attempt of a ring all-reduce at one peer: its buffers, schedule and data path.
+
+Theory of operation
+-------------------
+An ``AllReduceAttempt`` is created when the user launches an all-reduce, before the
+peer votes, so that data frames can be accepted the moment the master commences it
+(the neighbour may start sending before this peer has even read the commence).
+
+* The **receive side** is driven by the communicator's per-connection readers: each
+  data frame names ``(tag, seq, offset)``; the reader receives the payload into its
+  own staging buffer and calls ``on_slice``, which (synchronously, with no await in
+  between) checks the attempt is still live and combines or copies the slice into
+  the result buffer. Because only live attempts write, and an aborted attempt stops
+  being live before its input is restored, a late frame can never corrupt a buffer.
+* The **send side** is ``send_all``: one task per pool connection, each sending its
+  share of the slices in stream order, every slice as soon as the slice it forwards
+  has arrived (see ``RingSchedule``).
+
+For an in-place all-reduce every slice is copied to a backup just before its first
+write, so an aborted attempt restores exactly the caller's input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import trio
+
+from .._core.errors import RemoteProtocolError
+from .._core.ring import RingSchedule, Segment
+from .._types import ReduceInfo, ReduceOp
+from ..ops import copy_into, finalize_average, reduce_into
+from ..transport import FramedStream
+
+__all__ = ["AllReduceAttempt", "AsyncReduceHandle", "LocalFailure"]
+
+
+class LocalFailure(Exception):
+    """This peer's part of an attempt failed (a link broke, a frame was bad)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class _Progress:
+    """Which slices of each received segment have been combined or copied."""
+
+    done: list[bytearray]
+    remaining: int
+
+
+class AllReduceAttempt:
+    """One attempt of an all-reduce (see the module docstring).
+
+    Args:
+        xp: the array module of the buffers.
+        send: the caller's input, a flat array.
+        result: where the result goes (``send`` itself for in place).
+        op: the reduction.
+        tag: the user's tag.
+        world: ring size; rank: this peer's position in the ring.
+        slice_bytes: the size of one data frame's payload.
+    """
+
+    def __init__(
+        self,
+        *,
+        xp: Any,
+        send: Any,
+        result: Any,
+        op: ReduceOp,
+        tag: int,
+        world: int,
+        rank: int,
+        slice_bytes: int,
+    ) -> None:
+        self.xp = xp
+        self.tag = tag
+        self.op = op
+        self.seq = 0
+        self.ring: tuple[int, ...] = ()
+        self.predecessor: int | None = None
+        self.send_array = send
+        self.result = result
+        self.in_place = send is result
+        self.itemsize = int(result.dtype.itemsize)
+        self.schedule = RingSchedule(
+            count=int(result.size), itemsize=self.itemsize, world=world, rank=rank,
+            slice_bytes=slice_bytes,
+        )
+        self._send_bytes = send.view(np.uint8)
+        self._result_bytes = result.view(np.uint8)
+        self.live = True
+        self.failure: str | None = None
+        self.tx_bytes = 0
+        self.rx_bytes = 0
+        self._lot = trio.lowlevel.ParkingLot()
+        self._progress = _Progress(
+            done=[bytearray(self.schedule.slice_count(s)) for s in self.schedule.recv],
+            remaining=sum(self.schedule.slice_count(s) for s in self.schedule.recv),
+        )
+        # In place: backups of the slices overwritten so far, by byte range.
+        self._backup: dict[tuple[int, int], Any] = {}
+
+    # --- receive side (called by connection readers) ---------------------------------
+
+    def on_slice(self, tag: int, stream_offset: int, payload: Any) -> None:
+        """Combine or copy one received slice (``payload``: a uint8 array view).
+
+        Raises:
+            RemoteProtocolError: the frame does not fit this attempt.
+        """
+        if tag != self.tag:
+            raise RemoteProtocolError(
+                f"data frame for attempt {self.seq} carries tag {tag}, not {self.tag}"
+            )
+        segment, index = self.schedule.locate(stream_offset, len(payload))
+        done = self._progress.done[segment.index]
+        if done[index]:
+            raise RemoteProtocolError(f"slice {index} of segment {segment.index} arrived twice")
+        if not self.live:
+            return  # an aborted attempt: drop, never write
+        start, stop = self.schedule.slice_range(segment, index)
+        self._write(segment, start, stop, payload)
+        done[index] = 1
+        self.rx_bytes += stop - start
+        self._progress.remaining -= 1
+        self._lot.unpark_all()
+
+    def _write(self, segment: Segment, start: int, stop: int, payload: Any) -> None:
+        dtype = self.result.dtype
+        target = self._result_bytes[start:stop].view(dtype)
+        incoming = payload.view(dtype)
+        if self.in_place and (segment.reduce or segment.chunk == self.schedule.rank):
+            # The first write to these bytes: keep the caller's input for a restore.
+            self._backup[(start, stop)] = self._result_bytes[start:stop].copy()
+        if segment.reduce:
+            if not self.in_place:
+                # Not in place: the local contribution comes from the send buffer.
+                copy_into(self.xp, target, self._send_bytes[start:stop].view(dtype))
+            reduce_into(self.xp, target, incoming, self.op)
+            if segment.index == self.schedule.world - 2 and self.op is ReduceOp.AVG:
+                finalize_average(self.xp, target, self.schedule.world)
+        else:
+            copy_into(self.xp, target, incoming)
+
+    def fail(self, reason: str) -> None:
+        """Mark this peer's part failed (e.g. an incoming link broke)."""
+        if self.failure is None:
+            self.failure = reason
+        self._lot.unpark_all()
+
+    def stop(self) -> None:
+        """No more writes: the attempt is over (aborted or finished)."""
+        self.live = False
+        self._lot.unpark_all()
+
+    def restore(self) -> None:
+        """Put the caller's input back (in place); call only after ``stop``."""
+        assert not self.live
+        for (start, stop), original in self._backup.items():
+            self._result_bytes[start:stop] = original
+        self._backup.clear()
+
+    # --- send side -----------------------------------------------------------------
+
+    async def _arrived(self, segment_index: int, slice_index: int) -> bool:
+        """Wait until slice ``slice_index`` of received segment ``segment_index`` is in;
+        False if the attempt failed first."""
+        done = self._progress.done[segment_index]
+        while not done[slice_index]:
+            if self.failure is not None:
+                return False
+            await self._lot.park()
+        return True
+
+    async def send_all(self, connections: Sequence[FramedStream]) -> None:
+        """Send this peer's whole stream, striped over ``connections``, then wait for
+        every slice of the incoming stream.
+
+        Raises:
+            LocalFailure: a link broke or a frame was bad.
+        """
+        plan: list[list[tuple[Segment, int]]] = [[] for _ in connections]
+        position = 0
+        for segment in self.schedule.send:
+            for index in range(self.schedule.slice_count(segment)):
+                plan[position % len(connections)].append((segment, index))
+                position += 1
+
+        async def sender(connection: FramedStream, slices: list[tuple[Segment, int]]) -> None:
+            for segment, index in slices:
+                if segment.index and not await self._arrived(segment.index - 1, index):
+                    return
+                start, stop = self.schedule.slice_range(segment, index)
+                # Segment 0 is our own input; later ones forward what we received.
+                source = self._send_bytes if segment.index == 0 else self._result_bytes
+                try:
+                    await connection.send_data(
+                        tag=self.tag,
+                        seq=self.seq,
+                        offset=segment.stream_offset + index * self.schedule.slice_bytes,
+                        payload=memoryview(source[start:stop]),
+                    )
+                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self.fail(f"sending to the next peer failed ({exc})")
+                    return
+                self.tx_bytes += stop - start
+
+        async with trio.open_nursery() as nursery:
+            for connection, slices in zip(connections, plan, strict=True):
+                if slices:
+                    nursery.start_soon(sender, connection, slices)
+        while self._progress.remaining and self.failure is None:
+            await self._lot.park()
+        if self.failure is not None:
+            raise LocalFailure(self.failure)
+
+
+class AsyncReduceHandle:
+    """A running all-reduce started by ``Communicator.all_reduce_async``.
+
+    ``await handle.wait()`` returns its ``ReduceInfo`` or raises what ``all_reduce``
+    would have raised; it may be awaited any number of times. Cancelling a ``wait``
+    does not cancel the all-reduce, which goes on in the communicator.
+    """
+
+    def __init__(self, tag: int) -> None:
+        self.tag = tag
+        self._done = trio.Event()
+        self._info: ReduceInfo | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _finish(self, info: ReduceInfo | None, error: BaseException | None) -> None:
+        self._info, self._error = info, error
+        self._done.set()
+
+    async def wait(self) -> ReduceInfo:
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done else ("failed" if self._error else "done")
+        return f"<AsyncReduceHandle tag={self.tag} {state}>"
