@@ -97,10 +97,13 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"master": master_main}
+    from ._bench import bench_main
+
+    commands = {"master": master_main, "bench": bench_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: pccl-trio {master} [options]\n\n"
-              "commands:\n  master   run the master of a run (see pccl-trio master --help)",
+        print("usage: pccl-trio {master,bench} [options]\n\n"
+              "commands:\n  master   run the master of a run (see pccl-trio master --help)\n"
+              "  bench    all-reduce benchmark with local peers (see pccl-trio bench --help)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:], prog=f"pccl-trio {argv[0]}")

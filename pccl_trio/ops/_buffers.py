@@ -32,6 +32,7 @@ ArrayModule: TypeAlias = Any
 # DLPack device types whose memory the host cannot address: kDLCUDA, kDLROCM.
 _DLPACK_GPU_DEVICES = frozenset({2, 10})
 
+
 _ACCEPTED = (
     "a C-contiguous numpy.ndarray, a cupy.ndarray, or an object implementing __dlpack__ (e.g. a "
     "torch.Tensor)"
@@ -109,6 +110,16 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
         raise InvalidArgument(f"{name}: could not view the {kind} through DLPack: {error}") from error
     if torch_bfloat16:
         array = array.view(ml_dtypes.bfloat16)
+    if xp is numpy and not array.flags.writeable:
+        # Not always the exporter's doing (numpy/numpy#28599): numpy before 2.2.5 imports every
+        # DLPack array read-only, and later numpy still does for the legacy unversioned protocol.
+        raise InvalidArgument(
+            f"{name}: numpy {numpy.__version__} imported the {kind} read-only, but the all-reduce "
+            "writes its result into it; the exporter may be read-only, or numpy too old (before "
+            "2.2.5 numpy imports every DLPack array read-only, and later numpy does so for exporters "
+            "of the legacy unversioned DLPack protocol): upgrade numpy and the exporter's library, "
+            "or pass a writable numpy array"
+        )
     return xp, _flat_view(xp, array, name=name)
 
 

@@ -67,9 +67,10 @@ def copy_into(xp: ArrayModule, dst: Array, src: Array) -> None:
 def finalize_average(xp: ArrayModule, array: Array, world_size: int) -> None:
     """Divide ``array`` by ``world_size`` in place, in the array's own dtype.
 
-    Floats (float16 and bfloat16 included) divide by ``world_size`` rounded to their dtype. Signed
-    integers truncate toward zero, as C does (-7 / 2 == -3); unsigned integers floor, which for
-    them is the same thing.
+    Floats (float16 and bfloat16 included) divide by ``world_size`` rounded to their dtype (so a
+    bfloat16 average over 257 peers divides by 256, and float16 cannot average over more than
+    65504). Signed integers truncate toward zero, as C does (-7 / 2 == -3); unsigned integers
+    floor, which for them is the same thing.
 
     Raises:
         InvalidArgument: ``world_size`` is not a positive int below 2**63.
@@ -94,16 +95,21 @@ def finalize_average(xp: ArrayModule, array: Array, world_size: int) -> None:
 
 def _divide_integers(xp: ArrayModule, array: Array, divisor: numpy.integer, *, signed: bool) -> None:
     """Divide integers in place, truncating toward zero; ``divisor`` is positive."""
-    if signed:
-        # floor_divide rounds negative quotients down; first subtracting the C remainder (fmod
-        # has the dividend's sign) leaves an exact multiple, whose floor quotient is the truncated
-        # one. The subtraction moves toward zero, so it cannot overflow.
-        remainder = xp.fmod(array, divisor)
-        xp.subtract(array, remainder, out=array)
-    xp.floor_divide(array, divisor, out=array)
+    if not signed:
+        xp.floor_divide(array, divisor, out=array)
+        return
+    # floor_divide by a scalar is fast (libdivide); fmod and remainder are ~10x slower. Floor
+    # differs from truncation only on negative inexact quotients, which it puts one lower.
+    quotient = xp.floor_divide(array, divisor)
+    # quotient * divisor may wrap near the dtype's minimum, but it differs from the dividend by the
+    # remainder, 0 <= r < divisor <= the dtype's max, which no multiple of 2**bits cancels.
+    rounded_down = xp.not_equal(xp.multiply(quotient, divisor), array)
+    rounded_down &= quotient < 0
+    xp.add(quotient, rounded_down, out=array)
 
 
 def _check_same_layout(dst: Array, src: Array, *, what: str) -> None:
+    """Refuse arrays that an elementwise kernel cannot pair up without casting or broadcasting."""
     if dst.dtype != src.dtype or dst.shape != src.shape:
         raise InvalidArgument(
             f"{what}: dst and src must have the same dtype and shape, got dst {dst.dtype}"

@@ -35,7 +35,30 @@ from .._types import ReduceInfo, ReduceOp
 from ..ops import copy_into, finalize_average, reduce_into
 from ..transport import FramedStream
 
-__all__ = ["AllReduceAttempt", "AsyncReduceHandle", "LocalFailure"]
+__all__ = ["AllReduceAttempt", "AsyncReduceHandle", "BufferPool", "LocalFailure"]
+
+
+class BufferPool:
+    """Reusable host byte buffers (their pages stay mapped between collectives)."""
+
+    def __init__(self) -> None:
+        self._free: list[Any] = []
+
+    def take(self, nbytes: int) -> Any:
+        """A uint8 array of at least ``nbytes`` (a view of exactly ``nbytes``)."""
+        fitting = [i for i, b in enumerate(self._free) if b.size >= nbytes]
+        if fitting:
+            buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].size))
+        else:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+        return buffer[:nbytes]
+
+    def give(self, view: Any) -> None:
+        base = view.base if view.base is not None else view
+        self._free.append(base)
+        # Keep a bounded amount: the largest few.
+        self._free.sort(key=lambda b: b.size, reverse=True)
+        del self._free[4:]
 
 
 class LocalFailure(Exception):
@@ -74,8 +97,10 @@ class AllReduceAttempt:
         world: int,
         rank: int,
         slice_bytes: int,
+        buffers: BufferPool,
     ) -> None:
         self.xp = xp
+        self.buffers = buffers
         self.tag = tag
         self.op = op
         self.seq = 0
@@ -100,8 +125,11 @@ class AllReduceAttempt:
             done=[bytearray(self.schedule.slice_count(s)) for s in self.schedule.recv],
             remaining=sum(self.schedule.slice_count(s) for s in self.schedule.recv),
         )
-        # In place: backups of the slices overwritten so far, by byte range.
-        self._backup: dict[tuple[int, int], Any] = {}
+        # In place: the caller's input of every slice overwritten so far, kept at the
+        # same offsets of a pooled buffer (fresh memory would cost a page fault per
+        # page on first touch, slower than the copy itself).
+        self._backup: Any = None
+        self._backed_up: list[tuple[int, int]] = []
 
     # --- receive side (called by connection readers) ---------------------------------
 
@@ -134,7 +162,10 @@ class AllReduceAttempt:
         incoming = payload.view(dtype)
         if self.in_place and (segment.reduce or segment.chunk == self.schedule.rank):
             # The first write to these bytes: keep the caller's input for a restore.
-            self._backup[(start, stop)] = self._result_bytes[start:stop].copy()
+            if self._backup is None:
+                self._backup = self.buffers.take(len(self._result_bytes))
+            self._backup[start:stop] = self._result_bytes[start:stop]
+            self._backed_up.append((start, stop))
         if segment.reduce:
             if not self.in_place:
                 # Not in place: the local contribution comes from the send buffer.
@@ -159,9 +190,15 @@ class AllReduceAttempt:
     def restore(self) -> None:
         """Put the caller's input back (in place); call only after ``stop``."""
         assert not self.live
-        for (start, stop), original in self._backup.items():
-            self._result_bytes[start:stop] = original
-        self._backup.clear()
+        for start, stop in self._backed_up:
+            self._result_bytes[start:stop] = self._backup[start:stop]
+        self._backed_up.clear()
+
+    def release(self) -> None:
+        """Return pooled memory; the attempt is over."""
+        if self._backup is not None:
+            self.buffers.give(self._backup)
+            self._backup = None
 
     # --- send side -----------------------------------------------------------------
 

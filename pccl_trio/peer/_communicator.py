@@ -82,7 +82,7 @@ from .._types import (
     ReduceOp,
 )
 from ..ops import as_array, from_numpy_dtype
-from ._allreduce import AllReduceAttempt, AsyncReduceHandle, LocalFailure
+from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure
 from ..transport import (
     FramedStream,
     Network,
@@ -223,6 +223,7 @@ class Communicator:
         # collective; ``_ensure_ring`` does it once no collective is in flight.
         self._ring_stale = False
         self._ring_lot = trio.lowlevel.ParkingLot()
+        self._buffers = BufferPool()
         self._nursery: trio.Nursery | None = None
         self._background_done = trio.Event()
 
@@ -538,7 +539,7 @@ class Communicator:
         rank = ring.index(self._peer_id)
         attempt = AllReduceAttempt(
             xp=xp, send=send, result=result, op=op, tag=tag, world=len(ring), rank=rank,
-            slice_bytes=self._config.slice_bytes,
+            slice_bytes=self._config.slice_bytes, buffers=self._buffers,
         )
         attempt.ring = ring
         attempt.predecessor = ring[rank - 1]
@@ -580,6 +581,7 @@ class Communicator:
             ]
             if verdict is None or verdict.outcome != SUCCESS or not local_ok:
                 attempt.restore()
+            attempt.release()
             self._ring_lot.unpark_all()
         if verdict.outcome == SUCCESS and local_ok:
             return ReduceInfo(
@@ -766,8 +768,9 @@ class Communicator:
                     self._nursery = nursery
                     started.set()
                     await trio.sleep_forever()
-            except Exception:  # pragma: no cover - every task handles its own errors
+            except Exception as exc:  # pragma: no cover - every task handles its own errors
                 log.exception("communicator background tasks crashed")
+                self._fail(MasterConnectionError(f"internal error in the communicator: {exc!r}"))
             finally:
                 self._nursery = None
                 self._background_done.set()
@@ -936,6 +939,10 @@ class Communicator:
             log.warning("dropping a p2p connection: %s", exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+        except Exception:  # a bug here must cost one connection, not the peer
+            log.exception("peer %s: p2p connection handler failed", self._peer_id)
+            for attempt in list(self._attempts_by_seq.values()):
+                attempt.fail("internal error while receiving (see the log)")
         finally:
             await framed.aclose()
 

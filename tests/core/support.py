@@ -9,7 +9,13 @@ import msgpack
 from hypothesis import HealthCheck, settings
 
 from pccl_trio._core.messages import (
+    ABORTED,
     PROTOCOL_VERSION,
+    CollectiveAbort,
+    CollectiveCommence,
+    CollectiveComplete,
+    CollectiveInitiate,
+    CollectiveVerdict,
     Heartbeat,
     Kick,
     Message,
@@ -61,7 +67,14 @@ SAMPLES: dict[type[Message], Message] = {
     Kick: Kick(reason="kicked: ünïcödé ✓"),
     P2PInfo: P2PInfo(round=3, ring=(1, 2, 5), neighbours=NEIGHBOURS, world=WORLD),
     P2PEstablishResult: P2PEstablishResult(round=3, success=True, ring=(1, 2, 5), world=WORLD),
-    PeersPendingResult: PeersPendingResult(pending=True),
+    PeersPendingResult: PeersPendingResult(pending=True, error="refused"),
+    CollectiveInitiate: CollectiveInitiate(
+        tag=9, count=1025, dtype=9, op=3, quantized_dtype=0, quantization=1
+    ),
+    CollectiveComplete: CollectiveComplete(tag=9, seq=4, aborted=True),
+    CollectiveCommence: CollectiveCommence(tag=9, seq=4, ring=(5, 1, 2)),
+    CollectiveAbort: CollectiveAbort(tag=9, seq=4, reason="peer 5 left"),
+    CollectiveVerdict: CollectiveVerdict(tag=9, seq=4, outcome=ABORTED, reason="peer 5 left"),
     P2PHello: P2PHello(protocol_version=PROTOCOL_VERSION, peer_id=3, slot=2),
     P2PHelloAck: P2PHelloAck(),
 }

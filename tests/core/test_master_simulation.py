@@ -109,6 +109,7 @@ class Simulation:
         self.blocked: set[tuple[int, int]] = set()  # edges reported unreachable
         self.breaking = 0  # the connection the simulation is breaking
         self.pending_answers: set[bool] = set()
+        self.pending_refused = 0
 
     # --- the choices ---------------------------------------------------------------------
 
@@ -120,13 +121,14 @@ class Simulation:
         # Peers ask whether others are pending together (it is a collective call), so
         # once one asks, the others tend to follow before they vote on anything else.
         polling = any(p.pending_out for p in self.peers.values())
-        pending_weight, vote_weight = (4.0, 0.2) if polling else (0.3, 2.0)
+        pending_weight, vote_weight = (4.0, 0.05) if polling else (0.3, 2.0)
         for conn, peer in self.peers.items():
             if peer.silent:
                 continue
             if peer.status == "in_round":
                 found.append(("report", conn, 3.0))
-            if peer.member and peer.status in ("idle", "failed"):
+            if peer.member and peer.status in ("idle", "failed") and not peer.pending_out:
+                # A client makes one membership call at a time.
                 found.append(("vote", conn, vote_weight))
                 if not peer.pending_out:
                     found.append(("pending", conn, pending_weight))
@@ -235,6 +237,14 @@ class Simulation:
                         assert number not in self.finished, f"round {number} ended twice"
                         verdicts[number] = set(record.participants) - record.departed
                     self.on_result(peer, message, record)
+                case PeersPendingResult(error=error) if error:
+                    # Refused: some member is blocked in a topology vote, so the
+                    # pending vote could never complete.
+                    assert peer.member and peer.pending_out
+                    assert any(p.member and p.status == "voted" for p in self.peers.values())
+                    assert "update_topology" in error
+                    peer.pending_out = False
+                    self.pending_refused += 1
                 case PeersPendingResult(pending=pending):
                     assert peer.member and peer.pending_out
                     assert pending == any(not p.member for p in self.peers.values())
@@ -405,6 +415,7 @@ def test_simulation_exercises_every_kind_of_event() -> None:
     kicks: set[str] = set()
     outcomes: set[bool] = set()
     pending_answers: set[bool] = set()
+    refused = 0
     for seed in SEEDS:
         sim = Simulation(seed)
         for _ in range(STEPS):
@@ -412,6 +423,8 @@ def test_simulation_exercises_every_kind_of_event() -> None:
         kicks |= sim.kicks.keys()
         outcomes |= {r.success for rec in sim.rounds.values() for r in rec.results.values()}
         pending_answers |= sim.pending_answers
+        refused += sim.pending_refused
+    assert refused > 0
     assert kicks == {"silence", "no ring", "broken"}
     assert outcomes == {True, False}
     assert pending_answers == {True, False}

@@ -15,13 +15,19 @@ from hypothesis import strategies as st
 from pccl_trio._core.errors import RemoteProtocolError
 from pccl_trio._core.messages import (
     C2M,
+    DTYPE_NAMES,
     M2C,
     MAX_SEQUENCE,
     MAX_STRING,
+    OP_NAMES,
+    OUTCOMES,
     P2P,
+    QUANTIZATION_NAMES,
     U16_MAX,
     U32_MAX,
     U64_MAX,
+    CollectiveInitiate,
+    CollectiveVerdict,
     Heartbeat,
     Kick,
     Message,
@@ -226,7 +232,7 @@ def test_undecodable_payload(payload: bytes) -> None:
         decode_message(VoteEstablish.KIND, payload)
 
 
-@pytest.mark.parametrize("kind", [0, 6, 63, 127, 200, 0xFFFF])
+@pytest.mark.parametrize("kind", [0, 30, 63, 127, 200, 0xFFFF])
 def test_unknown_kind(kind: int) -> None:
     with pytest.raises(RemoteProtocolError, match=f"unknown message kind {kind}"):
         decode_message(kind, msgpack.packb([]))
@@ -244,6 +250,11 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (Register, "peer_group"): st.integers(0, U32_MAX),
     (Register, "p2p_port"): st.integers(1, U16_MAX),
     (PeerEndpoint, "port"): st.integers(1, U16_MAX),
+    (CollectiveInitiate, "dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
+    (CollectiveInitiate, "quantized_dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
+    (CollectiveInitiate, "op"): st.integers(0, len(OP_NAMES) - 1),
+    (CollectiveInitiate, "quantization"): st.integers(0, len(QUANTIZATION_NAMES) - 1),
+    (CollectiveVerdict, "outcome"): st.sampled_from(OUTCOMES),
 }
 
 

@@ -1,0 +1,221 @@
+"""``pccl-trio bench``: all-reduce throughput of a master and W local peer processes.
+
+Methodology (the same as the Gloo anchor's, so the two compare): W fresh peer
+processes on loopback; per size, a few warm-up all-reduces, then ``--iters`` timed
+ones, each preceded by a barrier (a tiny all-reduce); an iteration's time is the
+maximum over the peers (taken with a MAX all-reduce). One "repeat" is one fresh set of
+processes; the table shows the median over repeats of the per-repeat medians.
+algbw = size / time; busbw = algbw * 2(W-1)/W (the NCCL-tests convention).
+
+``--gloo`` also runs the Gloo anchor (torch.distributed, from the given script) in
+the same session, alternating with pccl_trio, and prints the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["bench_main"]
+
+
+def parse_size(text: str) -> int:
+    """'1M', '64MiB', '512K', '1G' or plain bytes."""
+    t = text.strip().upper().replace("IB", "").replace("B", "")
+    scale = 1
+    if t and t[-1] in "KMG":
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[t[-1]]
+        t = t[:-1]
+    return int(float(t) * scale)
+
+
+def format_size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+# --- the peer process ------------------------------------------------------------------
+
+
+async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
+                  pool: int, slice_bytes: int) -> None:
+    import numpy as np
+    import trio
+
+    import pccl_trio as pccl
+
+    config = pccl.Config(slice_bytes=slice_bytes, liveness_timeout=10.0, heartbeat_interval=1.0)
+    async with pccl.Communicator(master, 0, pool, config=config, p2p_host="127.0.0.1") as comm:
+        while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
+            await comm.update_topology()
+        barrier = np.zeros(1, dtype=np.float32)
+        clock = np.zeros(1, dtype=np.float64)
+        results = {}
+        for size in sizes:
+            data = np.ones(size // 4, dtype=np.float32)
+            for _ in range(warmup):
+                data.fill(1.0)
+                await comm.all_reduce(data)
+            data.fill(1.0)
+            await comm.all_reduce(data)
+            ok = bool((data == world).all())
+            times = []
+            for _ in range(iters):
+                data.fill(1.0)
+                await comm.all_reduce(barrier, tag=1)
+                start = time.perf_counter()
+                info = await comm.all_reduce(data)
+                clock[0] = time.perf_counter() - start
+                await comm.all_reduce(clock, op=pccl.ReduceOp.MAX, tag=2)
+                times.append(float(clock[0]))
+            results[size] = {"ok": ok, "times": times, "tx_bytes": info.tx_bytes,
+                             "rx_bytes": info.rx_bytes}
+        await comm.all_reduce(barrier, tag=1)
+        if comm.ring[0] == comm.peer_id:
+            print(json.dumps({str(k): v for k, v in results.items()}), flush=True)
+    del trio
+
+
+def _worker_main(argv: Sequence[str]) -> int:
+    import trio
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("master")
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--sizes", required=True)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--pool", type=int, default=0)
+    parser.add_argument("--slice-bytes", type=int, default=1 << 20)
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
+             args.slice_bytes)
+    return 0
+
+
+# --- the driver ------------------------------------------------------------------------
+
+
+def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, Any]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    master = subprocess.Popen(
+        [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0",
+         "--log-level", "ERROR", "--liveness-timeout", "10", "--heartbeat-interval", "1"],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        assert master.stdout is not None
+        address = master.stdout.readline().split()[-1]
+        workers = [
+            subprocess.Popen(
+                [sys.executable, "-m", "pccl_trio._bench", "worker", address,
+                 "--world", str(world), "--sizes", ",".join(map(str, sizes)),
+                 "--iters", str(args.iters), "--warmup", str(args.warmup),
+                 "--pool", str(args.pool), "--slice-bytes", str(args.slice_bytes)],
+                stdout=subprocess.PIPE, text=True, env=env,
+            )
+            for _ in range(world)
+        ]
+        outputs = [w.communicate(timeout=args.timeout)[0] for w in workers]
+        lines = [line for out in outputs for line in out.splitlines() if line.startswith("{")]
+        if len(lines) != 1 or any(w.returncode for w in workers):
+            raise RuntimeError(f"pccl_trio workers failed: {[w.returncode for w in workers]}")
+        return {int(k): v for k, v in json.loads(lines[0]).items()}
+    finally:
+        master.terminate()
+        master.wait()
+
+
+def _run_gloo(script: Path, world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, Any]:
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"gloo-{os.getpid()}.json"
+    subprocess.run(
+        [sys.executable, str(script), "--world", str(world),
+         "--sizes", ",".join(str(s) for s in sizes), "--iters", str(args.iters),
+         "--warmup", str(args.warmup), "--repeats", "1", "--json", str(out)],
+        check=True, stdout=subprocess.DEVNULL, timeout=args.timeout,
+    )
+    records = json.loads(out.read_text())["results"]
+    out.unlink()
+    return {r["size_bytes"]: {"times": r["all_times"][0], "ok": r.get("ok", True)}
+            for r in records if "all_times" in r}
+
+
+def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["worker"]:
+        return _worker_main(argv[1:])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", default="2,3,4", help="comma list of world sizes")
+    parser.add_argument("--sizes", default="1M,64M,256M", help="comma list, K/M/G suffixes")
+    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pool", type=int, default=0, help="p2p connections per neighbour")
+    parser.add_argument("--slice-bytes", type=int, default=1 << 20)
+    parser.add_argument("--gloo", metavar="SCRIPT", type=Path, default=None,
+                        help="path to the Gloo anchor (gloo_allreduce.py); needs torch")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--json", type=Path, default=None, help="write all results here")
+    args = parser.parse_args(argv)
+    worlds = [int(w) for w in args.world.split(",")]
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+
+    print(f"# all-reduce float32 SUM on 127.0.0.1, iters={args.iters} warmup={args.warmup} "
+          f"repeats={args.repeats} pool={args.pool or 'default'} (GB = 1e9 bytes)")
+    header = f"{'W':>2} {'size':>9} {'library':>10} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+    if args.gloo:
+        header += f" {'vs gloo':>8}"
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for world in worlds:
+        medians: dict[str, dict[int, list[float]]] = {"pccl_trio": {}, "gloo": {}}
+        for _ in range(args.repeats):
+            # Alternate the libraries so drift on a shared machine hits both alike.
+            result = _run_pccl(world, sizes, args)
+            for size in sizes:
+                if not result[size]["ok"]:
+                    raise RuntimeError(f"wrong all-reduce result at W={world}, {size} bytes")
+                medians["pccl_trio"].setdefault(size, []).append(
+                    statistics.median(result[size]["times"]))
+            if args.gloo:
+                gloo = _run_gloo(args.gloo, world, sizes, args)
+                for size in sizes:
+                    medians["gloo"].setdefault(size, []).append(statistics.median(gloo[size]["times"]))
+        for size in sizes:
+            factor = 2 * (world - 1) / world
+            ours = statistics.median(medians["pccl_trio"][size])
+            row = {"world": world, "size": size, "pccl_trio_s": ours,
+                   "pccl_trio_busbw": size / ours * factor}
+            line = (f"{world:>2} {format_size(size):>9} {'pccl_trio':>10} {ours * 1e3:>10.2f} "
+                    f"{size / ours / 1e9:>11.3f} {size / ours * factor / 1e9:>11.3f}")
+            if args.gloo:
+                theirs = statistics.median(medians["gloo"][size])
+                row.update(gloo_s=theirs, gloo_busbw=size / theirs * factor)
+                line += f" {theirs / ours:>7.2f}x"
+                print(line)
+                print(f"{world:>2} {format_size(size):>9} {'gloo':>10} {theirs * 1e3:>10.2f} "
+                      f"{size / theirs / 1e9:>11.3f} {size / theirs * factor / 1e9:>11.3f}")
+            else:
+                print(line)
+            rows.append(row)
+            sys.stdout.flush()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(bench_main())

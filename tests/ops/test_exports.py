@@ -1,0 +1,20 @@
+"""The ops package exports each public name once, from its private modules."""
+
+from __future__ import annotations
+
+import pccl_trio.ops as ops
+
+PUBLIC = {
+    "Array", "ArrayModule", "as_array", "byte_view", "copy_into", "finalize_average",
+    "from_numpy_dtype", "reduce_into", "to_numpy_dtype",
+}
+
+
+def test_the_public_names() -> None:
+    assert {name for name in vars(ops) if not name.startswith("_")} == PUBLIC
+
+
+def test_functions_live_in_private_modules() -> None:
+    for name in PUBLIC - {"Array", "ArrayModule"}:
+        module = getattr(ops, name).__module__
+        assert module.startswith("pccl_trio.ops._"), (name, module)
