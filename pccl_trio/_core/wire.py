@@ -92,7 +92,9 @@ def encode_data(*, tag: int, seq: int, offset: int, payload: bytes | memoryview)
     return header + bytes(payload)
 
 
-def parse_data_header(header: bytes | bytearray | memoryview, *, max_data_frame: int) -> tuple[int, int, int, int]:
+def parse_data_header(
+    header: bytes | bytearray | memoryview, *, max_data_frame: int
+) -> tuple[int, int, int, int]:
     """``(tag, seq, offset, nbytes)`` of a data frame from its ``DATA_HEADER.size`` bytes.
 
     For readers that receive payloads straight into their own buffers.

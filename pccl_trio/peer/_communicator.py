@@ -82,7 +82,6 @@ from .._types import (
     ReduceOp,
 )
 from ..ops import as_array, from_numpy_dtype
-from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure
 from ..transport import (
     FramedStream,
     Network,
@@ -91,6 +90,7 @@ from ..transport import (
     listener_address,
     parse_address,
 )
+from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure
 
 __all__ = ["Communicator", "CommunicatorStatistics"]
 
@@ -435,33 +435,60 @@ class Communicator:
                     f"the peer group has {len(self._ring)} peer; {len(pending)} of "
                     f"{len(tensors)} all-reduces could not complete"
                 )
-            failed: list[int] = []
-            slots = trio.Semaphore(max_in_flight)
-
-            async def one(index: int) -> None:
-                nonlocal tx, rx
-                try:
-                    info = await handle_of[index].wait()
-                except CollectiveAborted:
-                    failed.append(index)
-                else:
-                    tx += info.tx_bytes
-                    rx += info.rx_bytes
-                finally:
-                    slots.release()
-
-            handle_of: dict[int, AsyncReduceHandle] = {}
-            async with trio.open_nursery() as nursery:
-                for index in pending:
-                    await slots.acquire()  # launch in index order, the same on every peer
-                    handle_of[index] = self.all_reduce_async(
-                        tensors[index], op=op, tag=index, quantization=quantization
-                    )
-                    nursery.start_soon(one, index)
-            pending = sorted(failed)
+            pending, moved_tx, moved_rx = await self._reduce_pass(
+                tensors, pending, op, quantization, max_in_flight
+            )
+            tx, rx = tx + moved_tx, rx + moved_rx
             if pending:
                 log.info("peer %s: retrying %d all-reduces", self._peer_id, len(pending))
         return ReduceInfo(world_size=len(self._ring), tx_bytes=tx, rx_bytes=rx)
+
+    async def _reduce_pass(
+        self,
+        tensors: Sequence[Any],
+        pending: list[int],
+        op: ReduceOp,
+        quantization: QuantizationOptions | None,
+        max_in_flight: int,
+    ) -> tuple[list[int], int, int]:
+        """One pass of ``all_reduce_multiple_with_retry``: the aborted indices and the
+        bytes the successful ones moved."""
+        failed: list[int] = []
+        fatal: list[PCCLError] = []
+        slots = trio.Semaphore(max_in_flight)
+        handles: dict[int, AsyncReduceHandle] = {}
+        tx = rx = 0
+
+        async def one(index: int) -> None:
+            nonlocal tx, rx
+            try:
+                info = await handles[index].wait()
+            except CollectiveAborted:
+                failed.append(index)
+            except PCCLError as exc:  # the run is over for us: stop launching
+                fatal.append(exc)
+            else:
+                tx += info.tx_bytes
+                rx += info.rx_bytes
+            finally:
+                slots.release()
+
+        async with trio.open_nursery() as nursery:
+            for index in pending:
+                await slots.acquire()  # launch in index order, the same on every peer
+                if fatal:
+                    break
+                try:
+                    handles[index] = self.all_reduce_async(
+                        tensors[index], op=op, tag=index, quantization=quantization
+                    )
+                except PCCLError as exc:
+                    fatal.append(exc)
+                    break
+                nursery.start_soon(one, index)
+        if fatal:
+            raise fatal[0]
+        return sorted(failed), tx, rx
 
     def _check_reduce_arguments(
         self,

@@ -1,0 +1,183 @@
+"""All-reduce under failure: kills, silent partitions and cancellation mid-operation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import pccl_trio as pccl
+
+from .conftest import Cluster, form_run
+from .test_all_reduce import run_all
+
+FINE = pccl.Config(slice_bytes=4096)
+
+
+async def started(comm: pccl.Communicator, tag: int) -> None:
+    """Until this peer's attempt of ``tag`` has received data (it is mid-operation)."""
+    launched = False
+    while True:
+        attempt = comm._attempts_by_tag.get(tag)
+        if attempt is not None:
+            launched = True
+            if attempt.rx_bytes > 0:
+                return
+        elif launched:
+            raise AssertionError(f"the all-reduce with tag {tag} ended before it was observed")
+        # Poll at scheduling granularity: in virtual time the transfer takes no time.
+        await trio.lowlevel.checkpoint()
+
+
+@pytest.mark.parametrize("victim", [0, 2], ids=["kill-rank0", "kill-rank2"])
+async def test_kill_mid_all_reduce(cluster: Cluster, clock: object, victim: int) -> None:
+    cluster.config = FINE if cluster.memory is not None else cluster.config
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(4)])
+        count = 400_000
+        data = [np.arange(count, dtype=np.float32) + i for i in range(4)]
+        arrays = [d.copy() for d in data]
+        survivors = [c for i, c in enumerate(comms) if i != victim]
+
+        async def call(i: int, comm: pccl.Communicator) -> None:
+            with pytest.raises(pccl.PCCLError):  # the victim dies mid-call
+                await comm.all_reduce(arrays[i])
+
+        async with trio.open_nursery() as nursery:
+            results: list[object] = []
+
+            async def survivors_run() -> None:
+                results.extend(await run_all(
+                    survivors, lambda i, c: c.all_reduce(arrays[comms.index(c)])))
+
+            nursery.start_soon(survivors_run)
+            nursery.start_soon(call, victim, comms[victim])
+            await started(survivors[0], 0)
+            await cluster.kill(f"p{victim}", comms[victim])
+        # The same verdict everywhere; an abort restores every input bit for bit.
+        kinds = {type(r) for r in results}
+        assert len(kinds) == 1, results
+        if isinstance(results[0], pccl.CollectiveAborted):
+            for comm in survivors:
+                i = comms.index(comm)
+                assert arrays[i].tobytes() == data[i].tobytes()
+        else:  # finished before the kill could matter: the old world's sum
+            assert all((arrays[comms.index(c)] == sum(data)).all() for c in survivors)
+            return
+        # A retry runs on the survivors (the ring was re-established) and is exact.
+        infos = await run_all(survivors, lambda i, c: c.all_reduce(arrays[comms.index(c)]))
+        assert all(isinstance(i, pccl.ReduceInfo) and i.world_size == 3 for i in infos), infos
+        want = sum(d for i, d in enumerate(data) if i != victim)
+        for comm in survivors:
+            assert arrays[comms.index(comm)].tobytes() == want.tobytes()
+        for comm in survivors:
+            await comm.aclose()
+
+
+async def test_kill_inside_multiple_with_retry(cluster: Cluster, clock: object) -> None:
+    cluster.config = FINE if cluster.memory is not None else cluster.config
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(3)])
+        n_tensors = 8
+        data = [[np.full(50_000, 10 * rank + t, dtype=np.int64) for t in range(n_tensors)]
+                for rank in range(3)]
+        tensors = [[a.copy() for a in row] for row in data]
+        victim = 1
+        survivors = [0, 2]
+
+        async with trio.open_nursery() as nursery:
+            outcome: list[object] = []
+
+            async def survivors_run() -> None:
+                outcome.extend(await run_all(
+                    [comms[i] for i in survivors],
+                    lambda i, c: c.all_reduce_multiple_with_retry(
+                        tensors[comms.index(c)], max_in_flight=3),
+                ))
+
+            nursery.start_soon(survivors_run)
+
+            async def victim_run() -> None:
+                try:
+                    await comms[victim].all_reduce_multiple_with_retry(tensors[victim],
+                                                                      max_in_flight=3)
+                except pccl.PCCLError:
+                    pass
+
+            nursery.start_soon(victim_run)
+            await started(comms[0], 1)
+            await cluster.kill(f"p{victim}", comms[victim])
+        assert all(isinstance(o, pccl.ReduceInfo) for o in outcome), outcome
+        for t in range(n_tensors):
+            old = sum(data[r][t] for r in range(3))
+            new = sum(data[r][t] for r in survivors)
+            first = tensors[survivors[0]][t]
+            assert first.tobytes() in (old.tobytes(), new.tobytes()), t
+            for r in survivors:
+                assert tensors[r][t].tobytes() == first.tobytes()
+        for i in survivors:
+            await comms[i].aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_silent_peer_mid_all_reduce(cluster: Cluster, clock: object) -> None:
+    cluster.config = FINE
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        data = [np.arange(200_000, dtype=np.float64) * (i + 1) for i in range(3)]
+        arrays = [d.copy() for d in data]
+        async with trio.open_nursery() as nursery:
+            results: list[object] = []
+
+            async def survivors_run() -> None:
+                results.extend(await run_all(
+                    comms[:2], lambda i, c: c.all_reduce(arrays[i])))
+
+            nursery.start_soon(survivors_run)
+            nursery.start_soon(run_all, comms[2:], lambda i, c: c.all_reduce(arrays[2]))
+            await started(comms[0], 0)
+            start = trio.current_time()
+            cluster.partition("p2")
+        elapsed = trio.current_time() - start
+        assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results
+        assert elapsed <= cluster.config.liveness_timeout + cluster.config.heartbeat_interval
+        for i in range(2):
+            assert arrays[i].tobytes() == data[i].tobytes()
+        infos = await run_all(comms[:2], lambda i, c: c.all_reduce(arrays[i]))
+        assert all(isinstance(i, pccl.ReduceInfo) for i in infos), infos
+        assert (arrays[0] == data[0] + data[1]).all() and (arrays[1] == arrays[0]).all()
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_cancelled_all_reduce_aborts_for_everyone(cluster: Cluster, clock: object) -> None:
+    cluster.config = FINE if cluster.memory is not None else cluster.config
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        data = [np.arange(300_000, dtype=np.int32) + i for i in range(3)]
+        arrays = [d.copy() for d in data]
+        async with trio.open_nursery() as nursery:
+            results: list[object] = []
+
+            async def others() -> None:
+                results.extend(await run_all(comms[1:], lambda i, c: c.all_reduce(arrays[i + 1])))
+
+            nursery.start_soon(others)
+            with trio.CancelScope() as scope:
+                async def cancel_when_started() -> None:
+                    await started(comms[0], 0)
+                    scope.cancel()
+
+                nursery.start_soon(cancel_when_started)
+                await comms[0].all_reduce(arrays[0])
+        assert scope.cancelled_caught
+        assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results
+        for i in range(3):
+            assert arrays[i].tobytes() == data[i].tobytes()
+        # Everyone is still in the run, and the next all-reduce works.
+        infos = await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
+        assert all(isinstance(i, pccl.ReduceInfo) and i.world_size == 3 for i in infos), infos
+        assert all(a.tobytes() == sum(data).tobytes() for a in arrays)
+        for comm in comms:
+            await comm.aclose()
