@@ -24,6 +24,8 @@ class Config:
         liveness_timeout: a link that delivers nothing for this long is declared dead,
             and (at the master) its peer is removed from the run.
         connect_timeout: bound on establishing one TCP connection (master or p2p).
+        round_timeout: (master) a peer that has not reported on its p2p connections
+            this long after an establishment round started is removed from the run.
         max_control_frame: largest control frame accepted, in bytes.
         max_data_frame: largest data frame accepted, in bytes.
         establish_attempts: how many failed p2p establishment rounds ``update_topology``
@@ -38,6 +40,7 @@ class Config:
     heartbeat_interval: float = 0.5
     liveness_timeout: float = 3.0
     connect_timeout: float = 5.0
+    round_timeout: float = 30.0
     max_control_frame: int = 1 << 20
     max_data_frame: int = (64 << 20) + 64
     establish_attempts: int = 5
@@ -45,7 +48,7 @@ class Config:
     slice_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout"):
+        for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"Config.{name} must be a positive number of seconds, got {value!r}")

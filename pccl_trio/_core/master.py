@@ -255,8 +255,8 @@ class _Conn:
 class _Round:
     number: int
     participants: set[int]
-    accept_new_peers: bool
     rings: dict[int, list[int]]
+    started_at: float
     failed: bool = False
     dropped: bool = False
 
@@ -290,13 +290,20 @@ class MasterCore:
     Args:
         heartbeat_interval: seconds between heartbeats the master sends on quiet links.
         liveness_timeout: a connection silent this long is dropped (its peer removed).
+        round_timeout: a participant that has not reported on its p2p connections
+            this long after a round started is removed (it would stall the run).
     """
 
-    def __init__(self, *, heartbeat_interval: float, liveness_timeout: float) -> None:
+    def __init__(
+        self, *, heartbeat_interval: float, liveness_timeout: float, round_timeout: float = 30.0
+    ) -> None:
         if not 0 < heartbeat_interval < liveness_timeout:
             raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
+        if not round_timeout > 0:
+            raise ValueError("need round_timeout > 0")
         self._heartbeat_interval = heartbeat_interval
         self._liveness_timeout = liveness_timeout
+        self._round_timeout = round_timeout
         self._conns: dict[int, _Conn] = {}
         self._peers: dict[int, _Peer] = {}
         self._next_peer_id = 1
@@ -352,6 +359,8 @@ class MasterCore:
     def next_deadline(self) -> float:
         """When to deliver a ``Tick`` if no other event comes first (``inf``: never)."""
         deadline = math.inf
+        if self._round is not None:
+            deadline = self._round.started_at + self._round_timeout
         for conn in self._conns.values():
             deadline = min(deadline, conn.last_heard + self._liveness_timeout)
             if conn.peer is not None:
@@ -635,7 +644,20 @@ class MasterCore:
                 f"no message for {self._now - conn.last_heard:.2f}s "
                 f"(liveness timeout {self._liveness_timeout}s)",
             )
-        if silent:
+        current = self._round
+        late = []
+        if current is not None and self._now >= current.started_at + self._round_timeout:
+            late = [
+                self._peers[p] for p in sorted(current.participants)
+                if self._peers[p].state is PeerState.CONNECTING
+            ]
+            for peer in late:
+                self._kick(
+                    self._conns[peer.conn],
+                    f"did not report on its p2p connections within {self._round_timeout}s "
+                    f"of round {current.number}'s start",
+                )
+        if silent or late:
             self._reevaluate()
         for conn in self._conns.values():
             if conn.peer is not None and self._now >= conn.last_sent + self._heartbeat_interval:
@@ -693,8 +715,8 @@ class MasterCore:
         current = _Round(
             number=self._round_counter,
             participants={p.peer_id for p in participants},
-            accept_new_peers=accept_new,
             rings=rings,
+            started_at=self._now,
         )
         self._round = current
         log.info(

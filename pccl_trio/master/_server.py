@@ -37,6 +37,9 @@ __all__ = ["serve_master", "serve_master_tcp"]
 
 log = logging.getLogger("pccl_trio.master")
 
+#: Events waiting for the core at most; readers block beyond it.
+EVENT_BACKLOG = 64
+
 
 class _Connection:
     def __init__(self, conn_id: int, stream: trio.abc.Stream, config: Config) -> None:
@@ -56,8 +59,12 @@ class _MasterServer:
         self.core = MasterCore(
             heartbeat_interval=config.heartbeat_interval,
             liveness_timeout=config.liveness_timeout,
+            round_timeout=config.round_timeout,
         )
-        self.events_send, self.events_receive = trio.open_memory_channel[Event](math.inf)
+        # Bounded: a connection whose frames arrive faster than the core handles them
+        # waits (and, through TCP, so does its sender), instead of burying the
+        # other peers' heartbeats under a backlog.
+        self.events_send, self.events_receive = trio.open_memory_channel[Event](EVENT_BACKLOG)
         self.connections: dict[int, _Connection] = {}
         self.ids = itertools.count(1)
 
@@ -66,13 +73,16 @@ class _MasterServer:
             while True:
                 try:
                     stream = await listener.accept()
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    log.warning("listener %r closed; no longer accepting on it", listener)
+                    return
                 except OSError as exc:  # e.g. EMFILE: back off, keep serving
                     log.warning("accept failed: %s", exc)
                     await trio.sleep(0.1)
                     continue
                 conn = _Connection(next(self.ids), stream, self.config)
                 self.connections[conn.conn_id] = conn
-                self.events_send.send_nowait(
+                await self.events_send.send(
                     ConnectionOpened(conn=conn.conn_id, host=remote_host(stream))
                 )
                 nursery.start_soon(self.serve_connection, conn)
@@ -92,11 +102,11 @@ class _MasterServer:
         try:
             while True:
                 message = await conn.framed.receive_message()
-                self.events_send.send_nowait(MessageReceived(conn=conn.conn_id, message=message))
+                await self.events_send.send(MessageReceived(conn=conn.conn_id, message=message))
         except RemoteProtocolError as exc:
-            self.events_send.send_nowait(ConnectionBroken(conn=conn.conn_id, reason=str(exc)))
+            await self.events_send.send(ConnectionBroken(conn=conn.conn_id, reason=str(exc)))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.events_send.send_nowait(ConnectionClosed(conn=conn.conn_id))
+            await self.events_send.send(ConnectionClosed(conn=conn.conn_id))
 
     async def write_loop(self, conn: _Connection) -> None:
         """Send queued frames until the core closes the queue, then end the connection."""
@@ -104,7 +114,7 @@ class _MasterServer:
             async for frame in conn.outgoing_receive:
                 await conn.framed.send_bytes(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.events_send.send_nowait(ConnectionClosed(conn=conn.conn_id))
+            await self.events_send.send(ConnectionClosed(conn=conn.conn_id))
             async for _frame in conn.outgoing_receive:
                 pass  # discard until the core's Close ends the queue
         conn.scope.cancel()

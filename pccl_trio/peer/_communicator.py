@@ -224,6 +224,9 @@ class Communicator:
         self._ring_stale = False
         self._ring_lot = trio.lowlevel.ParkingLot()
         self._buffers = BufferPool()
+        # Peers allowed to open p2p connections to us: predecessors named by the master.
+        self._expected_senders: set[int] = set()
+        self._p2p_lot = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
         self._background_done = trio.Event()
 
@@ -281,8 +284,16 @@ class Communicator:
                 await self._start_background()
                 await self._open_master_link()
                 self._voted = True  # registering is the joiner's vote
-                while not await self._establish_round():
-                    await self._send(VoteEstablish(accept_new_peers=True))
+                for _attempt in range(self._config.establish_attempts):
+                    if await self._establish_round():
+                        break
+                    await self._vote(VoteEstablish(accept_new_peers=True))
+                else:
+                    raise UpdateTopologyFailed(
+                        f"joined the run, but its ring failed {self._config.establish_attempts} "
+                        "times in a row; this peer left again: check that the other peers can "
+                        "reach its p2p port, then connect a new Communicator"
+                    )
             self._status = _Status.CONNECTED
         except BaseException:
             await self._shutdown()
@@ -307,8 +318,7 @@ class Communicator:
             )
         with self._operation("update_topology"):
             for _attempt in range(self._config.establish_attempts):
-                self._voted = True
-                await self._send(VoteEstablish(accept_new_peers=True))
+                await self._vote(VoteEstablish(accept_new_peers=True))
                 if await self._establish_round():
                     self._ring_stale = False
                     return
@@ -321,9 +331,10 @@ class Communicator:
         """Collective vote: whether peers wait to be admitted by ``update_topology``."""
         self._check_connected()
         with self._operation("are_peers_pending"):
-            self._voted = True
-            await self._send(VotePeersPending())
+            await self._vote(VotePeersPending())
             result = await self._wait_for(PeersPendingResult)
+            if result.error:
+                raise InvalidUsage(result.error)
             return result.pending
 
     # --- all-reduce ------------------------------------------------------------------
@@ -675,8 +686,7 @@ class Communicator:
                 continue
             with self._operation("re-establishing the ring"):
                 for _attempt in range(self._config.establish_attempts):
-                    self._voted = True
-                    await self._send(VoteEstablish(accept_new_peers=False))
+                    await self._vote(VoteEstablish(accept_new_peers=False))
                     if await self._establish_round():
                         self._ring_stale = False
                         return
@@ -689,6 +699,7 @@ class Communicator:
         """A world-size attribute, as of the last successful topology update."""
         if not isinstance(attribute, Attribute):
             raise InvalidArgument(f"expected a pccl_trio.Attribute, got {attribute!r}")
+        self._raise_if_failed()
         if self._world is None or self._status is not _Status.CONNECTED:
             raise InvalidUsage("get_attribute() needs a connected communicator; call connect()")
         world = self._world
@@ -848,6 +859,11 @@ class Communicator:
                 with trio.move_on_after(self._liveness_timeout) as silence:
                     message = await link.receive_message()
                 if silence.cancelled_caught:
+                    # After a pause (a stopped process, a long blocking step) the
+                    # deadline passes before queued bytes are read: look once more.
+                    with trio.move_on_after(min(0.1, self._heartbeat_interval)) as grace:
+                        message = await link.receive_message()
+                if silence.cancelled_caught and grace.cancelled_caught:
                     raise MasterConnectionError(
                         f"the master at {self.master_address} sent nothing for "
                         f"{self._liveness_timeout}s (liveness timeout): it or the network "
@@ -859,6 +875,8 @@ class Communicator:
                     continue
                 if isinstance(message, CollectiveCommence):
                     self._on_commence(message)
+                elif isinstance(message, P2PInfo):
+                    self._expect_sender(message.ring)
                 self._inbox.append(message)
                 self._inbox_lot.unpark_all()
         except PCCLError as exc:
@@ -874,6 +892,12 @@ class Communicator:
             )
         except trio.ClosedResourceError:
             pass  # we closed the link ourselves, and whoever did recorded why
+
+    def _expect_sender(self, ring: tuple[int, ...]) -> None:
+        """Accept p2p connections from our predecessor in ``ring`` from now on."""
+        if self._peer_id in ring and len(ring) > 1:
+            self._expected_senders.add(ring[ring.index(self._peer_id) - 1])
+            self._p2p_lot.unpark_all()
 
     def _on_commence(self, message: CollectiveCommence) -> None:
         """Make the attempt reachable by its number before any of its data is read."""
@@ -899,9 +923,10 @@ class Communicator:
 
     async def _send(self, message: Message) -> None:
         self._raise_if_failed()
-        assert self._link is not None
+        link = self._link
+        assert link is not None
         try:
-            await self._link.send_message(message)
+            await link.send_message(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._fail(
                 MasterConnectionError(
@@ -909,6 +934,20 @@ class Communicator:
                 )
             )
             self._raise_if_failed()
+        except BaseException:
+            if link.closed:  # interrupted mid-frame: the link had to go
+                self._fail(
+                    MasterConnectionError(
+                        f"a call was interrupted while sending {type(message).__name__} to the "
+                        "master; the half-sent message ended this peer's link"
+                    )
+                )
+            raise
+
+    async def _vote(self, message: Message) -> None:
+        """Send a vote; from then on the running call must see it through."""
+        await self._send(message)
+        self._voted = True
 
     async def _wait_for(
         self, kind: type[_M] | tuple[type[_M], ...], match: Callable[[_M], bool] | None = None
@@ -955,6 +994,10 @@ class Communicator:
                     )
                 if hello.slot >= 1024:
                     raise RemoteProtocolError(f"pool slot {hello.slot} out of range")
+                # Only a predecessor the master named may connect; its round's info may
+                # reach us a moment after it reached the connecting peer.
+                while hello.peer_id not in self._expected_senders:
+                    await self._p2p_lot.park()
                 pool = self._rx.setdefault(hello.peer_id, _Pool(peer_id=hello.peer_id))
                 old = pool.slots.get(hello.slot)
                 pool.slots[hello.slot] = framed
@@ -1088,6 +1131,7 @@ class Communicator:
         if result.success:
             self._ring = result.ring
             self._world = result.world
+            self._expected_senders = {predecessor} if predecessor is not None else set()
             log.info(
                 "peer %d: round %d done, ring %s, world %d",
                 self._peer_id, result.round, list(result.ring), result.world.global_world_size,

@@ -72,10 +72,12 @@ class MemoryStream(trio.abc.Stream):
             await trio.lowlevel.checkpoint()
             if self._closed:
                 raise trio.ClosedResourceError("stream was closed")
-            if self._broken or self._outgoing.reader_gone:
-                raise trio.BrokenResourceError("connection reset by peer")
+            if self._broken:
+                raise trio.BrokenResourceError("connection reset")
             if self._silenced():
-                return  # the bytes vanish on the wire
+                return  # the bytes (and any reset they would provoke) vanish on the wire
+            if self._outgoing.reader_gone:
+                raise trio.BrokenResourceError("connection reset by peer")
             self._outgoing.buffer += data
             self._outgoing.lot.unpark_all()
         finally:
@@ -121,8 +123,7 @@ class MemoryStream(trio.abc.Stream):
         if self._closed:
             return
         self._closed = True
-        self._outgoing.eof = True
-        self._outgoing.lot.unpark_all()
+        self._send_fin()
         self._incoming.reader_gone = True
         self._incoming.lot.unpark_all()  # wake our own blocked receive
         self.network._forget(self)
@@ -130,10 +131,18 @@ class MemoryStream(trio.abc.Stream):
     def _die(self) -> None:
         """The local process died: the other end sees end of stream."""
         self._broken = True
-        self._outgoing.eof = True
-        self._outgoing.lot.unpark_all()
+        self._send_fin()
         self._incoming.reader_gone = True
         self._incoming.lot.unpark_all()
+
+    def _send_fin(self) -> None:
+        """End of stream for the other side, unless a partition swallows it (then it
+        arrives when the partition heals, as TCP would retransmit it)."""
+        if self._silenced():
+            self.network._lost_fins.append((self, self._outgoing))
+            return
+        self._outgoing.eof = True
+        self._outgoing.lot.unpark_all()
 
 
 class MemoryListener(trio.abc.Listener[MemoryStream]):
@@ -192,6 +201,7 @@ class MemoryNetwork:
         self._dead: set[str] = set()
         self._partitioned: set[str] = set()
         self._heal_lot = trio.lowlevel.ParkingLot()
+        self._lost_fins: list[tuple[MemoryStream, _Pipe]] = []
         self._ports = itertools.count(40000)
 
     def host(self, name: str) -> MemoryHost:
@@ -218,6 +228,13 @@ class MemoryNetwork:
         """End a partition of host ``name``."""
         self._partitioned.discard(name)
         self._heal_lot.unpark_all()
+        lost, self._lost_fins = self._lost_fins, []
+        for stream, pipe in lost:
+            if stream._silenced():
+                self._lost_fins.append((stream, pipe))
+            else:
+                pipe.eof = True
+                pipe.lot.unpark_all()
 
     def is_partitioned(self, name: str) -> bool:
         return name in self._partitioned

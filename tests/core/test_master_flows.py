@@ -737,3 +737,24 @@ def test_connection_opened_twice_is_our_bug() -> None:
 def test_timers_must_be_ordered(heartbeat_interval: float, liveness_timeout: float) -> None:
     with pytest.raises(ValueError, match="heartbeat_interval < liveness_timeout"):
         MasterCore(heartbeat_interval=heartbeat_interval, liveness_timeout=liveness_timeout)
+
+
+def test_participant_that_never_reports_is_removed_at_the_round_deadline() -> None:
+    h = MasterHarness()
+    h.join(1)
+    h.register(2)
+    h.vote(1)
+    number = h.latest_round
+    h.report(1, number, ok=True)
+    start = h.now
+    # Both stay alive (heartbeats), but peer 2 never reports on its connections.
+    while h.now < start + 30.0 - 1.0:
+        h.tick(h.now + 1.0)
+        h.heartbeat(1)
+        h.heartbeat(2)
+        assert h.view(2) is not None
+    actions = h.tick(start + 30.0)
+    assert was_kicked(actions, 2)
+    assert "did not report" in (h.kick_reason(2) or "")
+    result = h.last(1, P2PEstablishResult)
+    assert result.round == number and not result.success  # the round failed without it

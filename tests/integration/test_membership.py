@@ -8,8 +8,18 @@ import trio.lowlevel
 import trio.testing
 
 import pccl_trio as pccl
+from pccl_trio._core.messages import Kick, Message
+from pccl_trio._core.wire import FrameDecoder
 
 from .conftest import Cluster, all_do, form_run
+
+
+def decode_one(data: bytes) -> Message | None:
+    """The first frame the master sent before hanging up, if any."""
+    decoder = FrameDecoder(max_control_frame=1 << 20)
+    decoder.receive_data(data)
+    frame = decoder.next_frame()
+    return frame if isinstance(frame, Message) else None
 
 A = pccl.Attribute
 
@@ -144,6 +154,8 @@ async def test_master_survives_garbage_and_serves_new_peers(
             while chunk := await stream.receive_some(1 << 16):
                 received += chunk
             await stream.aclose()
+            kick = decode_one(received)
+            assert isinstance(kick, Kick) and "malformed input" in kick.reason, kick
         late = cluster.communicator("p1")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(late.connect)
@@ -214,6 +226,8 @@ async def test_master_loss_fails_every_call(cluster: Cluster, clock: object) -> 
             with pytest.raises(pccl.MasterConnectionError):
                 await comm.update_topology()
             with pytest.raises(pccl.MasterConnectionError):
+                comm.get_attribute(A.GLOBAL_WORLD_SIZE)
+            with pytest.raises(pccl.MasterConnectionError):
                 await comm.are_peers_pending()
             await comm.aclose()
 
@@ -280,3 +294,99 @@ async def test_interrupted_vote_leaves_the_run_instead_of_stalling_it(
             await quitter.are_peers_pending()
         for comm in comms:
             await comm.aclose()
+
+
+async def test_joiner_that_never_connects_gives_up_and_frees_the_run(
+    cluster: Cluster, clock: object
+) -> None:
+    import dataclasses
+
+    cluster.config = dataclasses.replace(cluster.config, establish_attempts=1)
+    with trio.fail_after(60):
+        member = cluster.communicator("p0")
+        await member.connect()
+        nowhere = "127.0.0.9" if cluster.memory is None else "nowhere"
+        joiner = cluster.communicator("lost", advertised_host=nowhere)
+        async with trio.open_nursery() as nursery:
+
+            async def join() -> None:
+                with pytest.raises(pccl.UpdateTopologyFailed, match="left again"):
+                    await joiner.connect()
+
+            nursery.start_soon(join)
+            while not await member.are_peers_pending():
+                pass
+            with pytest.raises(pccl.UpdateTopologyFailed):
+                await member.update_topology()
+        # The joiner gave up and left: the member's next votes complete.
+        assert await member.are_peers_pending() is False
+        await member.update_topology()
+        assert attributes(member) == (1, 1, 1, 1)
+        await member.aclose()
+
+
+async def test_call_cancelled_before_it_votes_keeps_the_peer(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await comms[0].are_peers_pending()
+        assert await all_do(comms, "are_peers_pending") == [False, False]
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_p2p_port_refuses_peers_the_master_did_not_name(
+    cluster: Cluster, clock: object
+) -> None:
+    from pccl_trio._core.messages import PROTOCOL_VERSION, P2PHello
+    from pccl_trio.transport import FramedStream
+
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        target = comms[0]
+        host = "127.0.0.1" if cluster.memory is None else "p0"
+        port = target._p2p_listener.socket.getsockname()[1] if cluster.memory is None \
+            else target._p2p_listener.port  # type: ignore[union-attr]
+        stranger = FramedStream(await cluster.network("stranger").connect(host, port),
+                                max_control_frame=1 << 20)
+        await stranger.send_message(P2PHello(protocol_version=PROTOCOL_VERSION, peer_id=1000,
+                                             slot=0))
+        with pytest.raises(trio.BrokenResourceError):
+            await stranger.receive_message()  # dropped after the handshake timeout
+        assert 1000 not in target.statistics().rx_connections
+        await stranger.aclose()
+        await all_do(comms, "update_topology")
+        for comm in comms:
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["tcp"])
+async def test_flood_of_legal_frames_costs_nobody_else(cluster: Cluster, clock: object) -> None:
+    """Real time: heartbeats queued behind a flood must not look like silence."""
+    from pccl_trio._core.messages import PROTOCOL_VERSION, Heartbeat, Register
+    from pccl_trio._core.wire import encode_control
+
+    host, port = cluster.master_address.rsplit(":", 1)
+    with trio.fail_after(60):
+        honest = cluster.communicator("p0")
+        await honest.connect()
+        rogue = await cluster.network("rogue").connect(host, int(port))
+        await rogue.send_all(encode_control(
+            Register(protocol_version=PROTOCOL_VERSION, peer_group=0, p2p_port=9)))
+        blob = encode_control(Heartbeat()) * 20_000
+        end = trio.current_time() + 2 * cluster.config.liveness_timeout
+        async with trio.open_nursery() as nursery:
+
+            async def flood() -> None:
+                while trio.current_time() < end:
+                    await rogue.send_all(blob)
+
+            nursery.start_soon(flood)
+            while trio.current_time() < end:
+                await honest.are_peers_pending()  # the rogue counts as pending
+        await rogue.aclose()
+        assert attributes(honest) == (1, 1, 1, 1)
+        await honest.aclose()

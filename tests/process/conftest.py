@@ -53,13 +53,13 @@ class Processes:
         self.nursery = nursery
         self.started: list[trio.Process] = []
 
-    async def start(self, *argv: str, stdout: bool = True) -> trio.Process:
+    async def start(self, *argv: str, stdout: bool = True, stdin: bool = False) -> trio.Process:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         process = await trio.lowlevel.open_process(
             [sys.executable, *argv],
             stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             env=env,
         )
         self.started.append(process)

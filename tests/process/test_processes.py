@@ -13,7 +13,8 @@ import msgpack
 import pytest
 import trio
 
-from pccl_trio._core.messages import PROTOCOL_VERSION
+from pccl_trio._core.messages import PROTOCOL_VERSION, Kick, Welcome
+from pccl_trio._core.wire import FrameDecoder
 
 from .conftest import Processes
 
@@ -92,6 +93,14 @@ async def test_hostile_bytes_cost_only_that_connection(processes: Processes, nam
         while chunk := await stream.receive_some(65536):  # the master hangs up on us
             received += chunk
         await stream.aclose()
+        # ... after telling us why (garbage we cut short is never even decoded).
+        decoder = FrameDecoder(max_control_frame=1 << 20)
+        decoder.receive_data(received)
+        kick = decoder.next_frame()
+        while isinstance(kick, Welcome):  # registered first, then broke the rules
+            kick = decoder.next_frame()
+        assert isinstance(kick, Kick), (name, received[:64])
+        assert ("malformed input" in kick.reason) or ("illegal" in kick.reason), kick.reason
         # The master still serves: a new peer joins the existing one.
         second = await processes.peer(address)
         await second.wait_for(world(2))
