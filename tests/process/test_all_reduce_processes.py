@@ -71,11 +71,20 @@ async def release(readers: list[LineReader]) -> None:
 
 async def test_every_dtype_op_and_size_over_four_processes(processes: Processes) -> None:
     with trio.fail_after(300):
-        _master, address = await processes.master()
+        _master, address = await processes.master("--liveness-timeout", "5")
         readers = await peers(processes, address, "matrix", 4)
         ranks = [(await reader.wait_for(lambda r: r["event"] == "ready"))["rank"]
                  for reader in readers]
-        logs = [await records(reader, "done") for reader in readers]
+        # Read every peer at once: a peer whose stdout pipe fills blocks, and a blocked
+        # peer stops heartbeating.
+        logs: list[list[dict[str, Any]]] = [[] for _ in readers]
+
+        async def collect(index: int) -> None:
+            logs[index] = await records(readers[index], "done")
+
+        async with trio.open_nursery() as nursery:
+            for index in range(len(readers)):
+                nursery.start_soon(collect, index)
         await release(readers)
     cases = [[r for r in log if r["event"] == "case"] for log in logs]
     assert len({len(c) for c in cases}) == 1 and len(cases[0]) == 12 * 5 * 4 * 2
@@ -102,7 +111,7 @@ async def test_every_dtype_op_and_size_over_four_processes(processes: Processes)
 
 async def test_sigkill_during_a_large_all_reduce(processes: Processes) -> None:
     with trio.fail_after(300):
-        _master, address = await processes.master()
+        _master, address = await processes.master("--liveness-timeout", "5")
         readers = await peers(processes, address, "kill", 4, "--megabytes", "256")
         ranks = [(await reader.wait_for(lambda r: r["event"] == "ready"))["rank"]
                  for reader in readers]
@@ -127,7 +136,7 @@ async def test_sigkill_during_a_large_all_reduce(processes: Processes) -> None:
 
 async def test_sigkill_inside_all_reduce_multiple_with_retry(processes: Processes) -> None:
     with trio.fail_after(300):
-        _master, address = await processes.master()
+        _master, address = await processes.master("--liveness-timeout", "5")
         readers = await peers(processes, address, "retry", 3, "--tensors", "8",
                               "--megabytes", "16")
         ranks = [(await reader.wait_for(lambda r: r["event"] == "ready"))["rank"]
