@@ -58,7 +58,7 @@ class Processes:
         process = await trio.lowlevel.open_process(
             [sys.executable, *argv],
             stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
-            stderr=open(os.environ["PCCL_TEST_STDERR"], "ab") if "PCCL_TEST_STDERR" in os.environ else subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             env=env,
         )
