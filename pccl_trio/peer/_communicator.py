@@ -873,10 +873,14 @@ class Communicator:
                     raise Kicked(message.reason)
                 if isinstance(message, Heartbeat):
                     continue
+                # Some messages change what the data path accepts: apply them here, in
+                # order, before any later message or p2p frame can depend on them.
                 if isinstance(message, CollectiveCommence):
                     self._on_commence(message)
                 elif isinstance(message, P2PInfo):
                     self._expect_sender(message.ring)
+                elif isinstance(message, Welcome):
+                    self._peer_id = message.peer_id
                 self._inbox.append(message)
                 self._inbox_lot.unpark_all()
         except PCCLError as exc:

@@ -33,8 +33,11 @@ async def test_many_peers_churn(seed: int, autojump_clock: trio.testing.MockCloc
                 )
                 for i in range(n_peers)
             }
+            start = trio.current_time()
             members = await form_run([], list(comms.values()))
             assert len(members) == n_peers
+            # No establishment round waited out a connect timeout (a refused hello).
+            assert trio.current_time() - start < CONFIG.connect_timeout
             names = sorted(comms)
             killed = rng.sample(names, 5)
             silent = rng.sample([n for n in names if n not in killed], 3)

@@ -390,3 +390,52 @@ async def test_flood_of_legal_frames_costs_nobody_else(cluster: Cluster, clock: 
         await rogue.aclose()
         assert attributes(honest) == (1, 1, 1, 1)
         await honest.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_p2p_info_right_behind_welcome_is_honoured(cluster: Cluster, clock: object) -> None:
+    """A scripted master sends Welcome and the round's P2PInfo in one write; the
+    joiner's p2p listener must accept the predecessor that P2PInfo names at once."""
+    from pccl_trio._core.messages import (
+        PROTOCOL_VERSION,
+        P2PHello,
+        P2PHelloAck,
+        P2PInfo,
+        PeerEndpoint,
+        Register,
+        Welcome,
+        WorldSizes,
+    )
+    from pccl_trio._core.wire import encode_control
+    from pccl_trio.transport import FramedStream
+
+    assert cluster.memory is not None
+    net = cluster.memory
+    listener = await net.host("fake").listen("fake", 1)
+    world = WorldSizes(global_world_size=2, peer_group_world_size=2,
+                       num_distinct_peer_groups=1, largest_peer_group_world_size=2)
+    with trio.fail_after(60):
+        joiner = pccl.Communicator("fake:1", network=net.host("joiner"), config=cluster.config)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(joiner.connect)
+            master = FramedStream(await listener.accept(), max_control_frame=1 << 20)
+            register = await master.receive_message()
+            assert isinstance(register, Register)
+            await master.send_bytes(
+                encode_control(Welcome(peer_id=2, heartbeat_interval=0.5, liveness_timeout=3.0))
+                + encode_control(P2PInfo(
+                    round=1, ring=(7, 2),
+                    neighbours=(PeerEndpoint(peer_id=7, host="pred", port=9),), world=world,
+                ))
+            )
+            # The predecessor (id 7) connects right away and must be acknowledged.
+            link = FramedStream(
+                await net.host("pred").connect("joiner", register.p2p_port),
+                max_control_frame=1 << 20,
+            )
+            start = trio.current_time()
+            await link.send_message(P2PHello(protocol_version=PROTOCOL_VERSION, peer_id=7, slot=0))
+            assert isinstance(await link.receive_message(), P2PHelloAck)
+            assert trio.current_time() - start < cluster.config.connect_timeout
+            nursery.cancel_scope.cancel()
+        await joiner.aclose()
