@@ -503,6 +503,9 @@ class MasterCore:
             return
         self._apply(peer, PeerEvent.REPORT_FAILED)
         current.failed = True
+        # The round has failed already: from now on its rings are stale, not only once
+        # its verdict is out (peers whose report failed may initiate meanwhile).
+        self._stale_groups.update(current.rings)
         for other in failed:
             if other in self._peers and other != peer.peer_id:
                 self._unreachable.add((peer.peer_id, other))

@@ -4,6 +4,11 @@ events by connection, and records what each connection was sent.
 It also checks, on every action, the promises the core makes to any shell: nothing is
 sent on a connection after its ``Close``, nothing is closed twice, and each peer gets at
 most one ``P2PInfo`` and one ``P2PEstablishResult`` per round (the result after the info).
+For collectives it checks, per connection: a ``CollectiveCommence`` or a seq-0 verdict
+only for a tag the peer initiated and that is not running for it; a ``CollectiveAbort``
+only for the attempt running there, at most once, and never after the peer completed it;
+at most one ``CollectiveVerdict`` per initiate (seq 0 if it never ran, else the attempt's
+seq); and commence seqs that only grow.
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ from pccl_trio._core.master import (
 )
 from pccl_trio._core.messages import (
     PROTOCOL_VERSION,
+    CollectiveAbort,
+    CollectiveCommence,
+    CollectiveComplete,
+    CollectiveInitiate,
+    CollectiveVerdict,
     Heartbeat,
     Kick,
     Message,
@@ -43,6 +53,9 @@ from pccl_trio._core.messages import (
 
 HEARTBEAT_INTERVAL = 1.0
 LIVENESS_TIMEOUT = 5.0
+
+#: Descriptor defaults for ``MasterHarness.initiate``: 16 FLOAT values summed, unquantized.
+COUNT, FLOAT, SUM = 16, 10, 0
 
 M = TypeVar("M", bound=Message)
 
@@ -66,6 +79,13 @@ class MasterHarness:
         self.peer_ids: dict[int, int] = {}  # conn -> peer id from its Welcome
         self._infos: set[tuple[int, int]] = set()  # (conn, round)
         self._results: set[tuple[int, int]] = set()
+        # Collectives, per connection: tags initiated and not yet given a verdict (value:
+        # the running attempt's seq, 0 before it commences), and attempts aborted or
+        # completed there.
+        self.in_flight: dict[int, dict[int, int]] = collections.defaultdict(dict)
+        self._aborted: set[tuple[int, int]] = set()  # (conn, seq)
+        self._completed: set[tuple[int, int]] = set()  # (conn, seq)
+        self.seqs: list[int] = []  # every commenced seq, in order (once per attempt)
 
     # --- events ------------------------------------------------------------------------
 
@@ -93,11 +113,34 @@ class MasterHarness:
                 assert (conn, number) in self._infos, f"result of round {number} before its info"
                 assert (conn, number) not in self._results, f"two results for round {number}"
                 self._results.add((conn, number))
+            case CollectiveCommence(tag=tag, seq=seq):
+                tags = self.in_flight[conn]
+                assert tags.get(tag) == 0, f"commence of tag {tag} on conn {conn}: {tags}"
+                tags[tag] = seq
+                if not self.seqs or seq > self.seqs[-1]:
+                    self.seqs.append(seq)
+                else:
+                    assert seq == self.seqs[-1], f"seq {seq} after {self.seqs[-1]}"
+            case CollectiveAbort(tag=tag, seq=seq):
+                assert seq and self.in_flight[conn].get(tag) == seq, f"abort of {tag}/{seq}"
+                assert (conn, seq) not in self._aborted, f"two aborts of {seq} on conn {conn}"
+                assert (conn, seq) not in self._completed, f"abort of {seq} after its complete"
+                self._aborted.add((conn, seq))
+            case CollectiveVerdict(tag=tag, seq=seq):
+                tags = self.in_flight[conn]
+                assert tag in tags, f"verdict for tag {tag}, not in flight on conn {conn}"
+                assert tags.pop(tag) == seq, f"verdict {message} for attempt {seq}"
 
     def open(self, conn: int, host: str = "127.0.0.1") -> list[Action]:
         return self.handle(ConnectionOpened(conn=conn, host=host))
 
     def send(self, conn: int, message: Message) -> list[Action]:
+        match message:
+            case CollectiveInitiate(tag=tag) if conn not in self.closed:
+                # The first initiate of a tag opens it; a duplicate gets the peer kicked.
+                self.in_flight[conn].setdefault(tag, 0)
+            case CollectiveComplete(seq=seq):
+                self._completed.add((conn, seq))
         return self.handle(MessageReceived(conn=conn, message=message))
 
     def register(
@@ -133,6 +176,33 @@ class MasterHarness:
         return self.send(
             conn, P2PEstablished(round=number, success=ok, failed_peers=tuple(failed))
         )
+
+    def initiate(
+        self,
+        conn: int,
+        tag: int,
+        *,
+        count: int = COUNT,
+        dtype: int = FLOAT,
+        op: int = SUM,
+        quantized_dtype: int = 0,
+        quantization: int = 0,
+    ) -> list[Action]:
+        return self.send(
+            conn,
+            CollectiveInitiate(
+                tag=tag, count=count, dtype=dtype, op=op, quantized_dtype=quantized_dtype,
+                quantization=quantization,
+            ),
+        )
+
+    def complete(
+        self, conn: int, tag: int, seq: int | None = None, aborted: bool = False
+    ) -> list[Action]:
+        """Complete ``tag`` (by default the attempt ``conn`` was last told to commence)."""
+        if seq is None:
+            seq = max(m.seq for m in self.received(conn, CollectiveCommence) if m.tag == tag)
+        return self.send(conn, CollectiveComplete(tag=tag, seq=seq, aborted=aborted))
 
     def pending(self, conn: int) -> list[Action]:
         return self.send(conn, VotePeersPending())
