@@ -146,7 +146,20 @@ class _MasterServer:
                 self.execute(self.core.handle(event, trio.current_time()))
             # Deadlines are checked even when events never stop coming.
             if trio.current_time() >= self.core.next_deadline():
+                await self.drain_arrivals()
                 self.execute(self.core.handle(Tick(), trio.current_time()))
+
+    async def drain_arrivals(self) -> None:
+        """Handle what already reached our sockets before judging anyone silent.
+
+        If this process itself stalled (descheduled, swapped), every deadline passes
+        at once while the peers' heartbeats sit unread in the kernel: give the
+        readers a short grace to deliver them, or healthy peers would be kicked.
+        """
+        with trio.move_on_after(min(0.05, self.config.heartbeat_interval / 2)):
+            while True:
+                event = await self.events_receive.receive()
+                self.execute(self.core.handle(event, trio.current_time()))
 
 
 async def serve_master(
