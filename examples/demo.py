@@ -1,7 +1,8 @@
-"""The demo: a master and local peer processes forming a run, losing a peer, and
-admitting a late joiner, narrated as it happens.
+"""The demo: a master and local peer processes training a small model together,
+losing a peer mid-step and admitting a late joiner, narrated as it happens.
 
-Run it with ``scripts/demo``. It ends by itself in a few seconds.
+Run it with ``scripts/demo``. It ends by itself in well under a minute and checks that
+every peer ended with bit-identical weights.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import trio
@@ -25,45 +27,51 @@ def say(who: str, text: str) -> None:
 
 
 class Peer:
-    def __init__(self, name: str, group: int, process: trio.Process) -> None:
+    def __init__(self, name: str, process: trio.Process) -> None:
         self.name = name
-        self.group = group
         self.process = process
         self.peer_id: int | None = None
-        self.steps = 0
+        self.step = 0
         self.world = 0
+        self.hashes: dict[int, str] = {}  # step -> weights digest
         self.changed = trio.Event()
-        self.last_world: int | None = None
 
     async def follow(self) -> None:
         assert self.process.stdout is not None
         buffer = b""
-        while chunk := await self.process.stdout.receive_some(4096):
+        while chunk := await self.process.stdout.receive_some(65536):
             buffer += chunk
             while b"\n" in buffer:
                 line, buffer = buffer.split(b"\n", 1)
                 self.on_record(json.loads(line))
-        say(self.name, "process ended")
+        self.changed.set()
 
     def on_record(self, record: dict[str, object]) -> None:
         event = record["event"]
         if event == "joined":
-            self.peer_id = int(record["peer"])  # type: ignore[arg-type]
-            say(self.name, f"joined the run as peer {self.peer_id} (group {self.group})")
+            self.peer_id = int(record["peer"])  # type: ignore[call-overload]
+            say(self.name, f"joined the run as peer {self.peer_id}")
+        elif event == "synced":
+            say(self.name, f"weights in sync at step {record['step']} (world {record['world']})")
         elif event == "step":
-            self.steps = int(record["step"])  # type: ignore[arg-type]
-            self.world = int(record["world"])  # type: ignore[arg-type]
-            if self.world != self.last_world:
-                say(self.name, f"step {self.steps:3d}: world size {self.world}, group size "
-                               f"{record['group_world']}, ring {record['ring']}")
-                self.last_world = self.world
+            step, world = int(record["step"]), int(record["world"])  # type: ignore[call-overload]
+            self.hashes[step] = str(record["weights"])
+            if world != self.world or step % 20 == 0:
+                say(self.name, f"step {step:4d}  world {world}  loss {record['loss']:.4f}  "
+                               f"weights {record['weights']}")
+            self.step, self.world = step, world
+        elif event == "aborted":
+            say(self.name, f"step {record['step']} aborted for every peer, retrying: "
+                           f"{record['reason']}...")
         elif event == "error":
             say(self.name, f"{record['kind']}: {record['message']}")
         self.changed.set()
         self.changed = trio.Event()
 
-    async def wait_until(self, predicate) -> None:  # type: ignore[no-untyped-def]
+    async def wait_until(self, predicate: Callable[[Peer], bool]) -> None:
         while not predicate(self):
+            if self.process.returncode is not None:
+                raise RuntimeError(f"{self.name} exited early")
             await self.changed.wait()
 
 
@@ -72,7 +80,7 @@ async def main() -> None:
     say("demo", "starting a master on a free loopback port")
     master = await trio.lowlevel.open_process(
         [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0",
-         "--log-level", "WARNING", "--liveness-timeout", "2", "--heartbeat-interval", "0.25"],
+         "--log-level", "WARNING", "--liveness-timeout", "3", "--heartbeat-interval", "0.25"],
         stdout=subprocess.PIPE, env=env,
     )
     assert master.stdout is not None
@@ -83,43 +91,41 @@ async def main() -> None:
     say("master", line.decode().strip())
 
     peers: list[Peer] = []
+    victim: Peer | None = None
     async with trio.open_nursery() as nursery:
 
-        async def spawn(name: str, group: int) -> Peer:
+        async def spawn(name: str, seed: int) -> Peer:
             process = await trio.lowlevel.open_process(
-                [sys.executable, str(HERE / "peer.py"), address, "--group", str(group)],
+                [sys.executable, str(HERE / "train_peer.py"), address, "--seed", str(seed)],
                 stdout=subprocess.PIPE, env=env,
             )
-            peer = Peer(name, group, process)
+            peer = Peer(name, process)
             peers.append(peer)
             nursery.start_soon(peer.follow)
-            say("demo", f"started {name} (pid {process.pid}) in peer group {group}")
+            say("demo", f"started {name} (pid {process.pid}), training on data shard {seed}")
             return peer
 
         try:
             with trio.fail_after(60):
-                first = [await spawn(f"peer-{i}", 0) for i in range(3)]
-                first.append(await spawn("peer-3", 1))
+                first = [await spawn(f"peer-{i}", i) for i in range(3)]
                 for peer in first:
-                    await peer.wait_until(lambda p: p.world == 4)
-                say("demo", "all four peers are in: 3 in group 0, 1 in group 1")
-                for peer in first:
-                    await peer.wait_until(lambda p, base=peer.steps: p.steps >= base + 5)
-
+                    await peer.wait_until(lambda p: p.world == 3 and p.step >= 30)
                 victim = first[1]
-                say("demo", f"SIGKILL {victim.name} (peer {victim.peer_id}) in the middle of the run")
+                say("demo", f"SIGKILL {victim.name} (peer {victim.peer_id}) in the middle of "
+                            "its training loop")
                 victim.process.kill()
                 survivors = [p for p in first if p is not victim]
                 for peer in survivors:
+                    await peer.wait_until(lambda p: p.world == 2)
+                say("demo", "the survivors carry on with world size 2")
+                late = await spawn("late", 7)
+                for peer in [*survivors, late]:
                     await peer.wait_until(lambda p: p.world == 3)
-                say("demo", "the survivors carried on with world size 3")
-
-                late = await spawn("late", 0)
+                joined_at = late.step
+                say("demo", f"{late.name} was admitted and took the run's weights at step "
+                            f"{joined_at}")
                 for peer in [*survivors, late]:
-                    await peer.wait_until(lambda p: p.world == 4)
-                say("demo", f"{late.name} was admitted at the next update_topology")
-                for peer in [*survivors, late]:
-                    await peer.wait_until(lambda p, base=peer.steps: p.steps >= base + 5)
+                    await peer.wait_until(lambda p: p.step >= joined_at + 30)
         finally:
             for peer in peers:
                 if peer.process.returncode is None:
@@ -128,13 +134,15 @@ async def main() -> None:
             await peer.process.wait()
     master.send_signal(signal.SIGTERM)
     code = await master.wait()
-    say("demo", f"master exited with code {code}")
     final = [p for p in peers if p is not victim]
-    say("demo", "final view: " + ", ".join(f"{p.name}: world {p.world} after {p.steps} steps"
-                                            for p in final))
-    if code != 0 or any(p.world != 4 for p in final):
-        raise SystemExit("demo failed: the run did not end as expected")
-    say("demo", "done")
+    common = max(set.intersection(*(set(p.hashes) for p in final)))
+    digests = {p.hashes[common] for p in final}
+    say("demo", f"master exited with code {code}")
+    say("demo", "weights at step " + str(common) + ": "
+        + ", ".join(f"{p.name} {p.hashes[common]}" for p in final))
+    if code != 0 or len(digests) != 1:
+        raise SystemExit("demo failed: the peers did not end bit-identical")
+    say("demo", "all peers hold bit-identical weights: done")
 
 
 if __name__ == "__main__":

@@ -140,15 +140,15 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace) -> dict[in
 def _run_gloo(script: Path, world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, Any]:
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"gloo-{os.getpid()}.json"
     subprocess.run(
-        [sys.executable, str(script), "--world", str(world),
+        [args.gloo_python or sys.executable, str(script), "--world", str(world),
          "--sizes", ",".join(str(s) for s in sizes), "--iters", str(args.iters),
          "--warmup", str(args.warmup), "--repeats", "1", "--json", str(out)],
         check=True, stdout=subprocess.DEVNULL, timeout=args.timeout,
     )
     records = json.loads(out.read_text())["results"]
     out.unlink()
-    return {r["size_bytes"]: {"times": r["all_times"][0], "ok": r.get("ok", True)}
-            for r in records if "all_times" in r}
+    return {r["size_bytes"]: {"times": r["times_s"][0], "ok": r.get("correct", True)}
+            for r in records if r.get("times_s")}
 
 
 def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench") -> int:
@@ -166,6 +166,8 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     parser.add_argument("--slice-bytes", type=int, default=1 << 20)
     parser.add_argument("--gloo", metavar="SCRIPT", type=Path, default=None,
                         help="path to the Gloo anchor (gloo_allreduce.py); needs torch")
+    parser.add_argument("--gloo-python", metavar="PYTHON", default=None,
+                        help="interpreter with torch for the Gloo anchor (default: this one)")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     args = parser.parse_args(argv)

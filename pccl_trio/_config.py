@@ -44,7 +44,7 @@ class Config:
     max_control_frame: int = 1 << 20
     max_data_frame: int = (64 << 20) + 64
     establish_attempts: int = 5
-    p2p_connection_pool_size: int = 1
+    p2p_connection_pool_size: int = 2
     slice_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:

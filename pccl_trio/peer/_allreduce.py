@@ -130,6 +130,8 @@ class AllReduceAttempt:
         # page on first touch, slower than the copy itself).
         self._backup: Any = None
         self._backed_up: list[tuple[int, int]] = []
+        # Connections receiving a slice straight into the result buffer right now.
+        self._direct_readers: set[FramedStream] = set()
 
     # --- receive side (called by connection readers) ---------------------------------
 
@@ -151,21 +153,57 @@ class AllReduceAttempt:
             return  # an aborted attempt: drop, never write
         start, stop = self.schedule.slice_range(segment, index)
         self._write(segment, start, stop, payload)
-        done[index] = 1
+        self._mark_done(segment, index)
+
+    def direct_target(
+        self, tag: int, stream_offset: int, nbytes: int, reader: FramedStream
+    ) -> tuple[memoryview, Segment, int] | None:
+        """Where an all-gather slice may be received in place, or None (use staging).
+
+        All-gather data is final, so it can go straight into the result buffer. While
+        the payload arrives, ``reader`` writes into that buffer; if the attempt stops
+        meanwhile, ``stop`` closes the connection at once, so no byte lands after the
+        attempt is over (and its input restored). Finish with ``on_direct_slice``.
+        """
+        if tag != self.tag:
+            raise RemoteProtocolError(
+                f"data frame for attempt {self.seq} carries tag {tag}, not {self.tag}"
+            )
+        segment, index = self.schedule.locate(stream_offset, nbytes)
+        if segment.reduce or not self.live or self.xp is not np:
+            return None
+        if self._progress.done[segment.index][index]:
+            raise RemoteProtocolError(f"slice {index} of segment {segment.index} arrived twice")
+        start, stop = self.schedule.slice_range(segment, index)
+        self._back_up(segment, start, stop)
+        self._direct_readers.add(reader)
+        return memoryview(self._result_bytes[start:stop]), segment, index
+
+    def on_direct_slice(self, segment: Segment, index: int, reader: FramedStream) -> None:
+        """A slice from ``direct_target`` has fully arrived."""
+        self._direct_readers.discard(reader)
+        self._mark_done(segment, index)
+
+    def _mark_done(self, segment: Segment, index: int) -> None:
+        start, stop = self.schedule.slice_range(segment, index)
+        self._progress.done[segment.index][index] = 1
         self.rx_bytes += stop - start
         self._progress.remaining -= 1
         self._lot.unpark_all()
+
+    def _back_up(self, segment: Segment, start: int, stop: int) -> None:
+        """In place: keep the caller's input of a slice about to be first written."""
+        if self.in_place and (segment.reduce or segment.chunk == self.schedule.rank):
+            if self._backup is None:
+                self._backup = self.buffers.take(len(self._result_bytes))
+            self._backup[start:stop] = self._result_bytes[start:stop]
+            self._backed_up.append((start, stop))
 
     def _write(self, segment: Segment, start: int, stop: int, payload: Any) -> None:
         dtype = self.result.dtype
         target = self._result_bytes[start:stop].view(dtype)
         incoming = payload.view(dtype)
-        if self.in_place and (segment.reduce or segment.chunk == self.schedule.rank):
-            # The first write to these bytes: keep the caller's input for a restore.
-            if self._backup is None:
-                self._backup = self.buffers.take(len(self._result_bytes))
-            self._backup[start:stop] = self._result_bytes[start:stop]
-            self._backed_up.append((start, stop))
+        self._back_up(segment, start, stop)
         if segment.reduce:
             if not self.in_place:
                 # Not in place: the local contribution comes from the send buffer.
@@ -185,6 +223,9 @@ class AllReduceAttempt:
     def stop(self) -> None:
         """No more writes: the attempt is over (aborted or finished)."""
         self.live = False
+        for reader in self._direct_readers:
+            reader.close_now()  # it was receiving into our buffer: cut it off
+        self._direct_readers.clear()
         self._lot.unpark_all()
 
     def restore(self) -> None:
@@ -219,6 +260,9 @@ class AllReduceAttempt:
         Raises:
             LocalFailure: a link broke or a frame was bad.
         """
+        if not connections:
+            self.fail(self.failure or "no open connection to the next peer")
+            raise LocalFailure(self.failure or "")
         plan: list[list[tuple[Segment, int]]] = [[] for _ in connections]
         position = 0
         for segment in self.schedule.send:

@@ -133,7 +133,11 @@ class _Pool:
     slots: dict[int, FramedStream] = dataclasses.field(default_factory=dict)
 
     def healthy(self, size: int) -> bool:
-        return len(self.slots) == size and not any(s.closed for s in self.slots.values())
+        """All ``size`` connections open at both ends (we never read a tx connection,
+        so a remote close shows only as an end of stream waiting there)."""
+        return len(self.slots) == size and not any(
+            s.closed or s.closed_by_peer() for s in self.slots.values()
+        )
 
     async def aclose(self) -> None:
         streams = list(self.slots.values())
@@ -1029,6 +1033,18 @@ class Communicator:
                 if nbytes > staging.size:
                     staging = np.empty(nbytes, dtype=np.uint8)
                 attempt = await self._attempt_for(seq)
+                target = None
+                if attempt is not None:
+                    try:
+                        target = attempt.direct_target(tag, offset, nbytes, framed)
+                    except RemoteProtocolError as exc:
+                        attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
+                        raise
+                if target is not None:
+                    view, segment, index = target
+                    await framed.receive_into(view)
+                    attempt.on_direct_slice(segment, index, framed)  # type: ignore[union-attr]
+                    continue
                 payload = staging[:nbytes]
                 await framed.receive_into(payload.data)
                 if attempt is not None:

@@ -119,6 +119,14 @@ class MemoryStream(trio.abc.Stream):
         self._close()
         await trio.lowlevel.checkpoint()
 
+    def close_now(self) -> None:
+        """Close synchronously (wakes a blocked receive with ClosedResourceError)."""
+        self._close()
+
+    def ended_by_peer(self) -> bool:
+        """Whether the other side closed or died (an end of stream is waiting)."""
+        return self._incoming.eof or self._outgoing.reader_gone
+
     def _close(self) -> None:
         if self._closed:
             return

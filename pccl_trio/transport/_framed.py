@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import select
+
 import trio
 
 from .._core.errors import RemoteProtocolError
@@ -148,3 +150,30 @@ class FramedStream:
     async def aclose(self) -> None:
         self._closed = True
         await trio.aclose_forcefully(self.stream)
+
+    def close_now(self) -> None:
+        """Close without waiting: a task blocked receiving on this stream wakes with
+        ``ClosedResourceError`` and receives nothing more."""
+        self._closed = True
+        if self._socket is not None:
+            self._socket.close()
+        else:
+            closer = getattr(self.stream, "close_now", None)
+            if closer is None:  # pragma: no cover - only our two stream kinds exist
+                raise TypeError(f"cannot close {self.stream!r} synchronously")
+            closer()
+
+    def closed_by_peer(self) -> bool:
+        """Whether the other side closed a connection we only send on (it would be
+        readable: end of stream or a reset)."""
+        if self._closed:
+            return True
+        if self._socket is not None:
+            try:
+                poller = select.poll()
+                poller.register(self._socket.fileno(), select.POLLIN)
+                return bool(poller.poll(0))
+            except (OSError, ValueError):
+                return True
+        ended = getattr(self.stream, "ended_by_peer", None)
+        return bool(ended()) if ended is not None else False

@@ -181,3 +181,24 @@ async def test_cancelled_all_reduce_aborts_for_everyone(cluster: Cluster, clock:
         assert all(a.tobytes() == sum(data).tobytes() for a in arrays)
         for comm in comms:
             await comm.aclose()
+
+
+async def test_no_open_connection_to_the_successor_aborts_cleanly(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        # Every connection this peer sends on is gone (as after torn sends).
+        for pool in comms[0]._tx.values():
+            for stream in pool.slots.values():
+                await stream.aclose()
+        arrays = [np.full(1000, i + 1, dtype=np.int32) for i in range(3)]
+        results = await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
+        assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results
+        assert all((a == i + 1).all() for i, a in enumerate(arrays))
+        # The abort re-established the ring, reopening the pool: the retry works.
+        results = await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        assert all((a == 6).all() for a in arrays)
+        for comm in comms:
+            await comm.aclose()
