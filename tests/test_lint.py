@@ -16,7 +16,7 @@ def run(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_ruff_is_clean() -> None:
-    result = run("ruff", "check", "pccl_trio", "tests", "examples")
+    result = run("ruff", "check", "pccl_trio", "tests", "examples", "benchmarks")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
