@@ -50,7 +50,6 @@ def format_size(n: int) -> str:
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int) -> None:
     import numpy as np
-    import trio
 
     import pccl_trio as pccl
 
@@ -83,7 +82,6 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
         await comm.all_reduce(barrier, tag=1)
         if comm.ring[0] == comm.peer_id:
             print(json.dumps({str(k): v for k, v in results.items()}), flush=True)
-    del trio
 
 
 def _worker_main(argv: Sequence[str]) -> int:

@@ -135,20 +135,28 @@ class AllReduceAttempt:
 
     # --- receive side (called by connection readers) ---------------------------------
 
+    def _locate(self, tag: int, stream_offset: int, nbytes: int) -> tuple[Segment, int]:
+        """The segment and slice a frame carries, checked against this attempt.
+
+        Raises:
+            RemoteProtocolError: wrong tag, not a slice of the stream, or a repeat.
+        """
+        if tag != self.tag:
+            raise RemoteProtocolError(
+                f"data frame for attempt {self.seq} carries tag {tag}, not {self.tag}"
+            )
+        segment, index = self.schedule.locate(stream_offset, nbytes)
+        if self._progress.done[segment.index][index]:
+            raise RemoteProtocolError(f"slice {index} of segment {segment.index} arrived twice")
+        return segment, index
+
     def on_slice(self, tag: int, stream_offset: int, payload: Any) -> None:
         """Combine or copy one received slice (``payload``: a uint8 array view).
 
         Raises:
             RemoteProtocolError: the frame does not fit this attempt.
         """
-        if tag != self.tag:
-            raise RemoteProtocolError(
-                f"data frame for attempt {self.seq} carries tag {tag}, not {self.tag}"
-            )
-        segment, index = self.schedule.locate(stream_offset, len(payload))
-        done = self._progress.done[segment.index]
-        if done[index]:
-            raise RemoteProtocolError(f"slice {index} of segment {segment.index} arrived twice")
+        segment, index = self._locate(tag, stream_offset, len(payload))
         if not self.live:
             return  # an aborted attempt: drop, never write
         start, stop = self.schedule.slice_range(segment, index)
@@ -165,15 +173,9 @@ class AllReduceAttempt:
         meanwhile, ``stop`` closes the connection at once, so no byte lands after the
         attempt is over (and its input restored). Finish with ``on_direct_slice``.
         """
-        if tag != self.tag:
-            raise RemoteProtocolError(
-                f"data frame for attempt {self.seq} carries tag {tag}, not {self.tag}"
-            )
-        segment, index = self.schedule.locate(stream_offset, nbytes)
+        segment, index = self._locate(tag, stream_offset, nbytes)
         if segment.reduce or not self.live or self.xp is not np:
             return None
-        if self._progress.done[segment.index][index]:
-            raise RemoteProtocolError(f"slice {index} of segment {segment.index} arrived twice")
         start, stop = self.schedule.slice_range(segment, index)
         self._back_up(segment, start, stop)
         self._direct_readers.add(reader)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -61,14 +63,8 @@ async def run_all(comms: list[pccl.Communicator], call: object) -> list[object]:
 async def make_run(cluster: Cluster, world: int, config: pccl.Config | None = None,
                    pool: int = 0) -> list[pccl.Communicator]:
     if config is not None:
-        cluster.config = dataclasses_replace(cluster.config, config)
+        cluster.config = dataclasses.replace(cluster.config, slice_bytes=config.slice_bytes)
     return await form_run([], [cluster.communicator(f"p{i}", 0, pool) for i in range(world)])
-
-
-def dataclasses_replace(base: pccl.Config, override: pccl.Config) -> pccl.Config:
-    import dataclasses
-
-    return dataclasses.replace(base, slice_bytes=override.slice_bytes)
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "into_recv"])
