@@ -35,6 +35,11 @@ class Config:
         slice_bytes: payload of one all-reduce data frame; a slice is forwarded as
             soon as it arrived, so smaller slices pipeline better and larger ones cost
             less per byte.
+        threaded_data_path: drive TCP data connections from worker threads blocking
+            in the kernel (they release the GIL, as numpy's kernels do), which keeps
+            every direction of every connection moving while others reduce; False
+            keeps them in trio tasks. Streams without a socket of their own (the
+            in-memory network) always use trio tasks.
     """
 
     heartbeat_interval: float = 0.5
@@ -46,6 +51,7 @@ class Config:
     establish_attempts: int = 5
     p2p_connection_pool_size: int = 2
     slice_bytes: int = 1 << 20
+    threaded_data_path: bool = True
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout"):

@@ -7,14 +7,20 @@ peer votes, so that data frames can be accepted the moment the master commences 
 (the neighbour may start sending before this peer has even read the commence).
 
 * The **receive side** is driven by the communicator's per-connection readers: each
-  data frame names ``(tag, seq, offset)``; the reader receives the payload into its
-  own staging buffer and calls ``on_slice``, which (synchronously, with no await in
-  between) checks the attempt is still live and combines or copies the slice into
-  the result buffer. Because only live attempts write, and an aborted attempt stops
-  being live before its input is restored, a late frame can never corrupt a buffer.
-* The **send side** is ``send_all``: one task per pool connection, each sending its
+  data frame names ``(tag, seq, offset)``; the reader ``claim``s the slice, receives
+  the payload (into its own staging buffer, or for all-gather data straight into the
+  result, see ``direct_target``) and calls ``on_slice``, which combines or copies it
+  into the result buffer if the attempt is still live.
+* The **send side** is ``send_all``: one sender per pool connection, each sending its
   share of the slices in stream order, every slice as soon as the slice it forwards
   has arrived (see ``RingSchedule``).
+
+Readers and senders are trio tasks on streams without a socket of their own (the
+in-memory network), and worker threads blocking on ``SocketLink``s over TCP. The
+attempt's state is guarded by one lock, and its buffers by a count of writers:
+``stop`` ends the attempt (no writer starts after it, and a reader receiving into
+the result buffer has its connection cut), and ``settle`` waits for the writers that
+were already running, so ``restore`` never races a late write.
 
 For an in-place all-reduce every slice is copied to a backup just before its first
 write, so an aborted attempt restores exactly the caller's input.
@@ -23,8 +29,10 @@ write, so an aborted attempt restores exactly the caller's input.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import numpy as np
 import trio
@@ -33,42 +41,54 @@ from .._core.errors import RemoteProtocolError
 from .._core.ring import RingSchedule, Segment
 from .._types import ReduceInfo, ReduceOp
 from ..ops import copy_into, finalize_average, reduce_into
-from ..transport import FramedStream
+from ..transport import FramedStream, SocketLink, run_in_thread
 
 __all__ = ["AllReduceAttempt", "AsyncReduceHandle", "BufferPool", "LocalFailure"]
 
 
 class BufferPool:
-    """Reusable host byte buffers (their pages stay mapped between collectives)."""
+    """Reusable host byte buffers (their pages stay mapped between collectives).
+
+    Thread-safe: readers of different attempts may take backups at once.
+    """
 
     def __init__(self) -> None:
         self._free: list[Any] = []
+        self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> Any:
         """A uint8 array of at least ``nbytes`` (a view of exactly ``nbytes``)."""
-        fitting = [i for i, b in enumerate(self._free) if b.size >= nbytes]
-        if fitting:
-            buffer = self._free.pop(min(fitting, key=lambda i: self._free[i].size))
-        else:
+        with self._lock:
+            fitting = [i for i, b in enumerate(self._free) if b.size >= nbytes]
+            buffer = (
+                self._free.pop(min(fitting, key=lambda i: self._free[i].size)) if fitting else None
+            )
+        if buffer is None:
             buffer = np.empty(nbytes, dtype=np.uint8)
         return buffer[:nbytes]
 
     def give(self, view: Any) -> None:
         base = view.base if view.base is not None else view
-        self._free.append(base)
-        # Keep a bounded amount: the largest few.
-        self._free.sort(key=lambda b: b.size, reverse=True)
-        del self._free[4:]
+        with self._lock:
+            self._free.append(base)
+            # Keep a bounded amount: the largest few.
+            self._free.sort(key=lambda b: b.size, reverse=True)
+            del self._free[4:]
 
 
 class LocalFailure(Exception):
     """This peer's part of an attempt failed (a link broke, a frame was bad)."""
 
 
+class _Cuttable(Protocol):
+    def close_now(self) -> None: ...
+
+
 @dataclasses.dataclass(kw_only=True)
 class _Progress:
-    """Which slices of each received segment have been combined or copied."""
+    """Per received segment: which slices a reader took on, and which are written."""
 
+    claimed: list[bytearray]
     done: list[bytearray]
     remaining: int
 
@@ -120,23 +140,50 @@ class AllReduceAttempt:
         self.failure: str | None = None
         self.tx_bytes = 0
         self.rx_bytes = 0
+        # Trio tasks wait on the lot; worker threads on the condition, which shares
+        # the lock guarding everything below.
         self._lot = trio.lowlevel.ParkingLot()
+        self._token = trio.lowlevel.current_trio_token()
+        self._trio_thread = threading.get_ident()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        counts = [self.schedule.slice_count(s) for s in self.schedule.recv]
         self._progress = _Progress(
-            done=[bytearray(self.schedule.slice_count(s)) for s in self.schedule.recv],
-            remaining=sum(self.schedule.slice_count(s) for s in self.schedule.recv),
+            claimed=[bytearray(n) for n in counts],
+            done=[bytearray(n) for n in counts],
+            remaining=sum(counts),
         )
+        # Readers and reductions writing into the result buffer right now.
+        self._writers = 0
         # In place: the caller's input of every slice overwritten so far, kept at the
         # same offsets of a pooled buffer (fresh memory would cost a page fault per
         # page on first touch, slower than the copy itself).
         self._backup: Any = None
         self._backed_up: list[tuple[int, int]] = []
-        # Connections receiving a slice straight into the result buffer right now.
-        self._direct_readers: set[FramedStream] = set()
+        # Connections receiving a slice straight into the result buffer right now,
+        # and (threads) connections a sender is writing a frame of ours on.
+        self._direct_readers: set[_Cuttable] = set()
+        self._active_links: set[SocketLink] = set()
+
+    # --- waking waiters ----------------------------------------------------------------
+
+    def _wake(self, *, trio_too: bool) -> None:
+        """Called with the lock held after a state change: wake waiting threads, and
+        (from the trio thread always, from others if ``trio_too``) waiting tasks."""
+        self._changed.notify_all()
+        if threading.get_ident() == self._trio_thread:
+            self._lot.unpark_all()
+        elif trio_too:
+            try:
+                self._token.run_sync_soon(self._lot.unpark_all)
+            except trio.RunFinishedError:  # pragma: no cover - the run is over
+                pass
 
     # --- receive side (called by connection readers) ---------------------------------
 
-    def _locate(self, tag: int, stream_offset: int, nbytes: int) -> tuple[Segment, int]:
-        """The segment and slice a frame carries, checked against this attempt.
+    def claim(self, tag: int, stream_offset: int, nbytes: int) -> tuple[Segment, int]:
+        """The segment and slice a frame carries, checked against this attempt and
+        reserved for the calling reader.
 
         Raises:
             RemoteProtocolError: wrong tag, not a slice of the stream, or a repeat.
@@ -146,60 +193,74 @@ class AllReduceAttempt:
                 f"data frame for attempt {self.seq} carries tag {tag}, not {self.tag}"
             )
         segment, index = self.schedule.locate(stream_offset, nbytes)
-        if self._progress.done[segment.index][index]:
-            raise RemoteProtocolError(f"slice {index} of segment {segment.index} arrived twice")
+        with self._lock:
+            claimed = self._progress.claimed[segment.index]
+            if claimed[index]:
+                raise RemoteProtocolError(
+                    f"slice {index} of segment {segment.index} arrived twice"
+                )
+            claimed[index] = 1
         return segment, index
 
-    def on_slice(self, tag: int, stream_offset: int, payload: Any) -> None:
-        """Combine or copy one received slice (``payload``: a uint8 array view).
+    def on_slice(self, segment: Segment, index: int, payload: Any) -> None:
+        """Combine or copy a claimed slice (``payload``: a uint8 array view); dropped
+        if the attempt is over."""
+        with self._lock:
+            if not self.live:
+                return  # an aborted attempt: drop, never write
+            self._writers += 1
+        written = False
+        try:
+            start, stop = self.schedule.slice_range(segment, index)
+            self._write(segment, start, stop, payload)
+            written = True
+        finally:
+            self._end_write(segment, index, written)
 
-        Raises:
-            RemoteProtocolError: the frame does not fit this attempt.
-        """
-        segment, index = self._locate(tag, stream_offset, len(payload))
-        if not self.live:
-            return  # an aborted attempt: drop, never write
-        start, stop = self.schedule.slice_range(segment, index)
-        self._write(segment, start, stop, payload)
-        self._mark_done(segment, index)
-
-    def direct_target(
-        self, tag: int, stream_offset: int, nbytes: int, reader: FramedStream
-    ) -> tuple[memoryview, Segment, int] | None:
-        """Where an all-gather slice may be received in place, or None (use staging).
+    def direct_target(self, segment: Segment, index: int, reader: _Cuttable) -> memoryview | None:
+        """Where a claimed all-gather slice may be received in place, or None (use
+        staging and ``on_slice``).
 
         All-gather data is final, so it can go straight into the result buffer. While
-        the payload arrives, ``reader`` writes into that buffer; if the attempt stops
-        meanwhile, ``stop`` closes the connection at once, so no byte lands after the
-        attempt is over (and its input restored). Finish with ``on_direct_slice``.
+        the payload arrives ``reader`` writes into that buffer; if the attempt stops
+        meanwhile, ``stop`` cuts that connection, so no byte lands once the reader has
+        returned. Finish with ``on_direct_slice``, whether the receive worked or not.
         """
-        segment, index = self._locate(tag, stream_offset, nbytes)
-        if segment.reduce or not self.live or self.xp is not np:
+        if segment.reduce or self.xp is not np:
             return None
         start, stop = self.schedule.slice_range(segment, index)
+        with self._lock:
+            if not self.live:
+                return None
+            self._writers += 1
+            self._direct_readers.add(reader)
         self._back_up(segment, start, stop)
-        self._direct_readers.add(reader)
-        return memoryview(self._result_bytes[start:stop]), segment, index
+        return memoryview(self._result_bytes[start:stop])
 
-    def on_direct_slice(self, segment: Segment, index: int, reader: FramedStream) -> None:
-        """A slice from ``direct_target`` has fully arrived."""
-        self._direct_readers.discard(reader)
-        self._mark_done(segment, index)
+    def on_direct_slice(self, segment: Segment, index: int, reader: _Cuttable, received: bool) -> None:
+        """The receive that ``direct_target`` allowed is over."""
+        with self._lock:
+            self._direct_readers.discard(reader)
+        self._end_write(segment, index, received)
 
-    def _mark_done(self, segment: Segment, index: int) -> None:
-        start, stop = self.schedule.slice_range(segment, index)
-        self._progress.done[segment.index][index] = 1
-        self.rx_bytes += stop - start
-        self._progress.remaining -= 1
-        self._lot.unpark_all()
+    def _end_write(self, segment: Segment, index: int, written: bool) -> None:
+        with self._lock:
+            self._writers -= 1
+            if written:
+                start, stop = self.schedule.slice_range(segment, index)
+                self._progress.done[segment.index][index] = 1
+                self.rx_bytes += stop - start
+                self._progress.remaining -= 1
+            self._wake(trio_too=not self._progress.remaining or not self._writers and not self.live)
 
     def _back_up(self, segment: Segment, start: int, stop: int) -> None:
         """In place: keep the caller's input of a slice about to be first written."""
         if self.in_place and (segment.reduce or segment.chunk == self.schedule.rank):
-            if self._backup is None:
-                self._backup = self.buffers.take(len(self._result_bytes))
+            with self._lock:
+                if self._backup is None:
+                    self._backup = self.buffers.take(len(self._result_bytes))
+                self._backed_up.append((start, stop))
             self._backup[start:stop] = self._result_bytes[start:stop]
-            self._backed_up.append((start, stop))
 
     def _write(self, segment: Segment, start: int, stop: int, payload: Any) -> None:
         dtype = self.result.dtype
@@ -217,22 +278,35 @@ class AllReduceAttempt:
             copy_into(self.xp, target, incoming)
 
     def fail(self, reason: str) -> None:
-        """Mark this peer's part failed (e.g. an incoming link broke)."""
-        if self.failure is None:
-            self.failure = reason
-        self._lot.unpark_all()
+        """Mark this peer's part failed (e.g. an incoming link broke); any thread."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+            self._wake(trio_too=True)
 
     def stop(self) -> None:
-        """No more writes: the attempt is over (aborted or finished)."""
-        self.live = False
-        for reader in self._direct_readers:
-            reader.close_now()  # it was receiving into our buffer: cut it off
-        self._direct_readers.clear()
-        self._lot.unpark_all()
+        """No more writes: the attempt is over (aborted or finished).
+
+        Readers receiving into the result buffer and senders blocked mid-frame have
+        their connections cut; ``settle`` then waits for writers already running.
+        """
+        with self._lock:
+            self.live = False
+            doomed: list[_Cuttable] = [*self._direct_readers, *self._active_links]
+            self._wake(trio_too=True)
+        for connection in doomed:
+            connection.close_now()
+
+    async def settle(self) -> None:
+        """Wait until no reader or reduction writes into the buffers; after ``stop``."""
+        assert not self.live
+        with trio.CancelScope(shield=True):
+            while self._writers:
+                await self._lot.park()
 
     def restore(self) -> None:
-        """Put the caller's input back (in place); call only after ``stop``."""
-        assert not self.live
+        """Put the caller's input back (in place); call only after ``settle``."""
+        assert not self.live and not self._writers
         for start, stop in self._backed_up:
             self._result_bytes[start:stop] = self._backup[start:stop]
         self._backed_up.clear()
@@ -245,17 +319,68 @@ class AllReduceAttempt:
 
     # --- send side -----------------------------------------------------------------
 
+    def _plan(self, connections: int) -> list[list[tuple[Segment, int]]]:
+        plan: list[list[tuple[Segment, int]]] = [[] for _ in range(connections)]
+        position = 0
+        for segment in self.schedule.send:
+            for index in range(self.schedule.slice_count(segment)):
+                plan[position % connections].append((segment, index))
+                position += 1
+        return plan
+
+    def _frame(self, segment: Segment, index: int) -> tuple[int, memoryview]:
+        """The stream offset and payload of one outgoing slice."""
+        start, stop = self.schedule.slice_range(segment, index)
+        # Segment 0 is our own input; later ones forward what we received.
+        source = self._send_bytes if segment.index == 0 else self._result_bytes
+        offset = segment.stream_offset + index * self.schedule.slice_bytes
+        return offset, memoryview(source[start:stop])
+
     async def _arrived(self, segment_index: int, slice_index: int) -> bool:
         """Wait until slice ``slice_index`` of received segment ``segment_index`` is in;
         False if the attempt failed first."""
         done = self._progress.done[segment_index]
         while not done[slice_index]:
-            if self.failure is not None:
+            if self.failure is not None or not self.live:
                 return False
             await self._lot.park()
         return True
 
-    async def send_all(self, connections: Sequence[FramedStream]) -> None:
+    async def _send_task(self, connection: FramedStream, slices: list[tuple[Segment, int]]) -> None:
+        for segment, index in slices:
+            if segment.index and not await self._arrived(segment.index - 1, index):
+                return
+            offset, payload = self._frame(segment, index)
+            try:
+                await connection.send_data(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self.fail(f"sending to the next peer failed ({exc})")
+                return
+            self.tx_bytes += len(payload)
+
+    def _send_thread(self, link: SocketLink, slices: list[tuple[Segment, int]]) -> None:
+        for segment, index in slices:
+            with self._lock:
+                if segment.index:
+                    done = self._progress.done[segment.index - 1]
+                    while not done[index] and self.failure is None and self.live:
+                        self._changed.wait()
+                if self.failure is not None or not self.live:
+                    return
+                self._active_links.add(link)
+            offset, payload = self._frame(segment, index)
+            try:
+                link.send_data(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                self.fail(f"sending to the next peer failed ({exc})")
+                return
+            finally:
+                with self._lock:
+                    self._active_links.discard(link)
+            with self._lock:
+                self.tx_bytes += len(payload)
+
+    async def send_all(self, connections: Sequence[FramedStream | SocketLink]) -> None:
         """Send this peer's whole stream, striped over ``connections``, then wait for
         every slice of the incoming stream.
 
@@ -265,40 +390,23 @@ class AllReduceAttempt:
         if not connections:
             self.fail(self.failure or "no open connection to the next peer")
             raise LocalFailure(self.failure or "")
-        plan: list[list[tuple[Segment, int]]] = [[] for _ in connections]
-        position = 0
-        for segment in self.schedule.send:
-            for index in range(self.schedule.slice_count(segment)):
-                plan[position % len(connections)].append((segment, index))
-                position += 1
-
-        async def sender(connection: FramedStream, slices: list[tuple[Segment, int]]) -> None:
-            for segment, index in slices:
-                if segment.index and not await self._arrived(segment.index - 1, index):
-                    return
-                start, stop = self.schedule.slice_range(segment, index)
-                # Segment 0 is our own input; later ones forward what we received.
-                source = self._send_bytes if segment.index == 0 else self._result_bytes
-                try:
-                    await connection.send_data(
-                        tag=self.tag,
-                        seq=self.seq,
-                        offset=segment.stream_offset + index * self.schedule.slice_bytes,
-                        payload=memoryview(source[start:stop]),
-                    )
-                except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                    self.fail(f"sending to the next peer failed ({exc})")
-                    return
-                self.tx_bytes += stop - start
-
         async with trio.open_nursery() as nursery:
-            for connection, slices in zip(connections, plan, strict=True):
-                if slices:
-                    nursery.start_soon(sender, connection, slices)
-        while self._progress.remaining and self.failure is None:
+            for connection, slices in zip(connections, self._plan(len(connections)), strict=True):
+                if not slices:
+                    continue
+                if isinstance(connection, SocketLink):
+                    nursery.start_soon(
+                        partial(run_in_thread, partial(self._send_thread, connection, slices),
+                                interrupt=self.stop)
+                    )
+                else:
+                    nursery.start_soon(self._send_task, connection, slices)
+        while self._progress.remaining and self.failure is None and self.live:
             await self._lot.park()
         if self.failure is not None:
             raise LocalFailure(self.failure)
+        if not self.live:
+            raise LocalFailure("the attempt was stopped")
 
 
 class AsyncReduceHandle:

@@ -28,8 +28,10 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -63,6 +65,7 @@ from .._core.messages import (
     Welcome,
     WorldSizes,
 )
+from .._core.ring import Segment
 from .._errors import (
     CollectiveAborted,
     InvalidArgument,
@@ -85,10 +88,12 @@ from ..ops import as_array, from_numpy_dtype
 from ..transport import (
     FramedStream,
     Network,
+    SocketLink,
     TcpNetwork,
     format_address,
     listener_address,
     parse_address,
+    run_in_thread,
 )
 from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure
 
@@ -130,7 +135,7 @@ class _Pool:
     """The connections to (tx) or from (rx) one neighbour, by slot."""
 
     peer_id: int
-    slots: dict[int, FramedStream] = dataclasses.field(default_factory=dict)
+    slots: dict[int, FramedStream | SocketLink] = dataclasses.field(default_factory=dict)
 
     def healthy(self, size: int) -> bool:
         """All ``size`` connections open at both ends (we never read a tx connection,
@@ -222,7 +227,8 @@ class Communicator:
         self._attempts_by_tag: dict[int, AllReduceAttempt] = {}
         self._attempts_by_seq: dict[int, AllReduceAttempt] = {}
         self._last_commenced = 0
-        self._commence_lot = trio.lowlevel.ParkingLot()
+        self._commence_lot = trio.lowlevel.ParkingLot()  # readers that are trio tasks
+        self._commenced = threading.Condition()  # readers that are threads
         # The ring must be re-established (a collective was aborted) before the next
         # collective; ``_ensure_ring`` does it once no collective is in flight.
         self._ring_stale = False
@@ -557,15 +563,18 @@ class Communicator:
             info = await self._all_reduce_attempt(handle.tag, xp, send, result, op)
         except PCCLError as exc:
             handle._finish(None, exc)
-        except trio.Cancelled:
-            handle._finish(None, InvalidUsage("the communicator was closed during the all-reduce"))
-            raise
         except Exception as exc:  # a bug: report it to the caller, keep the peer alive
             log.exception("all-reduce with tag %d failed unexpectedly", handle.tag)
             handle._finish(None, exc)
         else:
             handle._finish(info, None)
         finally:
+            # Cancelled (alone, or grouped by the nurseries it crossed): the
+            # communicator is closing under it.
+            if not handle.done:
+                handle._finish(
+                    None, InvalidUsage("the communicator was closed during the all-reduce")
+                )
             self._tags_in_flight.discard(handle.tag)
 
     async def _all_reduce_attempt(
@@ -622,6 +631,7 @@ class Communicator:
                 if not (isinstance(m, CollectiveAbort) and m.seq == attempt.seq)
             ]
             if verdict is None or verdict.outcome != SUCCESS or not local_ok:
+                await attempt.settle()
                 attempt.restore()
             attempt.release()
             self._ring_lot.unpark_all()
@@ -794,7 +804,7 @@ class Communicator:
             self._failure = error
             self._status = _Status.FAILED
         self._inbox_lot.unpark_all()
-        self._commence_lot.unpark_all()
+        self._wake_readers()
         self._ring_lot.unpark_all()
         if self._nursery is not None:
             self._nursery.start_soon(self._close_connections)
@@ -918,7 +928,9 @@ class Communicator:
                     f"the master's ring {list(message.ring)} differs from this peer's "
                     f"{list(attempt.ring)}"
                 )
-        self._last_commenced = max(self._last_commenced, message.seq)
+        with self._commenced:
+            self._last_commenced = max(self._last_commenced, message.seq)
+            self._commenced.notify_all()
         self._commence_lot.unpark_all()
 
     async def _send_heartbeats(self) -> None:
@@ -1012,7 +1024,18 @@ class Communicator:
                 if old is not None:
                     await old.aclose()
                 await framed.send_message(P2PHelloAck())
-            await self._read_data(framed, hello.peer_id)
+            link = self._to_link(framed)
+            if link is None:
+                await self._read_data(framed, hello.peer_id)
+                return
+            if pool.slots.get(hello.slot) is framed:
+                pool.slots[hello.slot] = link
+            try:
+                await run_in_thread(
+                    partial(self._read_data_thread, link, hello.peer_id), interrupt=link.cut
+                )
+            finally:
+                link.cut()
         except (RemoteProtocolError, trio.TooSlowError) as exc:
             log.warning("dropping a p2p connection: %s", exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -1024,8 +1047,32 @@ class Communicator:
         finally:
             await framed.aclose()
 
+    def _to_link(self, framed: FramedStream) -> SocketLink | None:
+        """The thread-driven form of a p2p connection whose handshake is done, or None
+        to keep it in trio tasks (no socket of its own, or threads turned off)."""
+        if not self._config.threaded_data_path:
+            return None
+        return SocketLink.detach(framed, max_data_frame=self._config.max_data_frame)
+
+    @staticmethod
+    def _claim(
+        attempt: AllReduceAttempt, sender: int, tag: int, offset: int, nbytes: int
+    ) -> tuple[Segment, int]:
+        try:
+            return attempt.claim(tag, offset, nbytes)
+        except RemoteProtocolError as exc:
+            attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
+            raise
+
+    def _link_lost(self, sender: int, exc: BaseException) -> None:
+        """Every attempt receiving from ``sender`` lost frames with its connection."""
+        for attempt in list(self._attempts_by_seq.values()):
+            if attempt.predecessor == sender and attempt.live:
+                attempt.fail(f"the link from peer {sender} broke ({exc})")
+
     async def _read_data(self, framed: FramedStream, sender: int) -> None:
-        """Receive data frames from ``sender`` and hand each slice to its attempt."""
+        """Receive data frames from ``sender`` and hand each slice to its attempt (a
+        trio task: streams without a socket of their own)."""
         staging = np.empty(0, dtype=np.uint8)
         try:
             while True:
@@ -1033,30 +1080,51 @@ class Communicator:
                 if nbytes > staging.size:
                     staging = np.empty(nbytes, dtype=np.uint8)
                 attempt = await self._attempt_for(seq)
-                target = None
                 if attempt is not None:
-                    try:
-                        target = attempt.direct_target(tag, offset, nbytes, framed)
-                    except RemoteProtocolError as exc:
-                        attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
-                        raise
-                if target is not None:
-                    view, segment, index = target
-                    await framed.receive_into(view)
-                    attempt.on_direct_slice(segment, index, framed)  # type: ignore[union-attr]
-                    continue
+                    segment, index = self._claim(attempt, sender, tag, offset, nbytes)
+                    view = attempt.direct_target(segment, index, framed)
+                    if view is not None:
+                        received = False
+                        try:
+                            await framed.receive_into(view)
+                            received = True
+                        finally:
+                            attempt.on_direct_slice(segment, index, framed, received)
+                        continue
                 payload = staging[:nbytes]
                 await framed.receive_into(payload.data)
                 if attempt is not None:
-                    try:
-                        attempt.on_slice(tag, offset, payload)
-                    except RemoteProtocolError as exc:
-                        attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
-                        raise
-        except trio.BrokenResourceError as exc:
-            for attempt in list(self._attempts_by_seq.values()):
-                if attempt.predecessor == sender:
-                    attempt.fail(f"the link from peer {sender} broke ({exc})")
+                    attempt.on_slice(segment, index, payload)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._link_lost(sender, exc)
+            raise
+
+    def _read_data_thread(self, link: SocketLink, sender: int) -> None:
+        """``_read_data`` for a ``SocketLink``, in a worker thread."""
+        staging = np.empty(0, dtype=np.uint8)
+        try:
+            while True:
+                tag, seq, offset, nbytes = link.receive_data_header()
+                if nbytes > staging.size:
+                    staging = np.empty(nbytes, dtype=np.uint8)
+                attempt = self._attempt_for_thread(seq)
+                if attempt is not None:
+                    segment, index = self._claim(attempt, sender, tag, offset, nbytes)
+                    view = attempt.direct_target(segment, index, link)
+                    if view is not None:
+                        received = False
+                        try:
+                            link.receive_into(view)
+                            received = True
+                        finally:
+                            attempt.on_direct_slice(segment, index, link, received)
+                        continue
+                payload = staging[:nbytes]
+                link.receive_into(payload.data)
+                if attempt is not None:
+                    attempt.on_slice(segment, index, payload)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._link_lost(sender, exc)
             raise
 
     async def _attempt_for(self, seq: int) -> AllReduceAttempt | None:
@@ -1070,6 +1138,15 @@ class Communicator:
             if self._failure is not None or self._status is _Status.CLOSED:
                 raise trio.ClosedResourceError("the communicator is shutting down")
             await self._commence_lot.park()
+        return self._attempts_by_seq.get(seq)
+
+    def _attempt_for_thread(self, seq: int) -> AllReduceAttempt | None:
+        """``_attempt_for`` from a reader thread."""
+        with self._commenced:
+            while seq > self._last_commenced:
+                if self._failure is not None or self._status is _Status.CLOSED:
+                    raise trio.ClosedResourceError("the communicator is shutting down")
+                self._commenced.wait(timeout=1.0)
         return self._attempts_by_seq.get(seq)
 
     async def _open_pool(self, endpoint: PeerEndpoint) -> bool:
@@ -1096,7 +1173,7 @@ class Communicator:
                     ack = await framed.receive_message()
                     if not isinstance(ack, P2PHelloAck):
                         raise RemoteProtocolError(f"expected P2PHelloAck, got {ack!r}")
-                pool.slots[slot] = framed
+                pool.slots[slot] = self._to_link(framed) or framed
             except (OSError, trio.TooSlowError, trio.BrokenResourceError,
                     trio.ClosedResourceError, RemoteProtocolError) as exc:
                 log.warning(
@@ -1172,9 +1249,16 @@ class Communicator:
                 for pool in doomed:
                     await pool.aclose()
 
+    def _wake_readers(self) -> None:
+        """Readers waiting for a commence must look at the communicator's state."""
+        self._commence_lot.unpark_all()
+        with self._commenced:
+            self._commenced.notify_all()
+
     async def _shutdown(self) -> None:
         self._status = _Status.CLOSED
         self._inbox_lot.unpark_all()
+        self._wake_readers()
         await self._close_connections()
         nursery = self._nursery
         if nursery is not None:

@@ -5,6 +5,8 @@ Everything above this package gets its streams from a ``Network`` (``listen`` an
 (``TcpNetwork``) and over the in-memory network of ``pccl_trio.testing``.
 """
 
+from ._blocking import SocketLink as SocketLink
+from ._blocking import run_in_thread as run_in_thread
 from ._framed import FramedStream as FramedStream
 from ._network import Network as Network
 from ._network import TcpNetwork as TcpNetwork

@@ -49,6 +49,23 @@ class FramedStream:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def socket(self) -> trio.socket.SocketType | None:
+        """The TCP socket underneath, if any (None on the in-memory network)."""
+        return self._socket
+
+    def forget_socket(self) -> None:
+        """Hand the socket to a new owner (``SocketLink.detach``): this stream is closed
+        and never touches it again.
+
+        Raises:
+            RuntimeError: bytes past the last frame were already read from it.
+        """
+        if self._decoder.buffered:
+            raise RuntimeError("cannot hand over a stream with unread bytes")
+        self._closed = True
+        self._socket = None
+
     async def send_message(self, message: Message) -> None:
         await self.send_bytes(encode_control(message))
 

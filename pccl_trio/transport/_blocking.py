@@ -1,0 +1,224 @@
+"""TCP data connections driven by worker threads: ``SocketLink`` and ``run_in_thread``.
+
+Why threads
+-----------
+One trio thread doing all socket IO of a ring peer idles between hops: while it
+reduces one slice, nothing drains the kernel's receive buffer or refills the send
+buffer. A worker thread blocked in ``recv_into`` or ``sendmsg`` releases the GIL (as
+numpy's kernels do), so each direction of each connection makes progress on its own.
+``benchmarks/ring_ceiling.py`` measures the difference on a bare byte ring.
+
+Ownership and closing
+---------------------
+A ``SocketLink`` is created from a ``FramedStream`` once its handshake is over; from
+then on only threads touch the socket. Closing a descriptor that another thread is
+blocked on neither wakes that thread nor is safe (the number may be reused at once),
+so ``cut`` shuts the connection down instead, which wakes every blocked call, and the
+descriptor is closed by whoever is the last to stop using it.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar
+
+import outcome
+import trio
+
+from .._core.wire import DATA_HEADER, encode_data_header, parse_data_header
+from ._framed import FramedStream
+
+__all__ = ["SocketLink", "run_in_thread"]
+
+T = TypeVar("T")
+
+async def run_in_thread(fn: Callable[[], T], *, interrupt: Callable[[], None]) -> T:
+    """Run blocking ``fn`` in a worker thread and return (or raise) what it does.
+
+    If the calling task is cancelled, ``interrupt()`` is called (from the trio thread)
+    to make ``fn`` return soon, e.g. by cutting the connection it blocks on, and the
+    cancellation is delivered only once ``fn`` has returned: nothing the thread does
+    outlives the call. The thread comes from trio's cache but takes none of
+    ``trio.to_thread``'s tokens (data-path threads block for as long as their
+    connection lives).
+    """
+    token = trio.lowlevel.current_trio_token()
+    finished = trio.Event()
+    results: list[outcome.Outcome[T]] = []
+
+    def deliver(result: outcome.Outcome[T]) -> None:
+        results.append(result)
+        try:
+            token.run_sync_soon(finished.set)
+        except trio.RunFinishedError:  # pragma: no cover - the run is gone anyway
+            pass
+
+    await trio.lowlevel.checkpoint_if_cancelled()
+    trio.lowlevel.start_thread_soon(fn, deliver, name=f"pccl_trio {getattr(fn, '__name__', 'worker')}")
+    try:
+        await finished.wait()
+    except BaseException:
+        interrupt()
+        with trio.CancelScope(shield=True):
+            await finished.wait()
+        raise
+    return results[0].unwrap()
+
+
+class SocketLink:
+    """A TCP connection carrying data frames, used by worker threads with blocking calls.
+
+    Sends are serialized by ``send_lock`` (frames never interleave); one thread at a
+    time receives. Errors follow trio's taxonomy: ``trio.BrokenResourceError`` when
+    the other side or the network broke the connection, ``trio.ClosedResourceError``
+    once this side cut it. A send that fails part-way cuts the connection: it is never
+    reused with a torn frame in it.
+    """
+
+    def __init__(self, sock: socket.socket, *, max_data_frame: int) -> None:
+        sock.setblocking(True)
+        self._sock = sock
+        self._max_data_frame = max_data_frame
+        self._header = bytearray(DATA_HEADER.size)
+        self._state = threading.Lock()
+        self._users = 0
+        self._cut = False
+        self._released = False
+        self.send_lock = threading.Lock()
+
+    @classmethod
+    def detach(cls, framed: FramedStream, *, max_data_frame: int) -> SocketLink | None:
+        """Take over the socket of a TCP ``FramedStream`` whose handshake is done.
+
+        Returns None if the stream has no socket of its own (the in-memory network),
+        or was closed meanwhile. ``framed`` is closed either way.
+
+        Raises:
+            RuntimeError: the stream already read bytes past the handshake.
+        """
+        trio_socket = framed.socket
+        if trio_socket is None or framed.closed:
+            return None
+        framed.forget_socket()
+        fd = trio_socket.detach()
+        if fd < 0:  # pragma: no cover - closed between the check and here
+            return None
+        return cls(socket.socket(fileno=fd), max_data_frame=max_data_frame)
+
+    @property
+    def closed(self) -> bool:
+        """Whether this side cut the connection (or a send failed part-way)."""
+        return self._cut
+
+    @contextmanager
+    def _use(self) -> Iterator[socket.socket]:
+        with self._state:
+            if self._cut:
+                raise trio.ClosedResourceError("the connection was closed")
+            self._users += 1
+        try:
+            yield self._sock
+        finally:
+            with self._state:
+                self._users -= 1
+                release = self._cut and not self._users and not self._released
+                self._released = self._released or release
+            if release:
+                self._sock.close()
+
+    def cut(self) -> None:
+        """Shut the connection down now, from any thread; calls blocked on it return.
+
+        Idempotent. The descriptor is closed once no thread uses it.
+        """
+        with self._state:
+            if self._cut:
+                return
+            self._cut = True
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already reset by the other side
+            release = not self._users and not self._released
+            self._released = self._released or release
+        if release:
+            self._sock.close()
+
+    close_now = cut
+
+    async def aclose(self) -> None:
+        self.cut()
+        await trio.lowlevel.checkpoint()
+
+    def _error(self, what: str, exc: BaseException | None = None) -> Exception:
+        if self._cut:
+            return trio.ClosedResourceError("the connection was closed")
+        detail = f": {exc}" if exc is not None else ""
+        return trio.BrokenResourceError(f"{what}{detail}")
+
+    # --- sending -------------------------------------------------------------------
+
+    def send_frames(self, buffers: list[memoryview]) -> None:
+        """Send whole frames (blocking). Cuts the connection if it fails part-way."""
+        with self.send_lock, self._use() as sock:
+            try:
+                while buffers:
+                    sent = sock.sendmsg(buffers)
+                    while buffers and sent >= len(buffers[0]):
+                        sent -= len(buffers[0])
+                        buffers.pop(0)
+                    if buffers and sent:
+                        buffers[0] = buffers[0][sent:]
+            except OSError as exc:
+                error = self._error("send failed", exc)
+                self.cut()
+                raise error from exc
+            except BaseException:
+                self.cut()
+                raise
+
+    def send_data(self, *, tag: int, seq: int, offset: int, payload: memoryview) -> None:
+        """Send one data frame; the payload goes from the caller's memory to the kernel."""
+        header = encode_data_header(tag=tag, seq=seq, offset=offset, nbytes=len(payload))
+        self.send_frames([memoryview(header), payload])
+
+    # --- receiving -----------------------------------------------------------------
+
+    def receive_data_header(self) -> tuple[int, int, int, int]:
+        """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame.
+
+        Raises:
+            RemoteProtocolError: not a valid data frame.
+        """
+        self.receive_into(memoryview(self._header))
+        return parse_data_header(self._header, max_data_frame=self._max_data_frame)
+
+    def receive_into(self, view: memoryview) -> None:
+        """Fill ``view`` exactly (blocking)."""
+        with self._use() as sock:
+            received = 0
+            total = len(view)
+            while received < total:
+                try:
+                    n = sock.recv_into(view[received:])
+                except OSError as exc:
+                    raise self._error("receive failed", exc) from exc
+                if n == 0:
+                    raise self._error("connection closed by the other side")
+                received += n
+
+    def closed_by_peer(self) -> bool:
+        """Whether the other side closed a connection we only send on."""
+        if self._cut:
+            return True
+        try:
+            with self._use() as sock:
+                poller = select.poll()
+                poller.register(sock.fileno(), select.POLLIN)
+                return bool(poller.poll(0))
+        except (OSError, ValueError, trio.ClosedResourceError):
+            return True
