@@ -94,11 +94,13 @@ class SocketLink:
     def detach(cls, framed: FramedStream, *, max_data_frame: int) -> SocketLink | None:
         """Take over the socket of a TCP ``FramedStream`` whose handshake is done.
 
-        Returns None if the stream has no socket of its own (the in-memory network),
-        or was closed meanwhile. ``framed`` is closed either way.
+        Returns None, leaving ``framed`` as it was, if the stream has no socket of its
+        own (the in-memory network) or was closed meanwhile. Otherwise ``framed`` is
+        closed and never touches the socket again.
 
         Raises:
-            RuntimeError: the stream already read bytes past the handshake.
+            RemoteProtocolError: the other side sent bytes before the handshake was
+                over.
         """
         trio_socket = framed.socket
         if trio_socket is None or framed.closed:
@@ -183,6 +185,8 @@ class SocketLink:
 
     def send_data(self, *, tag: int, seq: int, offset: int, payload: memoryview) -> None:
         """Send one data frame; the payload goes from the caller's memory to the kernel."""
+        if payload.itemsize != 1:
+            payload = payload.cast("B")  # lengths below count bytes
         header = encode_data_header(tag=tag, seq=seq, offset=offset, nbytes=len(payload))
         self.send_frames([memoryview(header), payload])
 
@@ -199,12 +203,15 @@ class SocketLink:
 
     def receive_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly (blocking)."""
+        if view.itemsize != 1:
+            view = view.cast("B")
         with self._use() as sock:
             received = 0
             total = len(view)
             while received < total:
                 try:
-                    n = sock.recv_into(view[received:])
+                    # One wake-up for the whole view, not one per arriving segment.
+                    n = sock.recv_into(view[received:], 0, socket.MSG_WAITALL)
                 except OSError as exc:
                     raise self._error("receive failed", exc) from exc
                 if n == 0:

@@ -59,10 +59,11 @@ class FramedStream:
         and never touches it again.
 
         Raises:
-            RuntimeError: bytes past the last frame were already read from it.
+            RemoteProtocolError: the other side sent bytes before its turn (they were
+                already read past the last frame, so the new owner would miss them).
         """
         if self._decoder.buffered:
-            raise RuntimeError("cannot hand over a stream with unread bytes")
+            raise RemoteProtocolError("bytes arrived before the handshake finished")
         self._closed = True
         self._socket = None
 

@@ -201,3 +201,35 @@ async def test_single_peer_is_too_few(cluster: Cluster, clock: object) -> None:
                 await comm.all_reduce(np.ones(3, np.float32))
             with pytest.raises(pccl.TooFewPeers):
                 await comm.all_reduce_multiple_with_retry([np.ones(3, np.float32)])
+
+
+@pytest.mark.parametrize("threaded", [True, False], ids=["threads", "trio_tasks"])
+async def test_both_data_path_drivers(cluster: Cluster, clock: object, threaded: bool) -> None:
+    """TCP connections are driven by threads unless turned off; the in-memory network
+    always uses trio tasks. Either way results are exact, alone and concurrent."""
+    with trio.fail_after(120):
+        cluster.config = dataclasses.replace(cluster.config, slice_bytes=4096,
+                                             threaded_data_path=threaded)
+        comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(3)])
+        link_types = {type(stream).__name__ for c in comms
+                      for pools in (c._tx, c._rx) for pool in pools.values()
+                      for stream in pool.slots.values()}
+        on_threads = threaded and cluster.memory is None
+        assert link_types == ({"SocketLink"} if on_threads else {"FramedStream"})
+        arrays = [[np.arange(20_000 + tag, dtype=np.float64) * (rank + 1) for tag in range(4)]
+                  for rank in range(3)]
+
+        async def call(i: int, comm: pccl.Communicator) -> list[pccl.ReduceInfo]:
+            handles = [comm.all_reduce_async(arrays[i][tag], tag=tag) for tag in range(4)]
+            infos = [await h.wait() for h in handles]
+            infos.append(await comm.all_reduce(arrays[i][0], op=pccl.ReduceOp.MAX, tag=9))
+            return infos
+
+        results = await run_all(comms, call)
+        assert all(isinstance(r, list) for r in results), results
+        for tag in range(4):
+            want = np.arange(20_000 + tag, dtype=np.float64) * 6
+            for rank in range(3):
+                assert arrays[rank][tag].tobytes() == want.tobytes()
+        for comm in comms:
+            await comm.aclose()
