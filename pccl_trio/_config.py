@@ -49,7 +49,7 @@ class Config:
     max_control_frame: int = 1 << 20
     max_data_frame: int = (64 << 20) + 64
     establish_attempts: int = 5
-    p2p_connection_pool_size: int = 2
+    p2p_connection_pool_size: int = 1
     slice_bytes: int = 1 << 20
     threaded_data_path: bool = True
 
