@@ -1,7 +1,8 @@
 """The ceiling of a byte ring on this machine: W local processes, each sending S bytes
 to the next and receiving S bytes from the previous one, in 1 MiB pieces, with no
 reduction and no protocol. Two ways: trio tasks on non-blocking sockets (pccl_trio's
-current data path) and one blocking-socket thread per direction.
+data path with ``Config(threaded_data_path=False)`` and on the in-memory network) and
+one blocking-socket thread per direction (its TCP data path by default).
 
 Usage: python benchmarks/ring_ceiling.py --world 3 --megabytes 88 [--mode trio|threads]
 

@@ -164,6 +164,9 @@ class AllReduceAttempt:
         # and (threads) connections a sender is writing a frame of ours on.
         self._direct_readers: set[_Cuttable] = set()
         self._active_links: set[SocketLink] = set()
+        # Whether the data moved in worker threads (TCP), so restoring may too; on the
+        # in-memory network everything stays in trio tasks (virtual time).
+        self.uses_threads = False
 
     # --- waking waiters ----------------------------------------------------------------
 
@@ -390,6 +393,7 @@ class AllReduceAttempt:
         if not connections:
             self.fail(self.failure or "no open connection to the next peer")
             raise LocalFailure(self.failure or "")
+        self.uses_threads = any(isinstance(c, SocketLink) for c in connections)
         async with trio.open_nursery() as nursery:
             for connection, slices in zip(connections, self._plan(len(connections)), strict=True):
                 if not slices:

@@ -622,36 +622,57 @@ class Communicator:
                 verdict = await self._wait_for(
                     CollectiveVerdict, lambda m: m.tag == tag and m.seq == attempt.seq
                 )
-        finally:
-            attempt.stop()
-            del self._attempts_by_tag[tag]
-            self._attempts_by_seq.pop(attempt.seq, None)
-            self._inbox = [
-                m for m in self._inbox
-                if not (isinstance(m, CollectiveAbort) and m.seq == attempt.seq)
-            ]
-            if verdict is None or verdict.outcome != SUCCESS or not local_ok:
-                await attempt.settle()
-                attempt.restore()
+        except BaseException:
+            self._end_attempt(attempt)
+            await attempt.settle()
+            attempt.restore()
             attempt.release()
-            self._ring_lot.unpark_all()
-        if verdict.outcome == SUCCESS and local_ok:
-            return ReduceInfo(
-                world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes
+            raise
+        self._end_attempt(attempt)
+        assert verdict is not None
+        try:
+            if verdict.outcome == SUCCESS and local_ok:
+                return ReduceInfo(
+                    world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes
+                )
+            await attempt.settle()
+            if verdict.outcome == REJECTED:
+                attempt.restore()  # nothing was written, but keep the rule simple
+                raise InvalidArgument(verdict.reason)
+            reason = verdict.reason or attempt.failure or "a peer failed"
+            self._ring_stale = True
+            last = not self._attempts_by_tag
+            async with trio.open_nursery() as nursery:
+                if last and attempt.uses_threads:
+                    # Restore (a copy of up to the whole buffer) in a worker thread
+                    # while the ring is re-established below.
+                    nursery.start_soon(
+                        partial(run_in_thread, attempt.restore, interrupt=lambda: None)
+                    )
+                else:
+                    attempt.restore()
+                if last:
+                    # The last collective of the failed set re-establishes the ring
+                    # now, so a retry runs at once on the surviving peers.
+                    with contextlib.suppress(UpdateTopologyFailed):
+                        await self._ensure_ring()
+            raise CollectiveAborted(
+                f"the all-reduce with tag {tag} was aborted for every peer: {reason}; the "
+                "input was restored and retrying is safe"
             )
-        if verdict.outcome == REJECTED:
-            raise InvalidArgument(verdict.reason)
-        reason = verdict.reason or attempt.failure or "a peer failed"
-        self._ring_stale = True
-        if not self._attempts_by_tag:
-            # The last collective of the failed set re-establishes the ring now, so a
-            # retry runs at once on the surviving peers.
-            with contextlib.suppress(UpdateTopologyFailed):
-                await self._ensure_ring()
-        raise CollectiveAborted(
-            f"the all-reduce with tag {tag} was aborted for every peer: {reason}; the input "
-            "was restored and retrying is safe"
-        )
+        finally:
+            attempt.release()
+
+    def _end_attempt(self, attempt: AllReduceAttempt) -> None:
+        """The attempt is over: no more writes, no more frames routed to it."""
+        attempt.stop()
+        del self._attempts_by_tag[attempt.tag]
+        self._attempts_by_seq.pop(attempt.seq, None)
+        self._inbox = [
+            m for m in self._inbox
+            if not (isinstance(m, CollectiveAbort) and m.seq == attempt.seq)
+        ]
+        self._ring_lot.unpark_all()
 
     async def _run_ring(self, attempt: AllReduceAttempt) -> bool:
         """This peer's part of a commenced attempt; True if it completed locally."""
