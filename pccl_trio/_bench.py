@@ -48,7 +48,7 @@ def format_size(n: int) -> str:
 
 
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
-                  pool: int, slice_bytes: int) -> None:
+                  pool: int, slice_bytes: int, into_recv: bool) -> None:
     import numpy as np
 
     import pccl_trio as pccl
@@ -62,18 +62,19 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
         results = {}
         for size in sizes:
             data = np.ones(size // 4, dtype=np.float32)
+            out = np.empty_like(data) if into_recv else None
             for _ in range(warmup):
                 data.fill(1.0)
-                await comm.all_reduce(data)
+                await comm.all_reduce(data, out)
             data.fill(1.0)
-            await comm.all_reduce(data)
-            ok = bool((data == world).all())
+            await comm.all_reduce(data, out)
+            ok = bool(((data if out is None else out) == world).all())
             times = []
             for _ in range(iters):
                 data.fill(1.0)
                 await comm.all_reduce(barrier, tag=1)
                 start = time.perf_counter()
-                info = await comm.all_reduce(data)
+                info = await comm.all_reduce(data, out)
                 clock[0] = time.perf_counter() - start
                 await comm.all_reduce(clock, op=pccl.ReduceOp.MAX, tag=2)
                 times.append(float(clock[0]))
@@ -95,10 +96,11 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--pool", type=int, default=0)
     parser.add_argument("--slice-bytes", type=int, default=1 << 20)
+    parser.add_argument("--into-recv", action="store_true")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
-             args.slice_bytes)
+             args.slice_bytes, args.into_recv)
     return 0
 
 
@@ -120,7 +122,8 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace) -> dict[in
                 [sys.executable, "-m", "pccl_trio._bench", "worker", address,
                  "--world", str(world), "--sizes", ",".join(map(str, sizes)),
                  "--iters", str(args.iters), "--warmup", str(args.warmup),
-                 "--pool", str(args.pool), "--slice-bytes", str(args.slice_bytes)],
+                 "--pool", str(args.pool), "--slice-bytes", str(args.slice_bytes),
+                 *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
             )
             for _ in range(world)
@@ -162,6 +165,10 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pool", type=int, default=0, help="p2p connections per neighbour")
     parser.add_argument("--slice-bytes", type=int, default=1 << 20)
+    parser.add_argument("--into-recv", action="store_true",
+                        help="all_reduce(send, recv) instead of in place: no input to keep "
+                             "for a restore, so one copy less per all-reduce (Gloo still runs "
+                             "in place)")
     parser.add_argument("--gloo", metavar="SCRIPT", type=Path, default=None,
                         help="path to the Gloo anchor (gloo_allreduce.py); needs torch")
     parser.add_argument("--gloo-python", metavar="PYTHON", default=None,
@@ -172,7 +179,8 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     worlds = [int(w) for w in args.world.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]
 
-    print(f"# all-reduce float32 SUM on 127.0.0.1, iters={args.iters} warmup={args.warmup} "
+    print(f"# all-reduce float32 SUM {'into recv' if args.into_recv else 'in place'} on 127.0.0.1, "
+          f"iters={args.iters} warmup={args.warmup} "
           f"repeats={args.repeats} pool={args.pool or 'default'} (GB = 1e9 bytes)")
     header = f"{'W':>2} {'size':>9} {'library':>10} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
     if args.gloo:

@@ -21,7 +21,7 @@ from .._types import DataType, ReduceOp
 from ._buffers import Array, ArrayModule
 from ._dtypes import from_numpy_dtype
 
-__all__ = ["copy_into", "finalize_average", "reduce_into"]
+__all__ = ["combine_into", "copy_into", "finalize_average", "reduce_into"]
 
 # AVG accumulates as SUM; finalize_average divides once, after the last reduce step.
 _UFUNC_NAMES = {
@@ -52,6 +52,22 @@ def reduce_into(xp: ArrayModule, dst: Array, src: Array, op: ReduceOp) -> None:
     ufunc = getattr(xp, _UFUNC_NAMES[op])
     with numpy.errstate(all="ignore"):
         ufunc(dst, src, out=dst)
+
+
+def combine_into(xp: ArrayModule, dst: Array, local: Array, src: Array, op: ReduceOp) -> None:
+    """``dst = local OP src`` elementwise in one pass, in their common dtype.
+
+    The same operands in the same order as ``copy_into(dst, local)`` followed by
+    ``reduce_into(dst, src)``, so the result is bit-identical to that, without the copy.
+
+    Raises:
+        InvalidArgument: the arrays differ in dtype or shape.
+    """
+    _check_same_layout(dst, local, what="combine_into")
+    _check_same_layout(dst, src, what="combine_into")
+    ufunc = getattr(xp, _UFUNC_NAMES[op])
+    with numpy.errstate(all="ignore"):
+        ufunc(local, src, out=dst)
 
 
 def copy_into(xp: ArrayModule, dst: Array, src: Array) -> None:

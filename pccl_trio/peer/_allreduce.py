@@ -40,7 +40,7 @@ import trio
 from .._core.errors import RemoteProtocolError
 from .._core.ring import RingSchedule, Segment
 from .._types import ReduceInfo, ReduceOp
-from ..ops import copy_into, finalize_average, reduce_into
+from ..ops import combine_into, copy_into, finalize_average, reduce_into
 from ..transport import FramedStream, SocketLink, run_in_thread
 
 __all__ = ["AllReduceAttempt", "AsyncReduceHandle", "BufferPool", "LocalFailure"]
@@ -271,10 +271,12 @@ class AllReduceAttempt:
         incoming = payload.view(dtype)
         self._back_up(segment, start, stop)
         if segment.reduce:
-            if not self.in_place:
+            if self.in_place:
+                reduce_into(self.xp, target, incoming, self.op)
+            else:
                 # Not in place: the local contribution comes from the send buffer.
-                copy_into(self.xp, target, self._send_bytes[start:stop].view(dtype))
-            reduce_into(self.xp, target, incoming, self.op)
+                local = self._send_bytes[start:stop].view(dtype)
+                combine_into(self.xp, target, local, incoming, self.op)
             if segment.index == self.schedule.world - 2 and self.op is ReduceOp.AVG:
                 finalize_average(self.xp, target, self.schedule.world)
         else:

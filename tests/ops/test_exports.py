@@ -5,7 +5,7 @@ from __future__ import annotations
 import pccl_trio.ops as ops
 
 PUBLIC = {
-    "Array", "ArrayModule", "as_array", "byte_view", "copy_into", "finalize_average",
+    "Array", "ArrayModule", "as_array", "byte_view", "combine_into", "copy_into", "finalize_average",
     "from_numpy_dtype", "reduce_into", "to_numpy_dtype",
 }
 
