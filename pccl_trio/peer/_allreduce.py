@@ -237,7 +237,11 @@ class AllReduceAttempt:
                 return None
             self._writers += 1
             self._direct_readers.add(reader)
-        self._back_up(segment, start, stop)
+        try:
+            self._back_up(segment, start, stop)
+        except BaseException:
+            self.on_direct_slice(segment, index, reader, False)
+            raise
         return memoryview(self._result_bytes[start:stop])
 
     def on_direct_slice(self, segment: Segment, index: int, reader: _Cuttable, received: bool) -> None:
@@ -297,10 +301,11 @@ class AllReduceAttempt:
         """
         with self._lock:
             self.live = False
-            doomed: list[_Cuttable] = [*self._direct_readers, *self._active_links]
+            # Under the lock: a connection leaving these sets now could otherwise
+            # start a frame of another collective before the cut reaches it.
+            for connection in [*self._direct_readers, *self._active_links]:
+                connection.close_now()
             self._wake(trio_too=True)
-        for connection in doomed:
-            connection.close_now()
 
     async def settle(self) -> None:
         """Wait until no reader or reduction writes into the buffers; after ``stop``."""

@@ -597,7 +597,9 @@ class Communicator:
         self._attempts_by_tag[tag] = attempt
         verdict: CollectiveVerdict | None = None
         local_ok = False
+        voted = completed = False
         try:
+            voted = True  # from here on, the master may count on this peer's part
             await self._send(
                 CollectiveInitiate(
                     tag=tag,
@@ -616,17 +618,20 @@ class Communicator:
                 verdict = reply
             else:
                 local_ok = await self._run_ring(attempt)
+                completed = True
                 await self._send(
                     CollectiveComplete(tag=tag, seq=attempt.seq, aborted=not local_ok)
                 )
                 verdict = await self._wait_for(
                     CollectiveVerdict, lambda m: m.tag == tag and m.seq == attempt.seq
                 )
-        except BaseException:
+        except BaseException as exc:
             self._end_attempt(attempt)
             await attempt.settle()
             attempt.restore()
             attempt.release()
+            if voted and verdict is None and isinstance(exc, Exception):
+                await self._abandon(attempt, completed=completed, error=exc)
             raise
         self._end_attempt(attempt)
         assert verdict is not None
@@ -642,6 +647,7 @@ class Communicator:
             reason = verdict.reason or attempt.failure or "a peer failed"
             self._ring_stale = True
             last = not self._attempts_by_tag
+            ring_error: PCCLError | None = None
             async with trio.open_nursery() as nursery:
                 if last and attempt.uses_threads:
                     # Restore (a copy of up to the whole buffer) in a worker thread
@@ -654,14 +660,44 @@ class Communicator:
                 if last:
                     # The last collective of the failed set re-establishes the ring
                     # now, so a retry runs at once on the surviving peers.
-                    with contextlib.suppress(UpdateTopologyFailed):
+                    try:
                         await self._ensure_ring()
+                    except UpdateTopologyFailed:
+                        pass
+                    except PCCLError as exc:  # raised below, not grouped by the nursery
+                        ring_error = exc
+            if ring_error is not None:
+                raise ring_error
             raise CollectiveAborted(
                 f"the all-reduce with tag {tag} was aborted for every peer: {reason}; the "
                 "input was restored and retrying is safe"
             )
         finally:
             attempt.release()
+
+    async def _abandon(
+        self, attempt: AllReduceAttempt, *, completed: bool, error: Exception
+    ) -> None:
+        """This peer voted for a collective and then failed unexpectedly (a bug): make
+        sure the others get a verdict instead of waiting for ours forever."""
+        if isinstance(error, PCCLError):
+            return  # the protocol's own errors leave the master informed
+        if attempt.seq and not completed:
+            with trio.CancelScope(shield=True), trio.move_on_after(self._config.connect_timeout):
+                with contextlib.suppress(PCCLError):
+                    await self._send(
+                        CollectiveComplete(tag=attempt.tag, seq=attempt.seq, aborted=True)
+                    )
+                    return
+        if not completed:
+            # Not commenced yet (or the vote could not be sent): only leaving the run
+            # tells the master not to wait for this peer.
+            self._fail(
+                InvalidUsage(
+                    f"internal error during the all-reduce with tag {attempt.tag} "
+                    f"({error!r}); this peer left the run so the others do not wait for it"
+                )
+            )
 
     def _end_attempt(self, attempt: AllReduceAttempt) -> None:
         """The attempt is over: no more writes, no more frames routed to it."""
@@ -1116,7 +1152,7 @@ class Communicator:
                 await framed.receive_into(payload.data)
                 if attempt is not None:
                     attempt.on_slice(segment, index, payload)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
             self._link_lost(sender, exc)
             raise
 
@@ -1144,7 +1180,7 @@ class Communicator:
                 link.receive_into(payload.data)
                 if attempt is not None:
                     attempt.on_slice(segment, index, payload)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
             self._link_lost(sender, exc)
             raise
 

@@ -62,9 +62,11 @@ async def run_in_thread(fn: Callable[[], T], *, interrupt: Callable[[], None]) -
     try:
         await finished.wait()
     except BaseException:
-        interrupt()
-        with trio.CancelScope(shield=True):
-            await finished.wait()
+        try:
+            interrupt()
+        finally:
+            with trio.CancelScope(shield=True):
+                await finished.wait()
         raise
     return results[0].unwrap()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import struct
@@ -142,3 +143,20 @@ def test_busy_port_is_a_clear_error() -> None:
     assert "cannot listen" in result.stderr
 
 
+
+
+@pytest.mark.parametrize("mode", [[], ["--into-recv"]], ids=["in_place", "into_recv"])
+def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> None:
+    """`pccl-trio bench` end to end at a tiny size: W peer processes, a verified result,
+    and the JSON rows the benchmark docs are built from."""
+    out = tmp_path / "bench.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pccl_trio._cli", "bench", "--world", "2", "--sizes", "4K,12K",
+         "--iters", "2", "--warmup", "1", "--repeats", "1", "--json", str(out), *mode],
+        capture_output=True, text=True, check=False, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert ("into recv" if mode else "in place") in result.stdout
+    rows = json.loads(out.read_text())
+    assert [(r["world"], r["size"]) for r in rows] == [(2, 4096), (2, 12288)]
+    assert all(r["pccl_trio_s"] > 0 and r["pccl_trio_busbw"] > 0 for r in rows)
