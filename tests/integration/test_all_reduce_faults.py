@@ -202,3 +202,41 @@ async def test_no_open_connection_to_the_successor_aborts_cleanly(
         assert all((a == 6).all() for a in arrays)
         for comm in comms:
             await comm.aclose()
+
+
+async def test_malformed_data_frames_abort_instead_of_hanging(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every peer's first data frame of tag 7 arrives with a header that is not a data
+    frame: each reader drops its connection before any slice is claimed, so nothing
+    arrives anywhere and no sender hits a broken pipe (over TCP; the in-memory network's
+    small buffers may break a send first). The readers' errors alone must abort the
+    collective for everyone (inputs restored); then a retry works."""
+    import pccl_trio.transport._blocking as blocking
+    import pccl_trio.transport._framed as framed
+
+    real = framed.encode_data_header
+
+    def poisoned(*, tag: int, seq: int, offset: int, nbytes: int) -> bytes:
+        header = bytearray(real(tag=tag, seq=seq, offset=offset, nbytes=nbytes))
+        if tag == 7:
+            header[4] = 0  # the frame type byte: not DATA
+        return bytes(header)
+
+    monkeypatch.setattr(framed, "encode_data_header", poisoned)
+    monkeypatch.setattr(blocking, "encode_data_header", poisoned)
+    # One slice per segment: after its first frame no sender has anything to send.
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        data = [np.arange(10_000, dtype=np.int64) * (i + 1) for i in range(3)]
+        arrays = [d.copy() for d in data]
+        results = await run_all(comms, lambda i, c: c.all_reduce(arrays[i], tag=7))
+        assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results
+        for i in range(3):
+            assert arrays[i].tobytes() == data[i].tobytes()
+        infos = await run_all(comms, lambda i, c: c.all_reduce(arrays[i], tag=8))
+        assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
+        for i in range(3):
+            assert arrays[i].tobytes() == (data[0] * 6).tobytes()
+        for comm in comms:
+            await comm.aclose()
