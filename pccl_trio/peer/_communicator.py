@@ -24,7 +24,6 @@ every participant. A failed round is voted again, up to ``Config.establish_attem
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import logging
@@ -597,7 +596,7 @@ class Communicator:
         self._attempts_by_tag[tag] = attempt
         verdict: CollectiveVerdict | None = None
         local_ok = False
-        voted = completed = False
+        voted = False
         try:
             voted = True  # from here on, the master may count on this peer's part
             await self._send(
@@ -618,7 +617,6 @@ class Communicator:
                 verdict = reply
             else:
                 local_ok = await self._run_ring(attempt)
-                completed = True
                 await self._send(
                     CollectiveComplete(tag=tag, seq=attempt.seq, aborted=not local_ok)
                 )
@@ -631,7 +629,7 @@ class Communicator:
             attempt.restore()
             attempt.release()
             if voted and verdict is None and isinstance(exc, Exception):
-                await self._abandon(attempt, completed=completed, error=exc)
+                self._abandon(attempt, exc)
             raise
         self._end_attempt(attempt)
         assert verdict is not None
@@ -675,29 +673,19 @@ class Communicator:
         finally:
             attempt.release()
 
-    async def _abandon(
-        self, attempt: AllReduceAttempt, *, completed: bool, error: Exception
-    ) -> None:
-        """This peer voted for a collective and then failed unexpectedly (a bug): make
-        sure the others get a verdict instead of waiting for ours forever."""
+    def _abandon(self, attempt: AllReduceAttempt, error: Exception) -> None:
+        """This peer voted for a collective and then failed unexpectedly (a bug). The
+        others count on its part, and after the abort on its vote to re-establish the
+        ring; it can promise neither, so it leaves the run, and the master tells them."""
         if isinstance(error, PCCLError):
             return  # the protocol's own errors leave the master informed
-        if attempt.seq and not completed:
-            with trio.CancelScope(shield=True), trio.move_on_after(self._config.connect_timeout):
-                with contextlib.suppress(PCCLError):
-                    await self._send(
-                        CollectiveComplete(tag=attempt.tag, seq=attempt.seq, aborted=True)
-                    )
-                    return
-        if not completed:
-            # Not commenced yet (or the vote could not be sent): only leaving the run
-            # tells the master not to wait for this peer.
-            self._fail(
-                InvalidUsage(
-                    f"internal error during the all-reduce with tag {attempt.tag} "
-                    f"({error!r}); this peer left the run so the others do not wait for it"
-                )
+        self._fail(
+            InvalidUsage(
+                f"internal error during the all-reduce with tag {attempt.tag} ({error!r}); "
+                "this peer left the run so the others do not wait for it: create a new "
+                "Communicator to join again"
             )
+        )
 
     def _end_attempt(self, attempt: AllReduceAttempt) -> None:
         """The attempt is over: no more writes, no more frames routed to it."""

@@ -240,3 +240,52 @@ async def test_malformed_data_frames_abort_instead_of_hanging(
             assert arrays[i].tobytes() == (data[0] * 6).tobytes()
         for comm in comms:
             await comm.aclose()
+
+
+async def test_an_internal_error_after_voting_still_gives_the_others_a_verdict(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug inside one peer's part of a commenced all-reduce is reported to its caller,
+    and that peer leaves the run (it can no longer follow the protocol), so the others
+    get an aborted verdict instead of waiting for it, and go on without it."""
+    from pccl_trio.peer._allreduce import AllReduceAttempt
+
+    real = AllReduceAttempt.send_all
+
+    async def broken(self: AllReduceAttempt, connections: object) -> None:
+        if self.schedule.rank == 0:
+            raise RuntimeError("a bug in the data path")
+        await real(self, connections)  # type: ignore[arg-type]
+
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        data = [np.arange(5_000, dtype=np.float64) + i for i in range(3)]
+        arrays = [d.copy() for d in data]
+        bad = [c.ring.index(c.peer_id) for c in comms].index(0)
+        monkeypatch.setattr(AllReduceAttempt, "send_all", broken)
+        outcomes: list[object] = [None] * 3
+
+        async def one(i: int) -> None:
+            try:
+                outcomes[i] = await comms[i].all_reduce(arrays[i])
+            except Exception as exc:  # noqa: BLE001 - sorted out below
+                outcomes[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i)
+        assert "a bug in the data path" in repr(outcomes[bad]), outcomes
+        good = [i for i in range(3) if i != bad]
+        assert all(isinstance(outcomes[i], pccl.CollectiveAborted) for i in good), outcomes
+        for i in range(3):
+            assert arrays[i].tobytes() == data[i].tobytes()
+        with pytest.raises(pccl.InvalidUsage, match="internal error"):
+            await comms[bad].all_reduce(arrays[bad])
+        monkeypatch.setattr(AllReduceAttempt, "send_all", real)
+        infos = await run_all([comms[i] for i in good],
+                              lambda j, c: c.all_reduce(arrays[good[j]]))
+        assert all(isinstance(r, pccl.ReduceInfo) and r.world_size == 2 for r in infos), infos
+        for i in good:
+            assert arrays[i].tobytes() == (data[good[0]] + data[good[1]]).tobytes()
+        for comm in comms:
+            await comm.aclose()
