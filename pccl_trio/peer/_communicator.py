@@ -24,11 +24,12 @@ every participant. A failed round is voted again, up to ``Config.establish_attem
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 from types import TracebackType
@@ -64,7 +65,6 @@ from .._core.messages import (
     Welcome,
     WorldSizes,
 )
-from .._core.ring import Segment
 from .._errors import (
     CollectiveAborted,
     InvalidArgument,
@@ -596,9 +596,7 @@ class Communicator:
         self._attempts_by_tag[tag] = attempt
         verdict: CollectiveVerdict | None = None
         local_ok = False
-        voted = False
         try:
-            voted = True  # from here on, the master may count on this peer's part
             await self._send(
                 CollectiveInitiate(
                     tag=tag,
@@ -628,7 +626,9 @@ class Communicator:
             await attempt.settle()
             attempt.restore()
             attempt.release()
-            if voted and verdict is None and isinstance(exc, Exception):
+            if verdict is None and isinstance(exc, Exception) and not isinstance(exc, PCCLError):
+                # A bug after this peer voted (the protocol's own errors leave the
+                # master informed).
                 self._abandon(attempt, exc)
             raise
         self._end_attempt(attempt)
@@ -677,8 +677,6 @@ class Communicator:
         """This peer voted for a collective and then failed unexpectedly (a bug). The
         others count on its part, and after the abort on its vote to re-establish the
         ring; it can promise neither, so it leaves the run, and the master tells them."""
-        if isinstance(error, PCCLError):
-            return  # the protocol's own errors leave the master informed
         self._fail(
             InvalidUsage(
                 f"internal error during the all-reduce with tag {attempt.tag} ({error!r}); "
@@ -1099,21 +1097,51 @@ class Communicator:
             return None
         return SocketLink.detach(framed, max_data_frame=self._config.max_data_frame)
 
-    @staticmethod
-    def _claim(
-        attempt: AllReduceAttempt, sender: int, tag: int, offset: int, nbytes: int
-    ) -> tuple[Segment, int]:
-        try:
-            return attempt.claim(tag, offset, nbytes)
-        except RemoteProtocolError as exc:
-            attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
-            raise
-
     def _link_lost(self, sender: int, exc: BaseException) -> None:
         """Every attempt receiving from ``sender`` lost frames with its connection."""
         for attempt in list(self._attempts_by_seq.values()):
             if attempt.predecessor == sender and attempt.live:
                 attempt.fail(f"the link from peer {sender} broke ({exc})")
+
+    @staticmethod
+    def _deliver(
+        attempt: AllReduceAttempt | None,
+        sender: int,
+        reader: FramedStream | SocketLink,
+        staging: Any,
+        header: tuple[int, int, int, int],
+    ) -> Generator[memoryview, None, None]:
+        """Where one data frame's payload goes, for either kind of reader.
+
+        Yields the one buffer the reader must fill with the payload, then hands the
+        slice to its attempt: straight into the result for all-gather data, through
+        ``staging`` otherwise, and nowhere for a stale attempt (``None``). Closing the
+        generator before it finishes means the payload did not arrive.
+
+        Raises:
+            RemoteProtocolError: the frame does not fit its attempt (which fails).
+        """
+        tag, _seq, offset, nbytes = header
+        if attempt is None:
+            yield staging[:nbytes].data  # read and drop
+            return
+        try:
+            segment, index = attempt.claim(tag, offset, nbytes)
+        except RemoteProtocolError as exc:
+            attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
+            raise
+        view = attempt.direct_target(segment, index, reader)
+        if view is not None:
+            received = False
+            try:
+                yield view
+                received = True
+            finally:
+                attempt.on_direct_slice(segment, index, reader, received)
+            return
+        payload = staging[:nbytes]
+        yield payload.data
+        attempt.on_slice(segment, index, payload)
 
     async def _read_data(self, framed: FramedStream, sender: int) -> None:
         """Receive data frames from ``sender`` and hand each slice to its attempt (a
@@ -1121,25 +1149,13 @@ class Communicator:
         staging = np.empty(0, dtype=np.uint8)
         try:
             while True:
-                tag, seq, offset, nbytes = await framed.receive_data_header()
-                if nbytes > staging.size:
-                    staging = np.empty(nbytes, dtype=np.uint8)
-                attempt = await self._attempt_for(seq)
-                if attempt is not None:
-                    segment, index = self._claim(attempt, sender, tag, offset, nbytes)
-                    view = attempt.direct_target(segment, index, framed)
-                    if view is not None:
-                        received = False
-                        try:
-                            await framed.receive_into(view)
-                            received = True
-                        finally:
-                            attempt.on_direct_slice(segment, index, framed, received)
-                        continue
-                payload = staging[:nbytes]
-                await framed.receive_into(payload.data)
-                if attempt is not None:
-                    attempt.on_slice(segment, index, payload)
+                header = await framed.receive_data_header()
+                if header[3] > staging.size:
+                    staging = np.empty(header[3], dtype=np.uint8)
+                attempt = await self._attempt_for(header[1])
+                with contextlib.closing(self._deliver(attempt, sender, framed, staging, header)) as plan:
+                    for view in plan:
+                        await framed.receive_into(view)
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
             self._link_lost(sender, exc)
             raise
@@ -1149,25 +1165,13 @@ class Communicator:
         staging = np.empty(0, dtype=np.uint8)
         try:
             while True:
-                tag, seq, offset, nbytes = link.receive_data_header()
-                if nbytes > staging.size:
-                    staging = np.empty(nbytes, dtype=np.uint8)
-                attempt = self._attempt_for_thread(seq)
-                if attempt is not None:
-                    segment, index = self._claim(attempt, sender, tag, offset, nbytes)
-                    view = attempt.direct_target(segment, index, link)
-                    if view is not None:
-                        received = False
-                        try:
-                            link.receive_into(view)
-                            received = True
-                        finally:
-                            attempt.on_direct_slice(segment, index, link, received)
-                        continue
-                payload = staging[:nbytes]
-                link.receive_into(payload.data)
-                if attempt is not None:
-                    attempt.on_slice(segment, index, payload)
+                header = link.receive_data_header()
+                if header[3] > staging.size:
+                    staging = np.empty(header[3], dtype=np.uint8)
+                attempt = self._attempt_for_thread(header[1])
+                with contextlib.closing(self._deliver(attempt, sender, link, staging, header)) as plan:
+                    for view in plan:
+                        link.receive_into(view)
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
             self._link_lost(sender, exc)
             raise

@@ -19,7 +19,6 @@ descriptor is closed by whoever is the last to stop using it.
 
 from __future__ import annotations
 
-import select
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -30,7 +29,7 @@ import outcome
 import trio
 
 from .._core.wire import DATA_HEADER, encode_data_header, parse_data_header
-from ._framed import FramedStream
+from ._framed import FramedStream, readable_now
 
 __all__ = ["SocketLink", "run_in_thread"]
 
@@ -226,8 +225,6 @@ class SocketLink:
             return True
         try:
             with self._use() as sock:
-                poller = select.poll()
-                poller.register(sock.fileno(), select.POLLIN)
-                return bool(poller.poll(0))
-        except (OSError, ValueError, trio.ClosedResourceError):
+                return readable_now(sock)
+        except trio.ClosedResourceError:
             return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import socket
 
 import trio
 
@@ -18,9 +19,21 @@ from .._core.wire import (
     parse_data_header,
 )
 
-__all__ = ["FramedStream"]
+__all__ = ["FramedStream", "readable_now"]
 
 RECEIVE_SIZE = 1 << 16
+
+
+def readable_now(sock: socket.socket | trio.socket.SocketType) -> bool:
+    """Whether a socket has something to read (data, end of stream, or a reset) right
+    now; True if it is no longer usable at all. On a connection we only send on, this
+    means the other side closed it."""
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 class FramedStream:
@@ -187,11 +200,6 @@ class FramedStream:
         if self._closed:
             return True
         if self._socket is not None:
-            try:
-                poller = select.poll()
-                poller.register(self._socket.fileno(), select.POLLIN)
-                return bool(poller.poll(0))
-            except (OSError, ValueError):
-                return True
+            return readable_now(self._socket)
         ended = getattr(self.stream, "ended_by_peer", None)
         return bool(ended()) if ended is not None else False

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import fcntl
 import random
-import select
 import socket
 import struct
 import termios
@@ -26,6 +25,7 @@ from pccl_trio._core.messages import PROTOCOL_VERSION, P2PHello, P2PHelloAck
 from pccl_trio._core.wire import DATA_HEADER, DataFrame, FrameType, encode_control, encode_data
 from pccl_trio.testing import MemoryNetwork
 from pccl_trio.transport import FramedStream, SocketLink, run_in_thread
+from pccl_trio.transport._framed import readable_now
 
 TIMEOUT = 10
 MiB = 1 << 20
@@ -91,16 +91,31 @@ def recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return bytes(buffer)
 
 
-def readable(sock: socket.socket) -> bool:
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
-
-
 async def wait_until(predicate: Callable[[], bool]) -> None:
     """Poll ``predicate`` between checkpoints (the caller's ``fail_after`` bounds it)."""
     while not predicate():
         await trio.lowlevel.checkpoint()
+
+
+async def block_a_send_then(
+    link: SocketLink, peer: socket.socket, error: type[Exception], then: Callable[[], object]
+) -> None:
+    """Start a send far larger than the socket buffers of a peer that never reads; once
+    it is blocked, call ``then``; the send must fail with ``error``."""
+    payload = memoryview(bytearray(BLOCKING_SEND))
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+
+            async def send() -> None:
+                with pytest.raises(error):
+                    await run_in_thread(
+                        partial(link.send_data, tag=1, seq=1, offset=0, payload=payload), interrupt=link.cut
+                    )
+
+            nursery.start_soon(send)
+            # The send started (bytes arrived); the peer never reads, so it fills the buffers.
+            await wait_until(lambda: link._users == 1 and readable_now(peer))
+            then()
 
 
 def payload_for(tag: int, seq: int, nbytes: int) -> bytes:
@@ -316,20 +331,7 @@ async def test_cut_wakes_a_send_blocked_on_a_full_socket(
     link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
 ) -> None:
     link, counted, peer = link_and_peer
-    payload = memoryview(bytearray(BLOCKING_SEND))
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-
-            async def send() -> None:
-                with pytest.raises(trio.ClosedResourceError):
-                    await run_in_thread(
-                        partial(link.send_data, tag=1, seq=1, offset=0, payload=payload), interrupt=link.cut
-                    )
-
-            nursery.start_soon(send)
-            # The send started (bytes arrived); the peer never reads, so it fills the buffers.
-            await wait_until(lambda: link._users == 1 and readable(peer))
-            link.cut()
+    await block_a_send_then(link, peer, trio.ClosedResourceError, link.cut)
     assert link.closed
     assert counted.fileno() == -1 and counted.closes == 1
 
@@ -352,7 +354,7 @@ async def test_cut_wakes_a_sender_waiting_for_the_send_lock(
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send, BLOCKING_SEND)
-            await wait_until(lambda: link._users == 1 and readable(peer))
+            await wait_until(lambda: link._users == 1 and readable_now(peer))
             nursery.start_soon(send, 10)  # queues behind the blocked send's lock
             link.cut()
     assert errors == [trio.ClosedResourceError, trio.ClosedResourceError]
@@ -457,19 +459,7 @@ async def test_peer_reset_fails_a_blocked_send_and_cuts_the_link(
     link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
 ) -> None:
     link, counted, peer = link_and_peer
-    payload = memoryview(bytearray(BLOCKING_SEND))
-    with trio.fail_after(TIMEOUT):
-        async with trio.open_nursery() as nursery:
-
-            async def send() -> None:
-                with pytest.raises(trio.BrokenResourceError):
-                    await run_in_thread(
-                        partial(link.send_data, tag=1, seq=1, offset=0, payload=payload), interrupt=link.cut
-                    )
-
-            nursery.start_soon(send)
-            await wait_until(lambda: link._users == 1 and readable(peer))
-            abort(peer)
+    await block_a_send_then(link, peer, trio.BrokenResourceError, lambda: abort(peer))
     assert link.closed  # a send that failed part-way never leaves a torn frame behind
     assert counted.fileno() == -1 and counted.closes == 1
     with pytest.raises(trio.ClosedResourceError):
@@ -596,7 +586,7 @@ async def test_cut_with_threads_in_both_directions_closes_once(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(call, partial(link.send_data, tag=1, seq=1, offset=0, payload=payload))
             nursery.start_soon(call, partial(link.receive_into, memoryview(bytearray(10))))
-            await wait_until(lambda: link._users == 2 and readable(peer))
+            await wait_until(lambda: link._users == 2 and readable_now(peer))
             link.cut()
             link.cut()
     assert errors == [trio.ClosedResourceError, trio.ClosedResourceError]
