@@ -76,11 +76,17 @@ class QuantizationOptions:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ReduceInfo:
-    """Outcome of an all-reduce: the peer-group world size and payload bytes moved."""
+    """Outcome of an all-reduce: the peer-group world size and payload bytes moved.
+
+    ``clamped`` counts the values this peer's quantized encodings clamped to their
+    range (ZERO_POINT_SCALE with a NORMAL distribution hint on data with outliers);
+    it is 0 otherwise.
+    """
 
     world_size: int
     tx_bytes: int
     rx_bytes: int
+    clamped: int = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -140,7 +140,8 @@ PENDING_VOTE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
 
 def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
     return (
-        message.count, message.dtype, message.op, message.quantized_dtype, message.quantization
+        message.count, message.dtype, message.op, message.quantized_dtype, message.quantization,
+        message.distribution_hint,
     )
 
 
@@ -273,6 +274,8 @@ class _Collective:
     completed: set[int] = dataclasses.field(default_factory=set)
     aborted: bool = False
     reason: str = ""
+    # A peer's data could not be reduced: the verdict is REJECTED, not ABORTED.
+    rejected: bool = False
 
 
 #: States in which a peer may initiate a collective (a failed round leaves the ring
@@ -440,8 +443,8 @@ class MasterCore:
                     peer.pending_vote = True
                 case CollectiveInitiate():
                     self._on_initiate(peer, message)
-                case CollectiveComplete(tag=tag, seq=seq, aborted=aborted):
-                    self._on_complete(peer, tag, seq, aborted)
+                case CollectiveComplete(tag=tag, seq=seq, aborted=aborted, invalid=invalid):
+                    self._on_complete(peer, tag, seq, aborted, invalid)
                 case _:  # pragma: no cover - every C2M kind is handled above
                     raise LocalProtocolError(f"unhandled message {message!r}")
         except RemoteProtocolError as exc:
@@ -535,7 +538,9 @@ class MasterCore:
         peer.collectives.add(message.tag)
         collective.descriptors[peer.peer_id] = message
 
-    def _on_complete(self, peer: _Peer, tag: int, seq: int, aborted: bool) -> None:
+    def _on_complete(
+        self, peer: _Peer, tag: int, seq: int, aborted: bool, invalid: str = ""
+    ) -> None:
         collective = self._collectives.get((peer.peer_group, tag))
         if collective is None or not collective.seq or peer.peer_id not in collective.participants:
             raise RemoteProtocolError(f"CollectiveComplete for tag {tag}, which is not running")
@@ -546,7 +551,10 @@ class MasterCore:
         if peer.peer_id in collective.completed:
             raise RemoteProtocolError(f"CollectiveComplete twice for tag {tag}")
         collective.completed.add(peer.peer_id)
-        if aborted:
+        if invalid and not collective.aborted:
+            collective.rejected = True
+            self._abort(collective, f"peer {peer.peer_id}: {invalid}")
+        elif aborted:
             self._abort(collective, f"peer {peer.peer_id} failed during the collective")
 
     def _abort(self, collective: _Collective, reason: str) -> None:
@@ -582,7 +590,10 @@ class MasterCore:
         for collective in list(self._collectives.values()):
             if collective.seq:
                 if collective.participants <= collective.completed:
-                    outcome = ABORTED if collective.aborted else SUCCESS
+                    outcome = (
+                        REJECTED if collective.rejected
+                        else ABORTED if collective.aborted else SUCCESS
+                    )
                     self._end_collective(collective, outcome, collective.reason)
                 continue
             members = [
@@ -610,7 +621,8 @@ class MasterCore:
                     collective,
                     REJECTED,
                     f"peers disagree on the all-reduce with tag {collective.tag} ({views}); "
-                    "every peer must pass the same count, dtype, op and quantization",
+                    "every peer must pass the same count, dtype, op, quantization and "
+                    "distribution hint",
                 )
                 continue
             if collective.group in self._stale_groups:

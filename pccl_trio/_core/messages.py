@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 #: Names by wire value; the public enums in ``pccl_trio._types`` use the same values
 #: (a test holds them together).
@@ -69,6 +69,7 @@ DTYPE_NAMES = (
 )
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
+DISTRIBUTION_HINT_NAMES = ("NONE", "NORMAL", "UNIFORM")
 #: ``CollectiveVerdict.outcome`` values.
 SUCCESS, ABORTED, REJECTED = 0, 1, 2
 OUTCOMES = (SUCCESS, ABORTED, REJECTED)
@@ -257,11 +258,12 @@ class CollectiveInitiate(Message):
     op: int
     quantized_dtype: int
     quantization: int
+    distribution_hint: int = 0
 
     def _validate(self) -> None:
         for name, names in (
             ("dtype", DTYPE_NAMES), ("op", OP_NAMES), ("quantized_dtype", DTYPE_NAMES),
-            ("quantization", QUANTIZATION_NAMES),
+            ("quantization", QUANTIZATION_NAMES), ("distribution_hint", DISTRIBUTION_HINT_NAMES),
         ):
             value = getattr(self, name)
             if value >= len(names):
@@ -277,17 +279,25 @@ class CollectiveInitiate(Message):
                 f" quantization={QUANTIZATION_NAMES[self.quantization]}"
                 f"->{DTYPE_NAMES[self.quantized_dtype]}"
             )
+        if self.distribution_hint:
+            text += f" distribution_hint={DISTRIBUTION_HINT_NAMES[self.distribution_hint]}"
         return text
 
 
 @_message(7, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveComplete(Message):
-    """This peer is done with attempt ``seq`` of ``tag``; ``aborted``: it failed locally."""
+    """This peer is done with attempt ``seq`` of ``tag``; ``aborted``: it failed locally.
+
+    ``invalid``, when not empty, says why this peer's data could not be reduced (e.g.
+    NaN among values to quantize): the collective then fails for every peer as an
+    invalid argument with that reason, instead of as an abort to retry.
+    """
 
     tag: int
     seq: int
     aborted: bool
+    invalid: str = ""  # non-empty implies aborted
 
 
 # --- master -> peer ---------------------------------------------------------------

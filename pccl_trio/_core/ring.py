@@ -183,8 +183,16 @@ class RingSchedule:
         start = segment.start + index * self.slice_bytes
         return start, min(start + self.slice_bytes, segment.start + segment.nbytes)
 
-    def locate(self, stream_offset: int, nbytes: int) -> tuple[Segment, int]:
+    def locate(
+        self,
+        stream_offset: int,
+        nbytes: int,
+        payload_size: Callable[[int], int] | None = None,
+    ) -> tuple[Segment, int]:
         """The received segment and slice index a data frame carries.
+
+        ``payload_size`` maps a slice's size in the buffer to its payload's size on the
+        wire (when the wire encodes slices, e.g. quantized); by default they are equal.
 
         Raises:
             RemoteProtocolError: the frame is not exactly one slice of the stream.
@@ -203,9 +211,10 @@ class RingSchedule:
                 f"data frame at stream offset {stream_offset} does not start a slice"
             )
         start, stop = self.slice_range(segment, index)
-        if nbytes != stop - start:
+        expected = stop - start if payload_size is None else payload_size(stop - start)
+        if nbytes != expected:
             raise RemoteProtocolError(
                 f"data frame at stream offset {stream_offset} carries {nbytes} bytes; "
-                f"the slice has {stop - start}"
+                f"the slice needs {expected}"
             )
         return segment, index

@@ -14,3 +14,7 @@ from ._kernels import combine_into as combine_into
 from ._kernels import copy_into as copy_into
 from ._kernels import finalize_average as finalize_average
 from ._kernels import reduce_into as reduce_into
+from ._quantize import META_BYTES as META_BYTES
+from ._quantize import Codec as Codec
+from ._quantize import NonFiniteData as NonFiniteData
+from ._quantize import check_quantization as check_quantization

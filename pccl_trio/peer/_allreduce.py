@@ -24,6 +24,13 @@ were already running, so ``restore`` never races a late write.
 
 For an in-place all-reduce every slice is copied to a backup just before its first
 write, so an aborted attempt restores exactly the caller's input.
+
+Quantized (with a ``Codec``), every slice travels as one encoded block. In the
+reduce-scatter a sender encodes the slice's current partial result afresh; the
+receiver decodes it and combines it into its own values. The owner of a chunk encodes
+its final value once, on the last reduce step, and adopts the decoded block as its own
+result; in the all-gather the blocks are kept and forwarded byte for byte, and every
+receiver decodes the same bytes. So every peer ends with the same bits.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import trio
 from .._core.errors import RemoteProtocolError
 from .._core.ring import RingSchedule, Segment
 from .._types import ReduceInfo, ReduceOp
-from ..ops import combine_into, copy_into, finalize_average, reduce_into
+from ..ops import Codec, NonFiniteData, combine_into, copy_into, finalize_average, reduce_into
 from ..transport import FramedStream, SocketLink, run_in_thread
 
 __all__ = ["AllReduceAttempt", "AsyncReduceHandle", "BufferPool", "LocalFailure"]
@@ -103,7 +110,9 @@ class AllReduceAttempt:
         op: the reduction.
         tag: the user's tag.
         world: ring size; rank: this peer's position in the ring.
-        slice_bytes: the size of one data frame's payload.
+        slice_bytes: the size of one slice in the buffer (unquantized, the payload of
+            one data frame).
+        codec: how slices are encoded on the wire; None sends the buffer's bytes.
     """
 
     def __init__(
@@ -118,8 +127,10 @@ class AllReduceAttempt:
         rank: int,
         slice_bytes: int,
         buffers: BufferPool,
+        codec: Codec | None = None,
     ) -> None:
         self.xp = xp
+        self.codec = codec
         self.buffers = buffers
         self.tag = tag
         self.op = op
@@ -138,6 +149,10 @@ class AllReduceAttempt:
         self._result_bytes = result.view(np.uint8)
         self.live = True
         self.failure: str | None = None
+        # Set when this peer's data cannot be reduced (quantizing NaN or inf): the
+        # collective fails as an invalid argument rather than a fault.
+        self.invalid: str | None = None
+        self.clamped = 0
         self.tx_bytes = 0
         self.rx_bytes = 0
         # Trio tasks wait on the lot; worker threads on the condition, which shares
@@ -167,6 +182,20 @@ class AllReduceAttempt:
         # Whether the data moved in worker threads (TCP), so restoring may too; on the
         # in-memory network everything stays in trio tasks (virtual time).
         self.uses_threads = False
+        # Quantized: the encoded blocks of the all-gather segments this peer sends, in
+        # send order (the owner's own block first, then the ones it forwards).
+        self._blocks: Any = None
+        self._block_starts: dict[int, int] = {}
+        if codec is not None:
+            total = 0
+            for segment in self.schedule.send[world - 1:]:
+                self._block_starts[segment.index] = total
+                total += sum(
+                    self._payload_size(b - a)
+                    for a, b in map(partial(self.schedule.slice_range, segment),
+                                    range(self.schedule.slice_count(segment)))
+                )
+            self._blocks = buffers.take(total)
 
     # --- waking waiters ----------------------------------------------------------------
 
@@ -195,7 +224,9 @@ class AllReduceAttempt:
             raise RemoteProtocolError(
                 f"data frame for attempt {self.seq} carries tag {tag}, not {self.tag}"
             )
-        segment, index = self.schedule.locate(stream_offset, nbytes)
+        segment, index = self.schedule.locate(
+            stream_offset, nbytes, None if self.codec is None else self._payload_size
+        )
         with self._lock:
             claimed = self._progress.claimed[segment.index]
             if claimed[index]:
@@ -215,8 +246,13 @@ class AllReduceAttempt:
         written = False
         try:
             start, stop = self.schedule.slice_range(segment, index)
-            self._write(segment, start, stop, payload)
+            if self.codec is None:
+                self._write(segment, start, stop, payload)
+            else:
+                self._write_block(segment, index, start, stop, payload)
             written = True
+        except NonFiniteData as exc:
+            self.reject(exc)
         finally:
             self._end_write(segment, index, written)
 
@@ -229,7 +265,7 @@ class AllReduceAttempt:
         meanwhile, ``stop`` cuts that connection, so no byte lands once the reader has
         returned. Finish with ``on_direct_slice``, whether the receive worked or not.
         """
-        if segment.reduce or self.xp is not np:
+        if segment.reduce or self.xp is not np or self.codec is not None:
             return None
         start, stop = self.schedule.slice_range(segment, index)
         with self._lock:
@@ -256,7 +292,7 @@ class AllReduceAttempt:
             if written:
                 start, stop = self.schedule.slice_range(segment, index)
                 self._progress.done[segment.index][index] = 1
-                self.rx_bytes += stop - start
+                self.rx_bytes += self._payload_size(stop - start)
                 self._progress.remaining -= 1
             self._wake(trio_too=not self._progress.remaining or not self._writers and not self.live)
 
@@ -285,6 +321,62 @@ class AllReduceAttempt:
                 finalize_average(self.xp, target, self.schedule.world)
         else:
             copy_into(self.xp, target, incoming)
+
+    def _payload_size(self, nbytes: int) -> int:
+        """Bytes on the wire for a slice of ``nbytes`` in the buffer."""
+        if self.codec is None:
+            return nbytes
+        return self.codec.block_bytes(nbytes // self.itemsize)
+
+    def _block(self, send_segment: int, index: int) -> Any:
+        """The stored block of slice ``index`` of all-gather send segment ``send_segment``."""
+        segment = self.schedule.send[send_segment]
+        first = self._payload_size(self.schedule.slice_bytes)
+        start = self._block_starts[send_segment] + index * first
+        a, b = self.schedule.slice_range(segment, index)
+        return self._blocks[start:start + self._payload_size(b - a)]
+
+    def _write_block(self, segment: Segment, index: int, start: int, stop: int, block: Any) -> None:
+        """``_write`` for an encoded slice: decode and combine it (reduce-scatter), or
+        decode it and keep it to forward (all-gather)."""
+        codec = self.codec
+        assert codec is not None
+        dtype = self.result.dtype
+        target = self._result_bytes[start:stop].view(dtype)
+        self._back_up(segment, start, stop)
+        last_reduce = self.schedule.world - 2
+        if segment.reduce:
+            local = target if self.in_place else self._send_bytes[start:stop].view(dtype)
+            codec.decode_combine(block, target, local, self.op)
+            if segment.index == last_reduce:
+                # This peer owns the chunk: encode its final value once, and hold
+                # exactly what every other peer will decode.
+                if self.op is ReduceOp.AVG:
+                    finalize_average(self.xp, target, self.schedule.world)
+                own = self._block(segment.index + 1, index)
+                clamped = codec.encode(target, own)
+                codec.decode(own, target)
+                if clamped:
+                    with self._lock:
+                        self.clamped += clamped
+        else:
+            codec.decode(block, target)
+            if segment.index + 1 < len(self.schedule.send):
+                self._block(segment.index + 1, index)[:] = block
+
+    def reject(self, error: NonFiniteData) -> None:
+        """This peer's data cannot be quantized: the collective fails for everyone as
+        an invalid argument."""
+        reason = (
+            f"quantization needs finite values, and the data at this peer holds NaN or "
+            f"inf (in its input, or in partial results that overflowed): {error}"
+        )
+        with self._lock:
+            if not self.live:
+                return  # over already: what was read may have been a restore's
+            if self.invalid is None:
+                self.invalid = reason
+        self.fail(reason)
 
     def fail(self, reason: str) -> None:
         """Mark this peer's part failed (e.g. an incoming link broke); any thread."""
@@ -326,6 +418,9 @@ class AllReduceAttempt:
         if self._backup is not None:
             self.buffers.give(self._backup)
             self._backup = None
+        if self._blocks is not None:
+            self.buffers.give(self._blocks)
+            self._blocks = None
 
     # --- send side -----------------------------------------------------------------
 
@@ -338,13 +433,34 @@ class AllReduceAttempt:
                 position += 1
         return plan
 
-    def _frame(self, segment: Segment, index: int) -> tuple[int, memoryview]:
-        """The stream offset and payload of one outgoing slice."""
+    def _frame(self, segment: Segment, index: int, scratch: Any) -> tuple[int, memoryview]:
+        """The stream offset and payload of one outgoing slice (``scratch``: room for
+        one encoded block, when quantized).
+
+        Raises:
+            NonFiniteData: quantized, and the slice holds NaN or inf.
+        """
         start, stop = self.schedule.slice_range(segment, index)
+        offset = segment.stream_offset + index * self.schedule.slice_bytes
         # Segment 0 is our own input; later ones forward what we received.
         source = self._send_bytes if segment.index == 0 else self._result_bytes
-        offset = segment.stream_offset + index * self.schedule.slice_bytes
-        return offset, memoryview(source[start:stop])
+        if self.codec is None:
+            return offset, memoryview(source[start:stop])
+        if segment.reduce:
+            # A partial result: encode it afresh.
+            block = scratch[:self._payload_size(stop - start)]
+            clamped = self.codec.encode(source[start:stop].view(self.result.dtype), block)
+            if clamped:
+                with self._lock:
+                    self.clamped += clamped
+            return offset, memoryview(block)
+        return offset, memoryview(self._block(segment.index, index))
+
+    def _scratch(self) -> Any:
+        """Room for one outgoing encoded block (None unquantized)."""
+        if self.codec is None:
+            return None
+        return np.empty(self._payload_size(self.schedule.slice_bytes), dtype=np.uint8)
 
     async def _arrived(self, segment_index: int, slice_index: int) -> bool:
         """Wait until slice ``slice_index`` of received segment ``segment_index`` is in;
@@ -357,10 +473,15 @@ class AllReduceAttempt:
         return True
 
     async def _send_task(self, connection: FramedStream, slices: list[tuple[Segment, int]]) -> None:
+        scratch = self._scratch()
         for segment, index in slices:
             if segment.index and not await self._arrived(segment.index - 1, index):
                 return
-            offset, payload = self._frame(segment, index)
+            try:
+                offset, payload = self._frame(segment, index, scratch)
+            except NonFiniteData as exc:
+                self.reject(exc)
+                return
             try:
                 await connection.send_data(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -369,6 +490,7 @@ class AllReduceAttempt:
             self.tx_bytes += len(payload)
 
     def _send_thread(self, link: SocketLink, slices: list[tuple[Segment, int]]) -> None:
+        scratch = self._scratch()
         for segment, index in slices:
             with self._lock:
                 if segment.index:
@@ -377,8 +499,15 @@ class AllReduceAttempt:
                         self._changed.wait()
                 if self.failure is not None or not self.live:
                     return
+            try:
+                offset, payload = self._frame(segment, index, scratch)
+            except NonFiniteData as exc:
+                self.reject(exc)
+                return
+            with self._lock:
+                if self.failure is not None or not self.live:
+                    return
                 self._active_links.add(link)
-            offset, payload = self._frame(segment, index)
             try:
                 link.send_data(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:

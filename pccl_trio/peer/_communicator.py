@@ -77,13 +77,14 @@ from .._errors import (
 )
 from .._types import (
     Attribute,
+    DataType,
     DistributionHint,
     QuantizationAlgorithm,
     QuantizationOptions,
     ReduceInfo,
     ReduceOp,
 )
-from ..ops import as_array, from_numpy_dtype
+from ..ops import Codec, as_array, check_quantization, from_numpy_dtype
 from ..transport import (
     FramedStream,
     Network,
@@ -410,6 +411,8 @@ class Communicator:
         xp, send_array, result = self._check_reduce_arguments(
             send, recv, op, tag, quantization, distribution_hint
         )
+        if quantization is not None and quantization.algorithm is QuantizationAlgorithm.NONE:
+            quantization = None
         if tag in self._tags_in_flight:
             raise InvalidUsage(
                 f"tag {tag} is already in flight; give concurrent all-reduces distinct tags"
@@ -417,7 +420,10 @@ class Communicator:
         self._tags_in_flight.add(tag)
         handle = AsyncReduceHandle(tag)
         assert self._nursery is not None
-        self._nursery.start_soon(self._run_all_reduce, handle, xp, send_array, result, op)
+        self._nursery.start_soon(
+            self._run_all_reduce, handle, xp, send_array, result, op,
+            quantization, distribution_hint,
+        )
         return handle
 
     async def all_reduce_multiple_with_retry(
@@ -532,12 +538,21 @@ class Communicator:
                 raise InvalidArgument(
                     f"quantization must be QuantizationOptions or None, got {quantization!r}"
                 )
-            if quantization.algorithm is not QuantizationAlgorithm.NONE:
+            if not isinstance(quantization.algorithm, QuantizationAlgorithm):
                 raise InvalidArgument(
-                    f"quantization {quantization.algorithm.name} is not available in this "
-                    "version of pccl_trio; pass quantization=None"
+                    "quantization.algorithm must be a pccl_trio.QuantizationAlgorithm, got "
+                    f"{quantization.algorithm!r}"
+                )
+            if not isinstance(quantization.quantized_datatype, DataType):
+                raise InvalidArgument(
+                    "quantization.quantized_datatype must be a pccl_trio.DataType, got "
+                    f"{quantization.quantized_datatype!r}"
                 )
         xp, send_array = as_array(send, name="send")
+        if quantization is not None and quantization.algorithm is not QuantizationAlgorithm.NONE:
+            check_quantization(
+                quantization.algorithm, quantization.quantized_datatype, send_array.dtype, op
+            )
         if recv is None or recv is send:
             return xp, send_array, send_array
         recv_xp, recv_array = as_array(recv, name="recv")
@@ -555,11 +570,20 @@ class Communicator:
         return xp, send_array, recv_array
 
     async def _run_all_reduce(
-        self, handle: AsyncReduceHandle, xp: Any, send: Any, result: Any, op: ReduceOp
+        self,
+        handle: AsyncReduceHandle,
+        xp: Any,
+        send: Any,
+        result: Any,
+        op: ReduceOp,
+        quantization: QuantizationOptions | None,
+        hint: DistributionHint,
     ) -> None:
         """The task behind a handle; every outcome ends up in the handle."""
         try:
-            info = await self._all_reduce_attempt(handle.tag, xp, send, result, op)
+            info = await self._all_reduce_attempt(
+                handle.tag, xp, send, result, op, quantization, hint
+            )
         except PCCLError as exc:
             handle._finish(None, exc)
         except Exception as exc:  # a bug: report it to the caller, keep the peer alive
@@ -577,7 +601,14 @@ class Communicator:
             self._tags_in_flight.discard(handle.tag)
 
     async def _all_reduce_attempt(
-        self, tag: int, xp: Any, send: Any, result: Any, op: ReduceOp
+        self,
+        tag: int,
+        xp: Any,
+        send: Any,
+        result: Any,
+        op: ReduceOp,
+        quantization: QuantizationOptions | None,
+        hint: DistributionHint,
     ) -> ReduceInfo:
         await self._ensure_ring()
         ring = self._ring
@@ -587,9 +618,13 @@ class Communicator:
             )
         assert self._peer_id is not None
         rank = ring.index(self._peer_id)
+        codec = None
+        if quantization is not None:
+            codec = Codec(xp, result.dtype, quantization.algorithm,
+                          quantization.quantized_datatype, hint)
         attempt = AllReduceAttempt(
             xp=xp, send=send, result=result, op=op, tag=tag, world=len(ring), rank=rank,
-            slice_bytes=self._config.slice_bytes, buffers=self._buffers,
+            slice_bytes=self._config.slice_bytes, buffers=self._buffers, codec=codec,
         )
         attempt.ring = ring
         attempt.predecessor = ring[rank - 1]
@@ -603,8 +638,15 @@ class Communicator:
                     count=int(result.size),
                     dtype=from_numpy_dtype(result.dtype).value,
                     op=op.value,
-                    quantized_dtype=from_numpy_dtype(result.dtype).value,
-                    quantization=QuantizationAlgorithm.NONE.value,
+                    quantized_dtype=(
+                        quantization.quantized_datatype if quantization is not None
+                        else from_numpy_dtype(result.dtype)
+                    ).value,
+                    quantization=(
+                        quantization.algorithm if quantization is not None
+                        else QuantizationAlgorithm.NONE
+                    ).value,
+                    distribution_hint=hint.value if quantization is not None else 0,
                 )
             )
             reply: CollectiveCommence | CollectiveVerdict = await self._wait_for(
@@ -616,7 +658,10 @@ class Communicator:
             else:
                 local_ok = await self._run_ring(attempt)
                 await self._send(
-                    CollectiveComplete(tag=tag, seq=attempt.seq, aborted=not local_ok)
+                    CollectiveComplete(
+                        tag=tag, seq=attempt.seq, aborted=not local_ok,
+                        invalid=attempt.invalid or "",
+                    )
                 )
                 verdict = await self._wait_for(
                     CollectiveVerdict, lambda m: m.tag == tag and m.seq == attempt.seq
@@ -636,10 +681,11 @@ class Communicator:
         try:
             if verdict.outcome == SUCCESS and local_ok:
                 return ReduceInfo(
-                    world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes
+                    world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes,
+                    clamped=attempt.clamped,
                 )
             await attempt.settle()
-            if verdict.outcome == REJECTED:
+            if verdict.outcome == REJECTED and not verdict.seq:
                 attempt.restore()  # nothing was written, but keep the rule simple
                 raise InvalidArgument(verdict.reason)
             reason = verdict.reason or attempt.failure or "a peer failed"
@@ -666,6 +712,12 @@ class Communicator:
                         ring_error = exc
             if ring_error is not None:
                 raise ring_error
+            if verdict.outcome == REJECTED:
+                # A peer's data could not be reduced: retrying would fail alike.
+                raise InvalidArgument(
+                    f"the all-reduce with tag {tag} failed for every peer: {reason}; the "
+                    "input was restored"
+                )
             raise CollectiveAborted(
                 f"the all-reduce with tag {tag} was aborted for every peer: {reason}; the "
                 "input was restored and retrying is safe"

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pccl_trio._core.errors import RemoteProtocolError
 from pccl_trio._core.messages import (
     C2M,
+    DISTRIBUTION_HINT_NAMES,
     DTYPE_NAMES,
     M2C,
     MAX_SEQUENCE,
@@ -254,6 +255,7 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (CollectiveInitiate, "quantized_dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
     (CollectiveInitiate, "op"): st.integers(0, len(OP_NAMES) - 1),
     (CollectiveInitiate, "quantization"): st.integers(0, len(QUANTIZATION_NAMES) - 1),
+    (CollectiveInitiate, "distribution_hint"): st.integers(0, len(DISTRIBUTION_HINT_NAMES) - 1),
     (CollectiveVerdict, "outcome"): st.sampled_from(OUTCOMES),
 }
 
