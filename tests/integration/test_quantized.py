@@ -169,7 +169,7 @@ async def test_every_source_code_and_op_is_bit_identical(
                         results = sends if recvs is None else recvs
                         check_identical(results)
                         if recvs is not None:
-                            assert all(s.tobytes() == d.tobytes() for s, d in zip(sends, data))
+                            assert all(s.tobytes() == d.tobytes() for s, d in zip(sends, data, strict=True))
                         wide = [d.astype(np.float64) for d in data]
                         if op is pccl.ReduceOp.PROD:
                             continue  # the product's error follows the factors' magnitudes
@@ -228,9 +228,12 @@ async def test_peers_disagreeing_on_quantization_get_invalid_argument(
         for variant in (options(MIN_MAX, U16), options(ZPS, U8), None):
             arrays = [np.ones(64, dtype=np.float32) for _ in range(3)]
 
-            async def call(i: int, comm: pccl.Communicator) -> object:
+            async def call(
+                i: int, comm: pccl.Communicator, variant: object = variant,
+                arrays: list[np.ndarray] = arrays,
+            ) -> object:
                 chosen = variant if i == 2 else options(MIN_MAX, U8)
-                return await comm.all_reduce(arrays[i], quantization=chosen)
+                return await comm.all_reduce(arrays[i], quantization=chosen)  # type: ignore[arg-type]
 
             results = await run_all(comms, call)
             for result in results:
