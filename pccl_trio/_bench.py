@@ -14,6 +14,7 @@ the same session, alternating with pccl_trio, and prints the ratio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -48,13 +49,20 @@ def format_size(n: int) -> str:
 
 
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
-                  pool: int, slice_bytes: int, into_recv: bool) -> None:
+                  pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
+                  algorithm: str) -> None:
     import numpy as np
 
     import pccl_trio as pccl
 
+    quantization = None
+    if quantize != "none":
+        quantization = pccl.QuantizationOptions(
+            quantized_datatype=pccl.DataType[quantize.upper()],
+            algorithm=pccl.QuantizationAlgorithm[algorithm.upper()],
+        )
     config = pccl.Config(slice_bytes=slice_bytes, liveness_timeout=10.0, heartbeat_interval=1.0)
-    async with pccl.Communicator(master, 0, pool, config=config, p2p_host="127.0.0.1") as comm:
+    async with pccl.Communicator(master, 0, pool, config=config, p2p_host=host) as comm:
         while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
             await comm.update_topology()
         barrier = np.zeros(1, dtype=np.float32)
@@ -63,18 +71,19 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
         for size in sizes:
             data = np.ones(size // 4, dtype=np.float32)
             out = np.empty_like(data) if into_recv else None
+            # Constant data: quantized results are exact too, so every run checks them.
             for _ in range(warmup):
                 data.fill(1.0)
-                await comm.all_reduce(data, out)
+                await comm.all_reduce(data, out, quantization=quantization)
             data.fill(1.0)
-            await comm.all_reduce(data, out)
+            await comm.all_reduce(data, out, quantization=quantization)
             ok = bool(((data if out is None else out) == world).all())
             times = []
             for _ in range(iters):
                 data.fill(1.0)
                 await comm.all_reduce(barrier, tag=1)
                 start = time.perf_counter()
-                info = await comm.all_reduce(data, out)
+                info = await comm.all_reduce(data, out, quantization=quantization)
                 clock[0] = time.perf_counter() - start
                 await comm.all_reduce(clock, op=pccl.ReduceOp.MAX, tag=2)
                 times.append(float(clock[0]))
@@ -97,37 +106,65 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--pool", type=int, default=0)
     parser.add_argument("--slice-bytes", type=int, default=1 << 20)
     parser.add_argument("--into-recv", action="store_true")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--quantize", default="none")
+    parser.add_argument("--algorithm", default="min_max")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
-             args.slice_bytes, args.into_recv)
+             args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm)
     return 0
 
 
 # --- the driver ------------------------------------------------------------------------
 
 
-def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, Any]:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Placement:
+    """Where the bench's processes run: command prefixes (e.g. ``ip netns exec NS``)
+    and addresses. The default is every process on loopback."""
+
+    master_prefix: tuple[str, ...] = ()
+    master_listen: str = "127.0.0.1:0"
+    worker_prefixes: tuple[tuple[str, ...], ...] = ()
+    worker_hosts: tuple[str, ...] = ()
+
+    def worker(self, index: int) -> tuple[tuple[str, ...], str]:
+        prefix = self.worker_prefixes[index] if self.worker_prefixes else ()
+        host = self.worker_hosts[index] if self.worker_hosts else "127.0.0.1"
+        return prefix, host
+
+
+def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
+              placement: Placement = Placement()) -> dict[int, Any]:
+    """One repeat: a master and ``world`` worker processes; the first worker's results.
+
+    ``args`` needs iters, warmup, pool, slice_bytes, into_recv, timeout and
+    (optionally) quantize and algorithm.
+    """
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     master = subprocess.Popen(
-        [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0",
+        [*placement.master_prefix, sys.executable, "-m", "pccl_trio.master",
+         "--listen", placement.master_listen,
          "--log-level", "ERROR", "--liveness-timeout", "10", "--heartbeat-interval", "1"],
         stdout=subprocess.PIPE, text=True, env=env,
     )
     try:
         assert master.stdout is not None
         address = master.stdout.readline().split()[-1]
-        workers = [
-            subprocess.Popen(
-                [sys.executable, "-m", "pccl_trio._bench", "worker", address,
+        workers = []
+        for index in range(world):
+            prefix, host = placement.worker(index)
+            workers.append(subprocess.Popen(
+                [*prefix, sys.executable, "-m", "pccl_trio._bench", "worker", address,
                  "--world", str(world), "--sizes", ",".join(map(str, sizes)),
                  "--iters", str(args.iters), "--warmup", str(args.warmup),
                  "--pool", str(args.pool), "--slice-bytes", str(args.slice_bytes),
+                 "--host", host, "--quantize", getattr(args, "quantize", "none"),
+                 "--algorithm", getattr(args, "algorithm", "min_max"),
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
-            )
-            for _ in range(world)
-        ]
+            ))
         outputs = [w.communicate(timeout=args.timeout)[0] for w in workers]
         lines = [line for out in outputs for line in out.splitlines() if line.startswith("{")]
         if len(lines) != 1 or any(w.returncode for w in workers):
@@ -169,6 +206,10 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                         help="all_reduce(send, recv) instead of in place: no input to keep "
                              "for a restore, so one copy less per all-reduce (Gloo still runs "
                              "in place)")
+    parser.add_argument("--quantize", choices=["none", "uint8", "uint16", "uint32"],
+                        default="none", help="quantize the all-reduce to this code dtype")
+    parser.add_argument("--algorithm", choices=["min_max", "zero_point_scale"],
+                        default="min_max", help="quantization algorithm (with --quantize)")
     parser.add_argument("--gloo", metavar="SCRIPT", type=Path, default=None,
                         help="path to the Gloo anchor (gloo_allreduce.py); needs torch")
     parser.add_argument("--gloo-python", metavar="PYTHON", default=None,
@@ -179,7 +220,9 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     worlds = [int(w) for w in args.world.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]
 
-    print(f"# all-reduce float32 SUM {'into recv' if args.into_recv else 'in place'} on 127.0.0.1, "
+    quantized = "" if args.quantize == "none" else f" quantized {args.algorithm}->{args.quantize}"
+    print(f"# all-reduce float32 SUM{quantized} {'into recv' if args.into_recv else 'in place'} "
+          "on 127.0.0.1, "
           f"iters={args.iters} warmup={args.warmup} "
           f"repeats={args.repeats} pool={args.pool or 'default'} (GB = 1e9 bytes)")
     header = f"{'W':>2} {'size':>9} {'library':>10} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"

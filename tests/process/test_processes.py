@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import socket
 import struct
@@ -145,7 +147,9 @@ def test_busy_port_is_a_clear_error() -> None:
 
 
 
-@pytest.mark.parametrize("mode", [[], ["--into-recv"]], ids=["in_place", "into_recv"])
+@pytest.mark.parametrize(
+    "mode", [[], ["--into-recv"], ["--quantize", "uint8"]], ids=["in_place", "into_recv", "uint8"]
+)
 def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> None:
     """`pccl-trio bench` end to end at a tiny size: W peer processes, a verified result,
     and the JSON rows the benchmark docs are built from."""
@@ -156,7 +160,38 @@ def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> N
         capture_output=True, text=True, check=False, timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert ("into recv" if mode else "in place") in result.stdout
+    assert ("into recv" if "--into-recv" in mode else "in place") in result.stdout
     rows = json.loads(out.read_text())
     assert [(r["world"], r["size"]) for r in rows] == [(2, 4096), (2, 12288)]
     assert all(r["pccl_trio_s"] > 0 and r["pccl_trio_busbw"] > 0 for r in rows)
+
+
+def _namespaces_work() -> bool:
+    """Root with iproute2's ip and tc, in a kernel that lets us add a namespace."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    name = f"pccl-probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    return made.returncode == 0
+
+
+@pytest.mark.skipif(not _namespaces_work(), reason="needs root, ip and tc (network namespaces)")
+def test_wan_bench_runs_over_shaped_namespaces(tmp_path: Path) -> None:
+    """benchmarks/wan.py end to end at a tiny size: peers in their own namespaces behind
+    tbf-shaped veths, plain and uint8 results verified, namespaces removed after."""
+    out = tmp_path / "wan.json"
+    prefix = f"pccl-t{os.getpid()}"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "wan.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--world", "3", "--sizes", "256K", "--iters", "1",
+         "--warmup", "1", "--repeats", "1", "--rate", "200mbit", "--prefix", prefix,
+         "--json", str(out)],
+        capture_output=True, text=True, check=False, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(out.read_text())
+    assert [r["variant"] for r in rows] == ["none", "uint8"]
+    assert all(r["median_s"] > 0 for r in rows)
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True)
+    assert prefix not in left.stdout
