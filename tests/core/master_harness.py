@@ -187,22 +187,26 @@ class MasterHarness:
         op: int = SUM,
         quantized_dtype: int = 0,
         quantization: int = 0,
+        distribution_hint: int = 0,
     ) -> list[Action]:
         return self.send(
             conn,
             CollectiveInitiate(
                 tag=tag, count=count, dtype=dtype, op=op, quantized_dtype=quantized_dtype,
-                quantization=quantization,
+                quantization=quantization, distribution_hint=distribution_hint,
             ),
         )
 
     def complete(
-        self, conn: int, tag: int, seq: int | None = None, aborted: bool = False
+        self, conn: int, tag: int, seq: int | None = None, aborted: bool = False,
+        invalid: str = "",
     ) -> list[Action]:
         """Complete ``tag`` (by default the attempt ``conn`` was last told to commence)."""
         if seq is None:
             seq = max(m.seq for m in self.received(conn, CollectiveCommence) if m.tag == tag)
-        return self.send(conn, CollectiveComplete(tag=tag, seq=seq, aborted=aborted))
+        return self.send(
+            conn, CollectiveComplete(tag=tag, seq=seq, aborted=aborted, invalid=invalid)
+        )
 
     def pending(self, conn: int) -> list[Action]:
         return self.send(conn, VotePeersPending())

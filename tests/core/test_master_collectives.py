@@ -64,7 +64,7 @@ from .test_master_transitions import (
 
 ACC = PeerPhase.ACCEPTED
 IDLE, FAIL = PeerState.IDLE, PeerState.CONNECT_FAILED
-DOUBLE, AVG, MIN_MAX, UINT8, FLOAT16 = 11, 1, 1, 0, 8
+DOUBLE, AVG, MIN_MAX, ZPS, UINT8, FLOAT16 = 11, 1, 1, 2, 0, 8
 STALE_REASON = "must be re-established"
 
 
@@ -257,6 +257,11 @@ DISAGREEMENTS: dict[str, tuple[dict[str, int], dict[str, int], tuple[str, ...]]]
         {"quantization": MIN_MAX, "quantized_dtype": FLOAT16},
         ("MIN_MAX->UINT8", "MIN_MAX->FLOAT16"),
     ),
+    "distribution_hint": (
+        {"quantization": ZPS, "quantized_dtype": UINT8, "distribution_hint": 1},
+        {"quantization": ZPS, "quantized_dtype": UINT8, "distribution_hint": 2},
+        ("distribution_hint=NORMAL", "distribution_hint=UNIFORM"),
+    ),
     "everything": (
         {}, {"count": 3, "dtype": DOUBLE, "op": AVG}, ("count=3", "dtype=DOUBLE", "op=AVG")
     ),
@@ -294,6 +299,39 @@ def test_quantized_dtype_counts_even_without_quantization() -> None:
     verdict = only_verdict(h, 1)
     assert verdict.outcome == REJECTED and only_verdict(h, 2) == verdict
     assert "peer 1:" in verdict.reason and "peer 2:" in verdict.reason
+
+
+def test_an_invalid_completion_rejects_the_collective_for_everyone() -> None:
+    # A peer that cannot quantize its data reports why; the others are stopped and
+    # every participant gets the same REJECTED verdict carrying that reason.
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    seq = started(h, 5, 1, 2, 3)
+    h.complete(2, 5, aborted=True, invalid="NaN among the values")
+    assert got(h, 1) == got(h, 3) == [
+        CollectiveAbort(tag=5, seq=seq, reason="peer 2: NaN among the values")
+    ]
+    h.complete(1, 5, aborted=True)
+    assert got(h, 1) == []  # no verdict before everyone completed
+    h.complete(3, 5, aborted=True)
+    verdicts = {only_verdict(h, conn) for conn in (1, 2, 3)}
+    assert verdicts == {
+        CollectiveVerdict(tag=5, seq=seq, outcome=REJECTED, reason="peer 2: NaN among the values")
+    }
+
+
+def test_an_invalid_completion_after_an_abort_keeps_the_abort() -> None:
+    # The first cause decides: a failure already aborted it, so a retry makes sense.
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    started(h, 5, 1, 2, 3)
+    h.complete(1, 5, aborted=True)
+    h.complete(2, 5, aborted=True, invalid="NaN among the values")
+    h.complete(3, 5, aborted=True)
+    verdicts = {v for c in (1, 2, 3) for v in h.received(c, CollectiveVerdict)}
+    assert {(v.outcome, v.reason) for v in verdicts} == {
+        (ABORTED, "peer 1 failed during the collective")
+    }
 
 
 def test_disagreement_wins_over_a_stale_ring() -> None:
