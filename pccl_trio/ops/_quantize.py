@@ -106,6 +106,11 @@ def check_quantization(
             f"quantization {algorithm.name} quantizes to "
             f"{', '.join(t.name for t in targets)}; got quantized_datatype={quantized.name}"
         )
+    if to_numpy_dtype(quantized).itemsize > numpy.dtype(dtype).itemsize:
+        raise InvalidArgument(
+            f"quantizing {numpy.dtype(dtype)} to {quantized.name} would send more bytes than "
+            "the buffer holds; pick a narrower quantized_datatype"
+        )
     if algorithm is QuantizationAlgorithm.ZERO_POINT_SCALE and op not in _ZPS_OPS:
         raise InvalidArgument(
             f"quantization ZERO_POINT_SCALE supports op SUM and AVG only, got {op.name}; use "
