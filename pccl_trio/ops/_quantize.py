@@ -9,9 +9,10 @@ the moment it is ready (the ring stays pipelined).
 
 With ``Q = 2**bits - 1`` and ``x`` the block's values:
 
-* **MIN_MAX**: metadata ``(lo, step)`` with ``lo = min(x)``, ``step = (max(x) - lo) / Q``;
+* **MIN_MAX**: metadata ``(lo, step)`` with ``lo = min(x)`` and ``step`` the smallest number of
+  the compute dtype (below) with ``Q * step >= max(x) - lo``;
   ``q = clip(rint((x - lo) / step), 0, Q)`` (round to nearest), decoded as ``lo + q * step``.
-  A constant block has ``step = 0`` and decodes exactly.
+  A constant block has ``step = 0`` and decodes exactly (``-0.0`` included).
 * **ZERO_POINT_SCALE**: metadata ``(scale, zero_point)``, ``zero_point`` an integer;
   ``q = clip(rint(x / scale) + zero_point, 0, Q)``, decoded as ``(q - zero_point) * scale``. The
   range ``[lo, hi]`` that ``scale = (hi - lo) / Q`` spans is the data's range, narrowed to
@@ -24,9 +25,14 @@ plus the rounding of the arithmetic (a few units in the last place of the comput
 the final cast to the buffer's dtype.
 
 The arithmetic runs in float32 for float16, bfloat16 and float32 buffers quantized to 8 or 16
-bits, and in float64 otherwise (float64 buffers, 32-bit codes, or a zero point too large for
-float32's integers). Decoding depends only on the block's bytes, so every peer that decodes the
-same block gets the same bits: that is what keeps quantized results bit-identical.
+bits when the block's metadata is exact in float32, its step (scale) is a normal float32 and
+``|lo| + Q * step`` (``scale * (|zero_point| + Q)``) is below ``2**100``, with a zero point within
+``2**23``; otherwise in float64, where decoding scales by ``2**-64`` and back when values come
+near float64's largest. The compute dtype is a function of the metadata alone, and decoding
+depends only on the block's bytes, so every peer that decodes the same block gets the same bits:
+that is what keeps quantized results bit-identical. Decoded values are clipped to the buffer
+dtype's finite range, and the NORMAL hint's mean and deviation are taken on values scaled by a
+power of two, so no intermediate overflows.
 
 The metadata is computed only by the peer that encodes, so it need not be reproducible elsewhere.
 Non-finite values (NaN, inf) cannot be quantized: encoding them raises :class:`NonFiniteData`.
@@ -63,14 +69,22 @@ _ZPS_OPS = frozenset({ReduceOp.SUM, ReduceOp.AVG})
 #: ``DistributionHint.NORMAL`` keeps values within this many standard deviations of the mean.
 NORMAL_RANGE_SIGMAS = 6.0
 
-# float32 holds every integer up to 2**24; beyond, a zero point needs float64.
+# float32 holds every integer up to 2**24; a zero point up to 2**23 plus a 16-bit code stays
+# below that, beyond it the zero point needs float64.
 _FLOAT32_EXACT_INTEGERS = float(1 << 23)
+_FLOAT32 = numpy.dtype(numpy.float32)
+_FLOAT64 = numpy.dtype(numpy.float64)
+# float32 arithmetic is used only where steps are normal floats and every intermediate value is
+# far from overflow; float64 decoding scales down by a power of two beyond _FLOAT64_REACH.
+_FLOAT32_TINY = float(numpy.finfo(numpy.float32).tiny)
+_FLOAT32_REACH = 2.0**100
+_FLOAT64_REACH = 2.0**1000
+_UNSCALE = 2.0**-64
+_SCALE = 2.0**64
 # ZERO_POINT_SCALE's scale is at least this fraction of the largest magnitude in range, which
 # keeps the zero point below 2**51 (exact in float64).
 _ZERO_POINT_RESOLUTION = 2.0**-50
 _SMALLEST_SCALE = 2.0**-1000
-# MIN_MAX multiplies by Q / span when that is safely finite in every compute dtype.
-_SAFE_RECIPROCAL = 1e30
 
 # Ufuncs folding the decoded block into the local values (AVG accumulates as SUM).
 _UFUNC_NAMES = {
@@ -87,13 +101,18 @@ class NonFiniteData(Exception):
 
 
 def check_quantization(
-    algorithm: QuantizationAlgorithm, quantized: DataType, dtype: Any, op: ReduceOp
+    algorithm: QuantizationAlgorithm, quantized: DataType, dtype: Any, op: ReduceOp | None = None
 ) -> None:
     """Refuse a combination the codecs do not implement, naming what would work.
 
     Raises:
-        InvalidArgument: wrong buffer dtype, code dtype or op for ``algorithm``.
+        InvalidArgument: no codec for ``algorithm``; wrong buffer dtype, code dtype or op
+            (unless None) for it.
     """
+    if algorithm not in _TARGETS:
+        raise InvalidArgument(
+            f"quantization {algorithm.name} has no codec; use MIN_MAX or ZERO_POINT_SCALE"
+        )
     source = from_numpy_dtype(dtype)
     if source not in _SOURCES:
         raise InvalidArgument(
@@ -111,7 +130,11 @@ def check_quantization(
             f"quantizing {numpy.dtype(dtype)} to {quantized.name} would send more bytes than "
             "the buffer holds; pick a narrower quantized_datatype"
         )
-    if algorithm is QuantizationAlgorithm.ZERO_POINT_SCALE and op not in _ZPS_OPS:
+    if (
+        algorithm is QuantizationAlgorithm.ZERO_POINT_SCALE
+        and op is not None
+        and op not in _ZPS_OPS
+    ):
         raise InvalidArgument(
             f"quantization ZERO_POINT_SCALE supports op SUM and AVG only, got {op.name}; use "
             "MIN_MAX for PROD, MAX and MIN"
@@ -137,11 +160,11 @@ class Codec:
         quantized: DataType,
         hint: DistributionHint = DistributionHint.NONE,
     ) -> None:
-        assert algorithm is not QuantizationAlgorithm.NONE
         self.xp = xp
         self.dtype = numpy.dtype(dtype)
         self.algorithm = algorithm
         self.hint = hint
+        check_quantization(algorithm, quantized, dtype)
         self.code_dtype = to_numpy_dtype(quantized)
         self.code_size = self.code_dtype.itemsize
         self.levels = (1 << (8 * self.code_size)) - 1  # Q
@@ -154,11 +177,6 @@ class Codec:
         """Bytes of an encoded block of ``count`` elements."""
         return META_BYTES + count * self.code_size
 
-    def count_of(self, nbytes: int) -> int | None:
-        """Elements in an encoded block of ``nbytes``, or None if no block has that size."""
-        count, rest = divmod(nbytes - META_BYTES, self.code_size)
-        return count if nbytes >= META_BYTES and not rest else None
-
     # --- encoding --------------------------------------------------------------------
 
     def encode(self, values: Array, block: numpy.ndarray) -> int:
@@ -168,24 +186,28 @@ class Codec:
             how many values were clamped to the range (ZERO_POINT_SCALE with a NORMAL hint).
 
         Raises:
-            NonFiniteData: ``values`` holds NaN or inf.
+            NonFiniteData: ``values`` holds NaN or inf, or spans more than float64 holds.
+            ValueError: ``block`` has the wrong size.
         """
         count = int(values.size)
-        assert block.size == self.block_bytes(count)
+        if block.size != self.block_bytes(count):
+            raise ValueError(
+                f"a block for {count} values needs {self.block_bytes(count)} bytes, got {block.size}"
+            )
         meta = block[:META_BYTES].view(_META)
         codes = block[META_BYTES:].view(self.code_dtype)
         if count == 0:
             meta[:] = 0.0
             return 0
-        x = values if values.dtype == self.compute else values.astype(self.compute)
-        lo, hi = float(x.min()), float(x.max())
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise NonFiniteData(
-                f"NaN or inf among {count} values to quantize (their min is {lo}, max {hi})"
-            )
-        if self.algorithm is QuantizationAlgorithm.MIN_MAX:
-            return self._encode_min_max(x, lo, hi, meta, codes)
-        return self._encode_zero_point(x, lo, hi, meta, codes)
+        with numpy.errstate(all="ignore"):
+            lo, hi = float(values.min()), float(values.max())
+            if not (math.isfinite(lo) and math.isfinite(hi)):
+                raise NonFiniteData(
+                    f"NaN or inf among {count} values to quantize (their min is {lo}, max {hi})"
+                )
+            if self.algorithm is QuantizationAlgorithm.MIN_MAX:
+                return self._encode_min_max(values, lo, hi, meta, codes)
+            return self._encode_zero_point(values, lo, hi, meta, codes)
 
     def _encode_min_max(
         self, x: Array, lo: float, hi: float, meta: numpy.ndarray, codes: numpy.ndarray
@@ -194,18 +216,20 @@ class Codec:
         if not math.isfinite(span):
             raise NonFiniteData(f"the values span {lo} .. {hi}, more than float64 can hold")
         if span == 0.0:
-            meta[:] = (lo, 0.0)  # constant: every code 0 decodes to lo exactly
+            meta[:] = (lo, 0.0)  # constant: decodes to lo exactly
             codes[:] = 0
             return 0
-        c = self.compute.type
-        t = self.xp.subtract(x, c(lo), dtype=self.compute)
-        if self.levels / span < _SAFE_RECIPROCAL:
-            t *= c(self.levels / span)
-        else:  # a span so small its reciprocal would overflow
-            t /= c(span)
-            t *= c(self.levels)
+        # The smallest step whose Q steps cover the span, so that max(x) maps to a code <= Q
+        # (which matters when the step is so small that its rounding is a large part of it).
+        step = _at_least(span / self.levels, span, self.levels, numpy.float64)
+        if self._narrow_min_max(lo, step, check_exact=False):
+            step = _at_least(step, span, self.levels, numpy.float32)
+        compute = self._min_max_compute(lo, step)
+        c = compute.type
+        t = self.xp.subtract(x, c(lo), dtype=compute)
+        t /= c(step)
         self._store_codes(t, codes)
-        meta[:] = (lo, span / self.levels)
+        meta[:] = (lo, step)
         return 0
 
     def _encode_zero_point(
@@ -220,25 +244,22 @@ class Codec:
             return 0
         low, high = lo, hi
         if self.hint is DistributionHint.NORMAL:
-            count = int(x.size)
-            mean = float(x.sum(dtype=numpy.float64)) / count
-            centred = xp.subtract(x, self.compute.type(mean), dtype=self.compute)
-            sigma = math.sqrt(float(xp.dot(centred, centred)) / count)
-            low = max(lo, mean - NORMAL_RANGE_SIGMAS * sigma)
-            high = min(hi, mean + NORMAL_RANGE_SIGMAS * sigma)
+            low, high = self._normal_range(x, lo, hi)
             if not high > low:
                 low, high = lo, hi
         if not math.isfinite(high - low):
             raise NonFiniteData(f"the values span {lo} .. {hi}, more than float64 can hold")
         # A scale no finer than float64 resolves near the data, so the zero point stays
-        # an exact integer, and no finer than the smallest normal float.
+        # an exact integer, and no finer than float64's smallest normals.
         scale = max(
             (high - low) / self.levels,
             max(abs(low), abs(high)) * _ZERO_POINT_RESOLUTION,
             _SMALLEST_SCALE,
         )
+        if self.compute == numpy.float32 and _FLOAT32_TINY <= scale <= _FLOAT32_REACH:
+            scale = float(_round_up(scale, numpy.float32))
         zero_point = float(round(-low / scale))
-        compute = self._compute_for(zero_point)
+        compute = self._zero_point_compute(scale, zero_point)
         t = xp.divide(x, compute.type(scale), dtype=compute)
         xp.rint(t, out=t)
         t += compute.type(zero_point)
@@ -249,12 +270,53 @@ class Codec:
         meta[:] = (scale, zero_point)
         return clamped
 
-    def _compute_for(self, zero_point: float) -> numpy.dtype[Any]:
-        """The compute dtype of a ZERO_POINT_SCALE block: float64 if its zero point is
-        beyond float32's exact integers."""
-        if abs(zero_point) > _FLOAT32_EXACT_INTEGERS:
-            return numpy.dtype(numpy.float64)
-        return self.compute
+    def _normal_range(self, x: Array, lo: float, hi: float) -> tuple[float, float]:
+        """``mean ± NORMAL_RANGE_SIGMAS * sigma`` of ``x`` within ``[lo, hi]``, computed on
+        ``x`` scaled down by a power of two to below 1 in magnitude, so that no sum overflows."""
+        xp = self.xp
+        count = int(x.size)
+        _, exponent = math.frexp(max(abs(lo), abs(hi)))
+        exponent = max(exponent, 0)  # scale down only
+        c = self.compute.type
+        scaled = xp.multiply(x, c(math.ldexp(1.0, -exponent)), dtype=self.compute)
+        mean = float(scaled.sum(dtype=numpy.float64)) / count
+        scaled -= c(mean)
+        sigma = math.sqrt(float(xp.dot(scaled, scaled)) / count)
+        # Clamped to the (scaled) data range first, the bounds scale back without overflow.
+        low_scaled, high_scaled = math.ldexp(lo, -exponent), math.ldexp(hi, -exponent)
+        low = max(low_scaled, min(high_scaled, mean - NORMAL_RANGE_SIGMAS * sigma))
+        high = min(high_scaled, max(low_scaled, mean + NORMAL_RANGE_SIGMAS * sigma))
+        return max(lo, math.ldexp(low, exponent)), min(hi, math.ldexp(high, exponent))
+
+    def _narrow_min_max(self, lo: float, step: float, *, check_exact: bool = True) -> bool:
+        """Whether a MIN_MAX block with this metadata is computed in float32: only for the
+        narrow codecs, with float32-exact metadata well inside float32's normal range."""
+        if self.compute != numpy.float32:
+            return False
+        if step == 0.0:
+            return True
+        if not (step >= _FLOAT32_TINY and abs(lo) + step * self.levels <= _FLOAT32_REACH):
+            return False
+        return not check_exact or (_exact_in(lo, numpy.float32) and _exact_in(step, numpy.float32))
+
+    def _min_max_compute(self, lo: float, step: float) -> numpy.dtype[Any]:
+        """The compute dtype of a MIN_MAX block: a function of its metadata, so that every
+        peer decodes it alike."""
+        return _FLOAT32 if self._narrow_min_max(lo, step) else _FLOAT64
+
+    def _zero_point_compute(self, scale: float, zero_point: float) -> numpy.dtype[Any]:
+        """The compute dtype of a ZERO_POINT_SCALE block: float32 only for the narrow codecs,
+        with a float32-exact scale well inside float32's normal range and a zero point
+        within float32's exact integers."""
+        if (
+            self.compute == numpy.float32
+            and abs(zero_point) <= _FLOAT32_EXACT_INTEGERS
+            and _FLOAT32_TINY <= scale
+            and scale * (abs(zero_point) + self.levels) <= _FLOAT32_REACH
+            and _exact_in(scale, numpy.float32)
+        ):
+            return _FLOAT32
+        return _FLOAT64
 
     def _store_codes(self, t: Array, codes: numpy.ndarray, *, rounded: bool = False) -> None:
         """Round (unless done), clip to ``[0, Q]`` and narrow ``t`` into ``codes``."""
@@ -270,8 +332,8 @@ class Codec:
     # --- decoding --------------------------------------------------------------------
 
     def _decoded(self, block: numpy.ndarray) -> Array:
-        """The block's values in the compute dtype (a new array), clipped to the
-        buffer dtype's finite range.
+        """The block's values in its compute dtype (a new array), clipped to the buffer
+        dtype's finite range. Runs under ``numpy.errstate(all="ignore")``.
 
         Raises:
             RemoteProtocolError: the metadata is not a valid encoding's.
@@ -285,10 +347,17 @@ class Codec:
             lo, step = first, second
             if not (math.isfinite(lo) and math.isfinite(step) and step >= 0.0):
                 raise RemoteProtocolError(f"quantized block with bad metadata lo={lo} step={step}")
-            compute = self.compute
-            out = xp.multiply(codes, compute.type(step), dtype=compute)
-            out += compute.type(lo)
-            reach = max(abs(lo), abs(lo + step * self.levels))
+            compute = self._min_max_compute(lo, step)
+            if step == 0.0:  # constant, -0.0 included
+                out = xp.full(codes.shape, lo, dtype=compute)
+            elif abs(lo) + step * self.levels <= _FLOAT64_REACH:
+                out = xp.multiply(codes, compute.type(step), dtype=compute)
+                out += compute.type(lo)
+            else:  # near float64's largest values: scale down by a power of two and back
+                out = xp.multiply(codes, step * _UNSCALE, dtype=compute)
+                out += lo * _UNSCALE
+                out *= _SCALE
+            reach = abs(lo) + step * self.levels
         else:
             scale, zero_point = first, second
             if not (math.isfinite(scale) and scale > 0.0 and abs(zero_point) <= 2.0**53
@@ -296,13 +365,13 @@ class Codec:
                 raise RemoteProtocolError(
                     f"quantized block with bad metadata scale={scale} zero_point={zero_point}"
                 )
-            compute = self._compute_for(zero_point)
+            compute = self._zero_point_compute(scale, zero_point)
             out = xp.subtract(codes, compute.type(zero_point), dtype=compute)
             out *= compute.type(scale)
-            reach = scale * max(abs(zero_point), abs(self.levels - zero_point))
+            reach = scale * (abs(zero_point) + self.levels)
         if not reach <= self._limit:
-            # Codes at the edge may decode up to half a step beyond the largest finite
-            # value of the buffer's dtype; keep them finite.
+            # Codes at the edge may decode beyond the largest finite value of the buffer's
+            # dtype (by half a step when honest, by anything when not); keep them finite.
             xp.clip(out, -self._limit, self._limit, out=out)
         return out
 
@@ -327,8 +396,8 @@ class Codec:
         self._check_size(block, dst)
         if dst.size == 0:
             return
-        incoming = self._decoded(block)
         with numpy.errstate(all="ignore"):
+            incoming = self._decoded(block)
             if incoming.dtype != self.dtype:
                 incoming = incoming.astype(self.dtype)
             getattr(self.xp, _UFUNC_NAMES[op])(local, incoming, out=dst)
@@ -339,3 +408,22 @@ class Codec:
                 f"quantized block of {block.size} bytes; {values.size} values need "
                 f"{self.block_bytes(int(values.size))}"
             )
+
+
+def _exact_in(value: float, dtype: Any) -> bool:
+    """Whether ``value`` is exactly representable in ``dtype``."""
+    return float(dtype(value)) == value
+
+
+def _round_up(value: float, dtype: Any) -> Any:
+    """The smallest ``dtype`` value at least ``value``."""
+    rounded = dtype(value)
+    return rounded if float(rounded) >= value else numpy.nextafter(rounded, dtype(math.inf))
+
+
+def _at_least(step: float, span: float, levels: int, dtype: Any) -> float:
+    """The smallest ``dtype`` value from ``step`` up whose ``levels`` multiples reach ``span``."""
+    candidate = _round_up(step, dtype)
+    while float(candidate) * levels < span:
+        candidate = numpy.nextafter(candidate, dtype(math.inf))
+    return float(candidate)

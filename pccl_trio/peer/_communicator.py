@@ -122,6 +122,21 @@ class CommunicatorStatistics:
     rx_connections: dict[int, int]
 
 
+class _Rejected(InvalidArgument):
+    """The master rejected a collective for every peer of its group (the peers disagree
+    on its arguments, or a peer's data cannot be reduced): retrying would fail alike."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _RetryOutcome:
+    """What ``all_reduce_multiple_with_retry`` gathered over its passes."""
+
+    tx: int = 0
+    rx: int = 0
+    clamped: int = 0
+    rejected: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
 class _Status(enum.Enum):
     NEW = enum.auto()
     CONNECTING = enum.auto()
@@ -326,6 +341,10 @@ class Communicator:
                 f"update_topology() while all-reduces are in flight (tags "
                 f"{sorted(self._tags_in_flight)}); await them first"
             )
+        # Bring a ring left stale by an abort up to date first, as every survivor does
+        # before its next collective call (some did it already, at the end of the abort):
+        # the peers then vote in the same rounds, whatever the timing.
+        await self._ensure_ring()
         with self._operation("update_topology"):
             for _attempt in range(self._config.establish_attempts):
                 await self._vote(VoteEstablish(accept_new_peers=True))
@@ -340,6 +359,7 @@ class Communicator:
     async def are_peers_pending(self) -> bool:
         """Collective vote: whether peers wait to be admitted by ``update_topology``."""
         self._check_connected()
+        await self._ensure_ring()  # see update_topology
         with self._operation("are_peers_pending"):
             await self._vote(VotePeersPending())
             result = await self._wait_for(PeersPendingResult)
@@ -432,6 +452,7 @@ class Communicator:
         *,
         op: ReduceOp = ReduceOp.SUM,
         quantization: QuantizationOptions | None = None,
+        distribution_hint: DistributionHint = DistributionHint.NONE,
         max_in_flight: int = 16,
     ) -> ReduceInfo:
         """All-reduce every tensor in place (tag = its index), retrying after dropouts.
@@ -440,34 +461,48 @@ class Communicator:
         When a peer drops, every all-reduce in flight is aborted together (inputs
         restored); the unfinished ones run again with the survivors, so each tensor
         ends as the reduction over the old world or over the new one, identical on
-        every survivor.
+        every survivor. A tensor the run rejects (the peers disagree on it, or a peer's
+        data cannot be quantized) is not retried; the others still complete, on every
+        peer alike, before the rejection is raised.
 
         Returns:
-            the payload bytes of the successful attempts and the final world size.
+            the payload bytes of the successful attempts, the values clamped by
+            quantization, and the final world size.
 
         Raises:
+            InvalidArgument: the run rejected some tensors (named in the message; each
+                of them was restored to its input), or an argument is malformed.
             TooFewPeers: the peer group shrank to a single peer.
         """
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise InvalidArgument(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         for index, tensor in enumerate(tensors):
-            self._check_reduce_arguments(tensor, None, op, index, quantization,
-                                         DistributionHint.NONE)
+            self._check_reduce_arguments(tensor, None, op, index, quantization, distribution_hint)
+        outcome = _RetryOutcome()
         pending = list(range(len(tensors)))
-        tx = rx = 0
         while pending:
             if len(self._ring) < 2:
                 raise TooFewPeers(
                     f"the peer group has {len(self._ring)} peer; {len(pending)} of "
                     f"{len(tensors)} all-reduces could not complete"
                 )
-            pending, moved_tx, moved_rx = await self._reduce_pass(
-                tensors, pending, op, quantization, max_in_flight
+            pending = await self._reduce_pass(
+                tensors, pending, op, quantization, distribution_hint, max_in_flight, outcome
             )
-            tx, rx = tx + moved_tx, rx + moved_rx
             if pending:
                 log.info("peer %s: retrying %d all-reduces", self._peer_id, len(pending))
-        return ReduceInfo(world_size=len(self._ring), tx_bytes=tx, rx_bytes=rx)
+        if outcome.rejected:
+            indices = sorted(outcome.rejected)
+            first = outcome.rejected[indices[0]]
+            raise InvalidArgument(
+                f"{len(indices)} of {len(tensors)} all-reduces were rejected for every peer "
+                f"(tensors {indices}; they were restored to their inputs, the others "
+                f"completed); tensor {indices[0]}: {first}"
+            )
+        return ReduceInfo(
+            world_size=len(self._ring), tx_bytes=outcome.tx, rx_bytes=outcome.rx,
+            clamped=outcome.clamped,
+        )
 
     async def _reduce_pass(
         self,
@@ -475,27 +510,34 @@ class Communicator:
         pending: list[int],
         op: ReduceOp,
         quantization: QuantizationOptions | None,
+        hint: DistributionHint,
         max_in_flight: int,
-    ) -> tuple[list[int], int, int]:
-        """One pass of ``all_reduce_multiple_with_retry``: the aborted indices and the
-        bytes the successful ones moved."""
+        outcome: _RetryOutcome,
+    ) -> list[int]:
+        """One pass of ``all_reduce_multiple_with_retry`` over ``pending``: the aborted
+        indices, to retry. Successes and rejections are recorded in ``outcome``.
+
+        Every peer sees the same verdict for every index, so every peer launches the
+        same indices in the same order, and retries the same ones.
+        """
         failed: list[int] = []
         fatal: list[PCCLError] = []
         slots = trio.Semaphore(max_in_flight)
         handles: dict[int, AsyncReduceHandle] = {}
-        tx = rx = 0
 
         async def one(index: int) -> None:
-            nonlocal tx, rx
             try:
                 info = await handles[index].wait()
             except CollectiveAborted:
                 failed.append(index)
+            except _Rejected as exc:  # the same verdict on every peer: not retried
+                outcome.rejected[index] = str(exc)
             except PCCLError as exc:  # the run is over for us: stop launching
                 fatal.append(exc)
             else:
-                tx += info.tx_bytes
-                rx += info.rx_bytes
+                outcome.tx += info.tx_bytes
+                outcome.rx += info.rx_bytes
+                outcome.clamped += info.clamped
             finally:
                 slots.release()
 
@@ -506,7 +548,8 @@ class Communicator:
                     break
                 try:
                     handles[index] = self.all_reduce_async(
-                        tensors[index], op=op, tag=index, quantization=quantization
+                        tensors[index], op=op, tag=index, quantization=quantization,
+                        distribution_hint=hint,
                     )
                 except PCCLError as exc:
                     fatal.append(exc)
@@ -514,7 +557,7 @@ class Communicator:
                 nursery.start_soon(one, index)
         if fatal:
             raise fatal[0]
-        return sorted(failed), tx, rx
+        return sorted(failed)
 
     def _check_reduce_arguments(
         self,
@@ -687,7 +730,7 @@ class Communicator:
             await attempt.settle()
             if verdict.outcome == REJECTED and not verdict.seq:
                 attempt.restore()  # nothing was written, but keep the rule simple
-                raise InvalidArgument(verdict.reason)
+                raise _Rejected(verdict.reason)
             reason = verdict.reason or attempt.failure or "a peer failed"
             self._ring_stale = True
             last = not self._attempts_by_tag
@@ -714,7 +757,7 @@ class Communicator:
                 raise ring_error
             if verdict.outcome == REJECTED:
                 # A peer's data could not be reduced: retrying would fail alike.
-                raise InvalidArgument(
+                raise _Rejected(
                     f"the all-reduce with tag {tag} failed for every peer: {reason}; the "
                     "input was restored"
                 )

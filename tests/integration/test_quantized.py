@@ -306,6 +306,137 @@ async def test_retry_wrapper_with_quantization(cluster: Cluster, clock: object) 
             await comm.aclose()
 
 
+async def test_retry_wrapper_skips_rejected_tensors_alike_on_every_peer(
+    cluster: Cluster, clock: object
+) -> None:
+    """One tensor holds NaN on one peer: every peer still launches and completes the others,
+    leaves that one restored, and raises the same rejection; the next step runs normally."""
+    with trio.fail_after(120):
+        comms = await make_run(cluster, 3, SMALL)
+        for step, bad_index in enumerate((1, 4, 0)):
+            tensors = [
+                [np.full(300 + t, t + i + step, dtype=np.float32) for t in range(6)]
+                for i in range(3)
+            ]
+            tensors[2][bad_index][7] = np.nan
+            originals = [[t.copy() for t in row] for row in tensors]
+
+            async def call(
+                i: int, comm: pccl.Communicator, tensors: list[list[np.ndarray]] = tensors
+            ) -> pccl.ReduceInfo:
+                return await comm.all_reduce_multiple_with_retry(
+                    tensors[i], quantization=options(MIN_MAX, U8), max_in_flight=2
+                )
+
+            results = await run_all(comms, call)
+            for result in results:
+                assert isinstance(result, pccl.InvalidArgument), results
+                assert f"tensors [{bad_index}]" in str(result) and "NaN or inf" in str(result)
+            for i in range(3):
+                for t in range(6):
+                    if t == bad_index:
+                        assert tensors[i][t].tobytes() == originals[i][t].tobytes()
+                    else:
+                        assert (tensors[i][t] == 3 * (t + step) + 3).all(), (i, t)
+        # A clean step after the rejections.
+        tensors = [[np.full(100, i, dtype=np.float32) for _ in range(4)] for i in range(3)]
+        results = await run_all(comms, lambda i, c: c.all_reduce_multiple_with_retry(
+            tensors[i], quantization=options(ZPS, U8), max_in_flight=3))
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        assert all((t == 3).all() for row in tensors for t in row)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_votes_after_a_rejection_line_up_on_every_peer(
+    cluster: Cluster, clock: object
+) -> None:
+    """A rejected collective beside a successful one leaves every ring stale; whichever
+    peer happened to finish the rejected one last, every peer's next vote
+    (``are_peers_pending``, ``update_topology``) first re-establishes the ring."""
+    with trio.fail_after(120):
+        comms = await make_run(cluster, 3, SMALL)
+        for vote in ("are_peers_pending", "update_topology"):
+            good = [np.full(2000, i, dtype=np.float32) for i in range(3)]
+            bad = [np.ones(500, dtype=np.float32) for _ in range(3)]
+            bad[0][3] = np.inf
+
+            async def both(
+                i: int, comm: pccl.Communicator,
+                good: list[np.ndarray] = good, bad: list[np.ndarray] = bad,
+            ) -> list[object]:
+                quantization = options(MIN_MAX, U8)
+                handles = [
+                    comm.all_reduce_async(good[i], tag=1, quantization=quantization),
+                    comm.all_reduce_async(bad[i], tag=2, quantization=quantization),
+                ]
+                outcomes: list[object] = []
+                for handle in handles:
+                    try:
+                        outcomes.append(await handle.wait())
+                    except pccl.PCCLError as exc:
+                        outcomes.append(exc)
+                return outcomes
+
+            results = await run_all(comms, both)
+            for outcome in results:
+                assert isinstance(outcome, list), results
+                assert isinstance(outcome[1], pccl.InvalidArgument), results
+            # The abort may cut connections the other tag shares, aborting it too; one
+            # verdict for every peer either way.
+            assert len({type(outcome[0]) for outcome in results}) == 1, results  # type: ignore[index]
+            if isinstance(results[0][0], pccl.ReduceInfo):  # type: ignore[index]
+                assert all((g == 3).all() for g in good)
+            else:
+                assert isinstance(results[0][0], pccl.CollectiveAborted), results  # type: ignore[index]
+                assert all((g == i).all() for i, g in enumerate(good))
+            voted = await run_all(comms, lambda i, c, vote=vote: getattr(c, vote)())
+            assert voted == [False, False, False] if vote == "are_peers_pending" else [None] * 3
+            arrays = [np.full(64, i, dtype=np.float32) for i in range(3)]
+            results = await reduce_each(comms, arrays)
+            assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+            assert all((a == 3).all() for a in arrays)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_a_vote_waits_for_the_ring_a_rejection_left_stale(
+    cluster: Cluster, clock: object
+) -> None:
+    """Peer 0 still has a collective in flight when a rejection ends; peers 1 and 2 have
+    none, so they re-establish the ring at once. Peer 0's ``are_peers_pending`` must join
+    that re-establishment first, not vote beside it (which the master would answer with a
+    usage error); its lone collective is aborted because the others moved on to the vote."""
+    with trio.fail_after(120):
+        comms = await make_run(cluster, 3, SMALL)
+        bad = [np.ones(500, dtype=np.float32) for _ in range(3)]
+        bad[1][0] = np.nan
+        lone = np.ones(100, dtype=np.float32)
+        quantization = options(MIN_MAX, U8)
+
+        async def call(i: int, comm: pccl.Communicator) -> object:
+            handle = None
+            if i == 0:
+                handle = comm.all_reduce_async(lone, tag=1)
+            with pytest.raises(pccl.InvalidArgument, match="NaN or inf"):
+                await comm.all_reduce(bad[i], tag=2, quantization=quantization)
+            pending = await comm.are_peers_pending()
+            if handle is not None:
+                with pytest.raises(pccl.CollectiveAborted, match="re-establish"):
+                    await handle.wait()
+            return pending
+
+        results = await run_all(comms, call)
+        assert results == [False, False, False], results
+        assert (lone == 1).all()
+        arrays = [np.full(64, i, dtype=np.float32) for i in range(3)]
+        results = await reduce_each(comms, arrays)
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        assert all((a == 3).all() for a in arrays)
+        for comm in comms:
+            await comm.aclose()
+
+
 async def test_kill_mid_quantized_all_reduce(cluster: Cluster, clock: object) -> None:
     """A peer dies mid-operation: one verdict for all, inputs restored, a retry agrees."""
     cluster.config = FINE if cluster.memory is not None else cluster.config
