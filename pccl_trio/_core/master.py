@@ -64,12 +64,17 @@ from .messages import (
     PeerEndpoint,
     PeersPendingResult,
     Register,
+    SharedStateComplete,
+    SharedStateDone,
+    SharedStatePlan,
+    SharedStateVote,
     VoteEstablish,
     VotePeersPending,
     Welcome,
     WorldSizes,
 )
 from .ring import find_ring
+from .shared_state import Ballot, elect
 
 __all__ = [
     "TRANSITIONS",
@@ -104,6 +109,9 @@ class PeerState(enum.Enum):
     CONNECTING = enum.auto()  # in a round, connecting to its neighbours
     WAITING = enum.auto()  # in a round, connected; waiting for the others
     CONNECT_FAILED = enum.auto()  # its last round failed; must vote again
+    VOTE_SYNC = enum.auto()  # voted to synchronize the shared state
+    SYNCING = enum.auto()  # fetching (or serving) the shared state
+    SYNC_DONE = enum.auto()  # done with its part; waiting for the group
 
 
 class PeerEvent(enum.Enum):
@@ -111,14 +119,22 @@ class PeerEvent(enum.Enum):
     VOTE_ESTABLISH = enum.auto()
     REPORT_CONNECTED = enum.auto()
     REPORT_FAILED = enum.auto()
+    VOTE_SYNC = enum.auto()
+    REPORT_SYNCED = enum.auto()
     # caused by the master
     ROUND_START = enum.auto()
     ROUND_SUCCEEDED = enum.auto()
     ROUND_FAILED = enum.auto()
+    SYNC_START = enum.auto()
+    SYNC_REFUSED = enum.auto()
+    SYNC_COMPLETE = enum.auto()
 
 
 REMOTE_EVENTS = frozenset(
-    {PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED}
+    {
+        PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED,
+        PeerEvent.VOTE_SYNC, PeerEvent.REPORT_SYNCED,
+    }
 )
 
 #: Every legal state change, in one place.
@@ -132,6 +148,17 @@ TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
     (PeerState.WAITING, PeerEvent.ROUND_SUCCEEDED): PeerState.IDLE,
     (PeerState.WAITING, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
     (PeerState.CONNECT_FAILED, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
+    (PeerState.IDLE, PeerEvent.VOTE_SYNC): PeerState.VOTE_SYNC,
+    (PeerState.VOTE_SYNC, PeerEvent.SYNC_START): PeerState.SYNCING,
+    (PeerState.VOTE_SYNC, PeerEvent.SYNC_REFUSED): PeerState.IDLE,
+    (PeerState.SYNCING, PeerEvent.REPORT_SYNCED): PeerState.SYNC_DONE,
+    (PeerState.SYNC_DONE, PeerEvent.SYNC_COMPLETE): PeerState.IDLE,
+}
+
+#: States of a peer blocked in a vote (it initiates no collective until the vote ends).
+_VOTING = {
+    PeerState.VOTE_ESTABLISH: "re-establish the ring",
+    PeerState.VOTE_SYNC: "synchronize the shared state",
 }
 
 #: States in which a peer may ask whether peers are pending.
@@ -241,6 +268,16 @@ class _Peer:
     accept_new_peers: bool = False
     pending_vote: bool = False
     collectives: set[int] = dataclasses.field(default_factory=set)  # tags in flight
+    ballot: Ballot | None = None  # its shared-state vote, while VOTE_SYNC
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Sync:
+    """A peer group's shared-state sync, from the election to the last peer's report."""
+
+    number: int
+    members: set[int]
+    done: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -319,6 +356,11 @@ class MasterCore:
         # Groups whose ring lost a member or failed to connect since its last
         # successful round: their collectives cannot run until they re-establish.
         self._stale_groups: set[int] = set()
+        # Shared state, per peer group: the revision the next sync expects (absent
+        # before the first sync), and the sync in its distribution phase.
+        self._expected_revision: dict[int, int] = {}
+        self._syncs: dict[int, _Sync] = {}
+        self._sync_counter = 0
         self._actions: list[Action] = []
         self._now = -math.inf
 
@@ -445,6 +487,10 @@ class MasterCore:
                     self._on_initiate(peer, message)
                 case CollectiveComplete(tag=tag, seq=seq, aborted=aborted, invalid=invalid):
                     self._on_complete(peer, tag, seq, aborted, invalid)
+                case SharedStateVote():
+                    self._on_sync_vote(conn, peer, message)
+                case SharedStateDone(sync=number, success=success, reason=reason):
+                    self._on_sync_done(peer, number, success, reason)
                 case _:  # pragma: no cover - every C2M kind is handled above
                     raise LocalProtocolError(f"unhandled message {message!r}")
         except RemoteProtocolError as exc:
@@ -599,15 +645,15 @@ class MasterCore:
             members = [
                 p for p in self._accepted() if p.peer_group == collective.group
             ]
-            blocker = next((p for p in members if p.state is PeerState.VOTE_ESTABLISH), None)
+            blocker = next((p for p in members if p.state in _VOTING), None)
             if blocker is not None:
-                # That peer is blocked in a topology vote and will never initiate:
-                # waiting would deadlock the group.
+                # That peer is blocked in a vote and will never initiate: waiting would
+                # deadlock the group.
                 self._end_collective(
                     collective,
                     ABORTED,
-                    f"peer {blocker.peer_id} voted to re-establish the ring instead of joining "
-                    f"the all-reduce with tag {collective.tag}",
+                    f"peer {blocker.peer_id} voted to {_VOTING[blocker.state]} instead of "
+                    f"joining the all-reduce with tag {collective.tag}",
                 )
                 continue
             if not all(p.peer_id in collective.descriptors for p in members):
@@ -692,6 +738,7 @@ class MasterCore:
                 break
         self._try_answer_pending()
         self._try_collectives()
+        self._try_syncs()
 
     def _accepted(self) -> list[_Peer]:
         return [p for p in self._peers.values() if p.phase is PeerPhase.ACCEPTED]
@@ -839,29 +886,157 @@ class MasterCore:
 
     def _try_answer_pending(self) -> None:
         accepted = self._accepted()
-        blocker = next((p for p in accepted if p.state is PeerState.VOTE_ESTABLISH), None)
-        if blocker is not None:
-            # A peer blocked in a topology vote will never ask: answer those who did
-            # with an error rather than leave both sides waiting for each other.
-            for peer in accepted:
-                if peer.pending_vote:
-                    peer.pending_vote = False
-                    self._send(
-                        peer,
-                        PeersPendingResult(
-                            pending=False,
-                            error=f"peer {blocker.peer_id} called update_topology while this "
-                            "peer called are_peers_pending; every peer must make the same "
-                            "calls in the same order",
-                        ),
-                    )
-            return
-        if not accepted or not all(p.pending_vote for p in accepted):
+        establishing = next((p for p in accepted if p.state is PeerState.VOTE_ESTABLISH), None)
+        refused = False
+        for peer in accepted:
+            if not peer.pending_vote:
+                continue
+            # A peer blocked in a topology vote (any group's: rounds are global) or a
+            # sync vote (its own group's) will never ask: answer those who did with an
+            # error rather than leave both sides waiting for each other.
+            blocker = establishing or next(
+                (p for p in accepted
+                 if p.peer_group == peer.peer_group and p.state is PeerState.VOTE_SYNC),
+                None,
+            )
+            if blocker is None:
+                continue
+            refused = True
+            peer.pending_vote = False
+            call = (
+                "update_topology" if blocker.state is PeerState.VOTE_ESTABLISH
+                else "sync_shared_state"
+            )
+            self._send(
+                peer,
+                PeersPendingResult(
+                    pending=False,
+                    error=f"peer {blocker.peer_id} called {call} while this peer called "
+                    "are_peers_pending; every peer must make the same calls in the same order",
+                ),
+            )
+        if refused or not accepted or not all(p.pending_vote for p in accepted):
             return
         pending = any(p.phase is PeerPhase.REGISTERED for p in self._peers.values())
         for peer in accepted:
             peer.pending_vote = False
             self._send(peer, PeersPendingResult(pending=pending))
+
+    # --- shared state ----------------------------------------------------------------
+
+    def _on_sync_vote(self, conn: _Conn, peer: _Peer, message: SharedStateVote) -> None:
+        if peer.phase is not PeerPhase.ACCEPTED:
+            raise RemoteProtocolError("SharedStateVote before being accepted into the run")
+        if peer.collectives:
+            raise RemoteProtocolError(
+                f"SharedStateVote with collectives in flight (tags {sorted(peer.collectives)})"
+            )
+        self._apply(peer, PeerEvent.VOTE_SYNC)
+        expected = self._expected_revision.get(peer.peer_group)
+        if expected is not None and message.revision > expected:
+            self._kick(
+                conn,
+                f"shared-state revision {message.revision} skips ahead of revision "
+                f"{expected}, the next one of peer group {peer.peer_group}: each sync must "
+                "advance the revision by exactly one",
+            )
+            return
+        peer.ballot = Ballot(
+            revision=message.revision, strategy=message.strategy, entries=message.entries
+        )
+
+    def _on_sync_done(self, peer: _Peer, number: int, success: bool, reason: str) -> None:
+        sync = self._syncs.get(peer.peer_group)
+        if sync is None or sync.number != number or peer.peer_id not in sync.members:
+            raise RemoteProtocolError(f"SharedStateDone for sync {number}, which is not running")
+        self._apply(peer, PeerEvent.REPORT_SYNCED)
+        sync.done.add(peer.peer_id)
+        if not success:
+            log.warning(
+                "sync %d: peer %d could not fetch the shared state: %s",
+                number, peer.peer_id, reason,
+            )
+
+    def _try_syncs(self) -> None:
+        for group, sync in list(self._syncs.items()):
+            if sync.members <= sync.done:
+                del self._syncs[group]
+                for peer_id in sorted(sync.members):
+                    peer = self._peers[peer_id]
+                    self._apply(peer, PeerEvent.SYNC_COMPLETE)
+                    self._send(peer, SharedStateComplete(sync=sync.number))
+                log.info("sync %d of peer group %d complete", sync.number, group)
+        groups: dict[int, list[_Peer]] = {}
+        for peer in self._accepted():
+            groups.setdefault(peer.peer_group, []).append(peer)
+        for group, members in groups.items():
+            voters = [p for p in members if p.state is PeerState.VOTE_SYNC]
+            if not voters:
+                continue
+            blocker = next((p for p in members if p.state is PeerState.VOTE_ESTABLISH), None)
+            if blocker is not None:
+                self._refuse_sync(
+                    voters,
+                    f"peer {blocker.peer_id} called update_topology while this peer called "
+                    "sync_shared_state; every peer must make the same calls in the same order",
+                )
+            elif len(voters) == len(members):
+                self._start_sync(group, voters)
+
+    def _refuse_sync(self, voters: Sequence[_Peer], reason: str) -> None:
+        for peer in voters:
+            assert peer.ballot is not None
+            self._apply(peer, PeerEvent.SYNC_REFUSED)
+            self._send(
+                peer,
+                SharedStatePlan(
+                    sync=0, revision=peer.ballot.revision, fetches=(), distributors=(),
+                    error=reason,
+                ),
+            )
+            peer.ballot = None
+
+    def _start_sync(self, group: int, voters: Sequence[_Peer]) -> None:
+        ballots = {p.peer_id: p.ballot for p in voters if p.ballot is not None}
+        election = elect(ballots, self._expected_revision.get(group))
+        for peer_id, reason in sorted(election.kicks.items()):
+            self._kick(self._conns[self._peers[peer_id].conn], reason)
+        remaining = [p for p in voters if p.peer_id in election.fetches]
+        if not remaining:
+            return
+        if not election.distributors and any(election.fetches.values()):
+            self._refuse_sync(
+                remaining,
+                "no peer that holds the popular shared state may send it (the peers "
+                "holding it were removed); synchronize again",
+            )
+            return
+        self._sync_counter += 1
+        number = self._sync_counter
+        self._expected_revision[group] = election.revision + 1
+        self._syncs[group] = _Sync(number=number, members={p.peer_id for p in remaining})
+        log.info(
+            "sync %d of peer group %d: revision %d, distributors %s, fetching %s",
+            number, group, election.revision, list(election.distributors),
+            {p: len(f) for p, f in election.fetches.items() if f},
+        )
+        for peer in remaining:
+            self._apply(peer, PeerEvent.SYNC_START)
+            peer.ballot = None
+            distributors = tuple(
+                PeerEndpoint(peer_id=d, host=self._peers[d].host, port=self._peers[d].port)
+                for d in election.distributors
+                if d != peer.peer_id
+            )
+            self._send(
+                peer,
+                SharedStatePlan(
+                    sync=number,
+                    revision=election.revision,
+                    fetches=election.fetches[peer.peer_id],
+                    distributors=distributors,
+                ),
+            )
 
     # --- helpers -------------------------------------------------------------------
 
@@ -909,3 +1084,13 @@ class MasterCore:
         self._unreachable = {
             edge for edge in self._unreachable if peer.peer_id not in edge
         }
+        sync = self._syncs.get(peer.peer_group)
+        if sync is not None:
+            sync.members.discard(peer.peer_id)
+            sync.done.discard(peer.peer_id)
+        if not any(
+            p.peer_group == peer.peer_group and p.phase is PeerPhase.ACCEPTED
+            for p in self._peers.values()
+        ):
+            # Nobody is left to hold the group's state: a new group may start anywhere.
+            self._expected_revision.pop(peer.peer_group, None)

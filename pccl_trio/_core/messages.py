@@ -50,6 +50,15 @@ __all__ = [
     "PeerEndpoint",
     "PeersPendingResult",
     "Register",
+    "SharedStateComplete",
+    "SharedStateDone",
+    "SharedStateEntry",
+    "SharedStateFetch",
+    "SharedStatePlan",
+    "SharedStateRange",
+    "SharedStateRequest",
+    "SharedStateResponse",
+    "SharedStateVote",
     "VoteEstablish",
     "VotePeersPending",
     "Welcome",
@@ -59,7 +68,7 @@ __all__ = [
 ]
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 #: Names by wire value; the public enums in ``pccl_trio._types`` use the same values
 #: (a test holds them together).
@@ -73,6 +82,9 @@ DISTRIBUTION_HINT_NAMES = ("NONE", "NORMAL", "UNIFORM")
 #: ``CollectiveVerdict.outcome`` values.
 SUCCESS, ABORTED, REJECTED = 0, 1, 2
 OUTCOMES = (SUCCESS, ABORTED, REJECTED)
+STRATEGY_NAMES = ("ENFORCE_POPULAR", "RECEIVE_ONLY", "SEND_ONLY")
+#: Longest shared-state key, in characters.
+MAX_KEY = 1024
 
 U16_MAX = (1 << 16) - 1
 U32_MAX = (1 << 32) - 1
@@ -195,7 +207,72 @@ class WorldSizes(_Record):
     largest_peer_group_world_size: int
 
 
-_NESTED: dict[type, type[_Record]] = {PeerEndpoint: PeerEndpoint, WorldSizes: WorldSizes}
+def _check_key(key: str, where: str) -> None:
+    if not key or len(key) > MAX_KEY:
+        raise RemoteProtocolError(f"{where}: a shared-state key has 1 to {MAX_KEY} characters")
+
+
+@_record
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateEntry(_Record):
+    """One tensor of a peer's shared state, as it votes: what the master compares."""
+
+    key: str
+    hash: int
+    dtype: int
+    count: int
+    allow_content_inequality: bool
+
+    def _validate(self) -> None:
+        _check_key(self.key, "SharedStateEntry.key")
+        if self.dtype >= len(DTYPE_NAMES):
+            raise RemoteProtocolError(f"SharedStateEntry.dtype: unknown value {self.dtype}")
+
+    def describe(self) -> str:
+        return f"{self.count} x {DTYPE_NAMES[self.dtype]}"
+
+
+@_record
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateFetch(_Record):
+    """A tensor a peer must fetch, and the hash it must have (unless not ``verify``)."""
+
+    key: str
+    hash: int
+    verify: bool
+
+    def _validate(self) -> None:
+        _check_key(self.key, "SharedStateFetch.key")
+
+
+@_record
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateRange(_Record):
+    """Bytes ``[offset, offset + nbytes)`` of one shared-state tensor."""
+
+    key: str
+    offset: int
+    nbytes: int
+
+    def _validate(self) -> None:
+        _check_key(self.key, "SharedStateRange.key")
+
+
+_NESTED: dict[type, type[_Record]] = {
+    PeerEndpoint: PeerEndpoint,
+    WorldSizes: WorldSizes,
+    SharedStateEntry: SharedStateEntry,
+    SharedStateFetch: SharedStateFetch,
+    SharedStateRange: SharedStateRange,
+}
+
+
+def _check_unique_keys(keys: typing.Iterable[str], where: str) -> None:
+    seen: set[str] = set()
+    for key in keys:
+        if key in seen:
+            raise RemoteProtocolError(f"{where}: key {key!r} appears twice")
+        seen.add(key)
 
 # --- peer -> master ---------------------------------------------------------------
 
@@ -300,6 +377,32 @@ class CollectiveComplete(Message):
     invalid: str = ""  # non-empty implies aborted
 
 
+@_message(8, C2M)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateVote(Message):
+    """Vote to synchronize the shared state: its revision, strategy and entries."""
+
+    revision: int
+    strategy: int
+    entries: tuple[SharedStateEntry, ...]
+
+    def _validate(self) -> None:
+        if self.strategy >= len(STRATEGY_NAMES):
+            raise RemoteProtocolError(f"SharedStateVote.strategy: unknown value {self.strategy}")
+        _check_unique_keys((e.key for e in self.entries), "SharedStateVote.entries")
+
+
+@_message(9, C2M)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateDone(Message):
+    """This peer's part of shared-state sync ``sync`` is over: it holds the state
+    (``success``), or could not fetch it (``reason`` says why; its state is unchanged)."""
+
+    sync: int
+    success: bool
+    reason: str = ""
+
+
 # --- master -> peer ---------------------------------------------------------------
 
 
@@ -387,6 +490,31 @@ class CollectiveVerdict(Message):
             raise RemoteProtocolError(f"CollectiveVerdict.outcome: unknown outcome {self.outcome}")
 
 
+@_message(72, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStatePlan(Message):
+    """The outcome of a shared-state vote for this peer: after sync ``sync`` it holds
+    ``revision``, once it fetched ``fetches`` from any of ``distributors`` (which hold
+    the popular state). ``error`` non-empty: the vote was refused, nothing happens."""
+
+    sync: int
+    revision: int
+    fetches: tuple[SharedStateFetch, ...]
+    distributors: tuple[PeerEndpoint, ...]
+    error: str = ""
+
+    def _validate(self) -> None:
+        _check_unique_keys((f.key for f in self.fetches), "SharedStatePlan.fetches")
+
+
+@_message(73, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateComplete(Message):
+    """Every peer of the group is done with sync ``sync``: distributors stop serving."""
+
+    sync: int
+
+
 # --- peer <-> peer ----------------------------------------------------------------
 
 
@@ -404,6 +532,27 @@ class P2PHello(Message):
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PHelloAck(Message):
     """The listener stored the connection; data may flow."""
+
+
+@_message(130, P2P)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateRequest(Message):
+    """First frame of a shared-state connection: send me these byte ranges of the state
+    of sync ``sync``."""
+
+    protocol_version: int
+    peer_id: int
+    sync: int
+    ranges: tuple[SharedStateRange, ...]
+
+
+@_message(131, P2P)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateResponse(Message):
+    """The answer to a request: ``error`` empty means the ranges follow as data frames,
+    in the order asked (header: the range's index, the sync, its offset, the length)."""
+
+    error: str = ""
 
 
 # --- codec ------------------------------------------------------------------------

@@ -27,6 +27,15 @@ from pccl_trio._core.messages import (
     PeerEndpoint,
     PeersPendingResult,
     Register,
+    SharedStateComplete,
+    SharedStateDone,
+    SharedStateEntry,
+    SharedStateFetch,
+    SharedStatePlan,
+    SharedStateRange,
+    SharedStateRequest,
+    SharedStateResponse,
+    SharedStateVote,
     VoteEstablish,
     VotePeersPending,
     Welcome,
@@ -77,6 +86,31 @@ SAMPLES: dict[type[Message], Message] = {
     CollectiveVerdict: CollectiveVerdict(tag=9, seq=4, outcome=ABORTED, reason="peer 5 left"),
     P2PHello: P2PHello(protocol_version=PROTOCOL_VERSION, peer_id=3, slot=2),
     P2PHelloAck: P2PHelloAck(),
+    SharedStateVote: SharedStateVote(
+        revision=13,
+        strategy=2,
+        entries=(
+            SharedStateEntry(key="w", hash=3391090508, dtype=10, count=1 << 20,
+                             allow_content_inequality=False),
+            SharedStateEntry(key="ëtä", hash=0, dtype=9, count=3, allow_content_inequality=True),
+        ),
+    ),
+    SharedStateDone: SharedStateDone(sync=4, success=False, reason="peer 2 left"),
+    SharedStatePlan: SharedStatePlan(
+        sync=4,
+        revision=13,
+        fetches=(SharedStateFetch(key="w", hash=3391090508, verify=True),),
+        distributors=NEIGHBOURS,
+        error="refused",
+    ),
+    SharedStateComplete: SharedStateComplete(sync=4),
+    SharedStateRequest: SharedStateRequest(
+        protocol_version=PROTOCOL_VERSION,
+        peer_id=3,
+        sync=4,
+        ranges=(SharedStateRange(key="w", offset=4096, nbytes=65536),),
+    ),
+    SharedStateResponse: SharedStateResponse(error="not distributing"),
 }
 
 

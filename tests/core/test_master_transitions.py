@@ -22,6 +22,10 @@ from pccl_trio._core.messages import (
     Message,
     P2PEstablished,
     Register,
+    SharedStateDone,
+    SharedStateEntry,
+    SharedStatePlan,
+    SharedStateVote,
     VoteEstablish,
     VotePeersPending,
 )
@@ -47,7 +51,8 @@ def test_transition(state: PeerState, event: PeerEvent) -> None:
 
 def test_remote_events_are_the_ones_peers_cause() -> None:
     assert REMOTE_EVENTS == {
-        PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED
+        PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED,
+        PeerEvent.VOTE_SYNC, PeerEvent.REPORT_SYNCED,
     }
 
 
@@ -146,34 +151,69 @@ def accepted_failed_after_round(h: MasterHarness) -> tuple[int, int]:
     return 1, 2
 
 
+def accepted_sync_voted(h: MasterHarness) -> tuple[int, int]:
+    accepted_idle(h)
+    h.send(1, sync_vote())
+    return 1, 2
+
+
+def accepted_syncing(h: MasterHarness) -> tuple[int, int]:
+    accepted_sync_voted(h)
+    h.send(2, sync_vote())
+    return 1, 2
+
+
+def accepted_sync_done(h: MasterHarness) -> tuple[int, int]:
+    accepted_syncing(h)
+    h.send(1, sync_done(h, 1))
+    return 1, 2
+
+
+def sync_vote() -> SharedStateVote:
+    entry = SharedStateEntry(key="w", hash=7, dtype=10, count=4, allow_content_inequality=False)
+    return SharedStateVote(revision=0, strategy=0, entries=(entry,))
+
+
+def sync_done(h: MasterHarness, conn: int) -> SharedStateDone:
+    plans = [m for m in h.sent[conn] if isinstance(m, SharedStatePlan)]
+    return SharedStateDone(sync=plans[-1].sync if plans else 1, success=True)
+
+
 REG, ACC = PeerPhase.REGISTERED, PeerPhase.ACCEPTED
 IDLE, VOTED, CONN, WAIT, FAIL = (
     PeerState.IDLE, PeerState.VOTE_ESTABLISH, PeerState.CONNECTING, PeerState.WAITING,
     PeerState.CONNECT_FAILED,
 )
+SVOTED, SYNCING, SDONE = PeerState.VOTE_SYNC, PeerState.SYNCING, PeerState.SYNC_DONE
 KICK = None
 MESSAGES = ("register", "heartbeat", "vote", "report_ok", "report_failed", "report_stale",
-            "pending")
+            "pending", "sync_vote", "sync_done")
+K2 = (KICK, KICK)  # sync_vote and sync_done where neither is allowed
 
 #: setup -> (where the subject starts, its fate after each message in MESSAGES)
 TABLE: dict[Setup, tuple[tuple[PeerPhase, PeerState], tuple[tuple[PeerPhase, PeerState] | None, ...]]] = {  # noqa: E501
-    registered_waiting: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK)),
-    registered_mid_round: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK)),
+    registered_waiting: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK, *K2)),
+    registered_mid_round: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK, *K2)),
     joiner_connecting: ((REG, CONN), (KICK, (REG, CONN), KICK, (REG, WAIT), (REG, FAIL), KICK,
-                                      KICK)),
-    joiner_waiting: ((REG, WAIT), (KICK, (REG, WAIT), KICK, KICK, KICK, KICK, KICK)),
-    joiner_failed: ((REG, FAIL), (KICK, (REG, FAIL), KICK, KICK, KICK, KICK, KICK)),
+                                      KICK, *K2)),
+    joiner_waiting: ((REG, WAIT), (KICK, (REG, WAIT), KICK, KICK, KICK, KICK, KICK, *K2)),
+    joiner_failed: ((REG, FAIL), (KICK, (REG, FAIL), KICK, KICK, KICK, KICK, KICK, *K2)),
     accepted_idle: ((ACC, IDLE), (KICK, (ACC, IDLE), (ACC, VOTED), KICK, KICK, KICK,
-                                  (ACC, IDLE))),
-    accepted_voted: ((ACC, VOTED), (KICK, (ACC, VOTED), KICK, KICK, KICK, KICK, KICK)),
+                                  (ACC, IDLE), (ACC, SVOTED), KICK)),
+    accepted_voted: ((ACC, VOTED), (KICK, (ACC, VOTED), KICK, KICK, KICK, KICK, KICK, *K2)),
     accepted_connecting: ((ACC, CONN), (KICK, (ACC, CONN), KICK, (ACC, WAIT), (ACC, FAIL), KICK,
-                                        KICK)),
-    accepted_waiting: ((ACC, WAIT), (KICK, (ACC, WAIT), KICK, KICK, KICK, KICK, KICK)),
+                                        KICK, *K2)),
+    accepted_waiting: ((ACC, WAIT), (KICK, (ACC, WAIT), KICK, KICK, KICK, KICK, KICK, *K2)),
     # Voting again before the round's verdict would stall the round: kicked.
     accepted_failed_mid_round: ((ACC, FAIL), (KICK, (ACC, FAIL), KICK, KICK, KICK, KICK,
-                                              (ACC, FAIL))),
+                                              (ACC, FAIL), *K2)),
     accepted_failed_after_round: ((ACC, FAIL), (KICK, (ACC, FAIL), (ACC, VOTED), KICK, KICK, KICK,
-                                                (ACC, FAIL))),
+                                                (ACC, FAIL), *K2)),
+    accepted_sync_voted: ((ACC, SVOTED), (KICK, (ACC, SVOTED), KICK, KICK, KICK, KICK, KICK,
+                                          *K2)),
+    accepted_syncing: ((ACC, SYNCING), (KICK, (ACC, SYNCING), KICK, KICK, KICK, KICK, KICK, KICK,
+                                        (ACC, SDONE))),
+    accepted_sync_done: ((ACC, SDONE), (KICK, (ACC, SDONE), KICK, KICK, KICK, KICK, KICK, *K2)),
 }
 
 CASES = [
@@ -183,7 +223,7 @@ CASES = [
 ]
 
 
-def message(name: str, h: MasterHarness) -> Message:
+def message(name: str, h: MasterHarness, subject: int) -> Message:
     current = h.latest_round
     match name:
         case "register":
@@ -200,13 +240,19 @@ def message(name: str, h: MasterHarness) -> Message:
             return P2PEstablished(round=current + 1, success=True)
         case "pending":
             return VotePeersPending()
+        case "sync_vote":
+            return sync_vote()
+        case "sync_done":
+            return sync_done(h, subject)
     raise AssertionError(name)  # pragma: no cover
 
 
 def test_table_covers_every_reachable_combination() -> None:
     starts = {start for start, _fates in TABLE.values()}
-    # A REGISTERED peer never votes, so it is never VOTE_ESTABLISH; every other pair occurs.
-    assert starts == set(itertools.product(PeerPhase, PeerState)) - {(REG, VOTED)}
+    # A REGISTERED peer never votes or syncs, so it is never VOTE_ESTABLISH or in a sync;
+    # every other pair occurs.
+    never = {(REG, state) for state in (VOTED, SVOTED, SYNCING, SDONE)}
+    assert starts == set(itertools.product(PeerPhase, PeerState)) - never
 
 
 @pytest.mark.parametrize(
@@ -226,7 +272,7 @@ def test_message_in_state(
     other_before = h.view(other)
     round_before = h.core.round_in_progress
 
-    actions = h.send(subject, message(name, h))
+    actions = h.send(subject, message(name, h, subject))
 
     if fate is KICK:
         assert was_kicked(actions, subject)

@@ -24,6 +24,7 @@ from pccl_trio._core.messages import (
     OUTCOMES,
     P2P,
     QUANTIZATION_NAMES,
+    STRATEGY_NAMES,
     U16_MAX,
     U32_MAX,
     U64_MAX,
@@ -38,6 +39,11 @@ from pccl_trio._core.messages import (
     PeerEndpoint,
     PeersPendingResult,
     Register,
+    SharedStateEntry,
+    SharedStateFetch,
+    SharedStatePlan,
+    SharedStateRange,
+    SharedStateVote,
     VoteEstablish,
     Welcome,
     WorldSizes,
@@ -257,6 +263,17 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (CollectiveInitiate, "quantization"): st.integers(0, len(QUANTIZATION_NAMES) - 1),
     (CollectiveInitiate, "distribution_hint"): st.integers(0, len(DISTRIBUTION_HINT_NAMES) - 1),
     (CollectiveVerdict, "outcome"): st.sampled_from(OUTCOMES),
+    (SharedStateEntry, "key"): st.text(min_size=1, max_size=30),
+    (SharedStateEntry, "dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
+    (SharedStateFetch, "key"): st.text(min_size=1, max_size=30),
+    (SharedStateRange, "key"): st.text(min_size=1, max_size=30),
+    (SharedStateVote, "strategy"): st.integers(0, len(STRATEGY_NAMES) - 1),
+    (SharedStateVote, "entries"): st.deferred(
+        lambda: st.lists(records(SharedStateEntry), max_size=5, unique_by=lambda e: e.key)
+    ).map(tuple),
+    (SharedStatePlan, "fetches"): st.deferred(
+        lambda: st.lists(records(SharedStateFetch), max_size=5, unique_by=lambda f: f.key)
+    ).map(tuple),
 }
 
 
@@ -337,3 +354,30 @@ def test_samples_use_non_default_nested_values() -> None:
     info = SAMPLES[P2PInfo]
     assert isinstance(info, P2PInfo) and info.neighbours == NEIGHBOURS
     assert len({type(m) for m in SAMPLES.values()}) == len(message_kinds())
+
+
+@pytest.mark.parametrize(
+    ("message", "words"),
+    [
+        (lambda: SharedStateEntry(key="", hash=0, dtype=0, count=0, allow_content_inequality=False),
+         "SharedStateEntry.key"),
+        (lambda: SharedStateEntry(key="k" * 1025, hash=0, dtype=0, count=0,
+                                  allow_content_inequality=False), "SharedStateEntry.key"),
+        (lambda: SharedStateEntry(key="k", hash=0, dtype=len(DTYPE_NAMES), count=0,
+                                  allow_content_inequality=False), "SharedStateEntry.dtype"),
+        (lambda: SharedStateVote(revision=0, strategy=len(STRATEGY_NAMES), entries=()),
+         "SharedStateVote.strategy"),
+        (lambda: SharedStateVote(revision=0, strategy=0, entries=(
+            SharedStateEntry(key="a", hash=1, dtype=0, count=1, allow_content_inequality=False),
+            SharedStateEntry(key="a", hash=2, dtype=0, count=1, allow_content_inequality=False),
+        )), "key 'a' appears twice"),
+        (lambda: SharedStatePlan(sync=1, revision=0, distributors=(), fetches=(
+            SharedStateFetch(key="a", hash=1, verify=True),
+            SharedStateFetch(key="a", hash=1, verify=True),
+        )), "key 'a' appears twice"),
+        (lambda: SharedStateRange(key="", offset=0, nbytes=1), "SharedStateRange.key"),
+    ],
+)
+def test_shared_state_records_refuse_bad_fields(message: Any, words: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=words):
+        message()
