@@ -26,8 +26,10 @@ from ._types import QuantizationAlgorithm as QuantizationAlgorithm
 from ._types import QuantizationOptions as QuantizationOptions
 from ._types import ReduceInfo as ReduceInfo
 from ._types import ReduceOp as ReduceOp
+from ._types import SharedState as SharedState
 from ._types import SharedStateSyncInfo as SharedStateSyncInfo
 from ._types import SharedStateSyncStrategy as SharedStateSyncStrategy
+from ._types import TensorInfo as TensorInfo
 from .master import serve_master as serve_master
 from .master import serve_master_tcp as serve_master_tcp
 from .peer import AsyncReduceHandle as AsyncReduceHandle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Any
 
 __all__ = [
     "Attribute",
@@ -13,8 +14,10 @@ __all__ = [
     "QuantizationOptions",
     "ReduceInfo",
     "ReduceOp",
+    "SharedState",
     "SharedStateSyncInfo",
     "SharedStateSyncStrategy",
+    "TensorInfo",
 ]
 
 
@@ -91,5 +94,37 @@ class ReduceInfo:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateSyncInfo:
+    """Outcome of a shared-state sync: the tensor bytes this peer sent to others and
+    received from them."""
+
     tx_bytes: int
     rx_bytes: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """One named tensor of a shared state.
+
+    ``data`` is the buffer itself (numpy, cupy, or any DLPack exporter, C-contiguous):
+    a sync that finds it outdated overwrites it in place. With
+    ``allow_content_inequality`` the peers' contents are never compared (e.g. per-peer
+    random state); a peer joining or behind the group's revision still receives some
+    peer's version of it.
+    """
+
+    name: str
+    data: Any
+    _: dataclasses.KW_ONLY
+    allow_content_inequality: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class SharedState:
+    """The tensors every peer of a group keeps identical, and their revision.
+
+    ``revision`` must advance by exactly one between syncs (the master removes a peer
+    that skips ahead); a sync sets it to the group's revision when this peer was behind.
+    """
+
+    tensors: list[TensorInfo]
+    revision: int = 0

@@ -116,6 +116,38 @@ def parse_data_header(
     return tag, seq, offset, nbytes
 
 
+#: Bytes of the length prefix every frame starts with.
+LENGTH_SIZE = _LENGTH.size
+
+
+def parse_control_length(prefix: bytes | bytearray | memoryview, *, max_control_frame: int) -> int:
+    """The body length of a control frame from its ``LENGTH_SIZE``-byte prefix, for
+    readers that take one frame at a time without reading past it.
+
+    Raises:
+        RemoteProtocolError: the length is impossible for a control frame.
+    """
+    body_length: int = _LENGTH.unpack(prefix)[0]
+    if not _CONTROL_HEADER.size <= body_length <= max_control_frame:
+        raise RemoteProtocolError(
+            f"control frame of {body_length} bytes (expected {_CONTROL_HEADER.size} to "
+            f"{max_control_frame})"
+        )
+    return body_length
+
+
+def decode_control_body(body: bytes | bytearray | memoryview) -> Message:
+    """The message in a control frame's body (the bytes after its length prefix).
+
+    Raises:
+        RemoteProtocolError: not a control frame, or an invalid message.
+    """
+    (frame_type, kind) = _CONTROL_HEADER.unpack_from(body)
+    if frame_type != FrameType.CONTROL:
+        raise RemoteProtocolError(f"expected a control frame, got frame type {frame_type}")
+    return decode_message(kind, bytes(body[_CONTROL_HEADER.size :]))
+
+
 class FrameDecoder:
     """Incremental decoder for one direction of one connection.
 

@@ -60,11 +60,17 @@ from .._core.messages import (
     PeerEndpoint,
     PeersPendingResult,
     Register,
+    SharedStateComplete,
+    SharedStateDone,
+    SharedStatePlan,
+    SharedStateRequest,
+    SharedStateVote,
     VoteEstablish,
     VotePeersPending,
     Welcome,
     WorldSizes,
 )
+from .._core.wire import encode_control
 from .._errors import (
     CollectiveAborted,
     InvalidArgument,
@@ -72,6 +78,7 @@ from .._errors import (
     Kicked,
     MasterConnectionError,
     PCCLError,
+    SharedStateSyncFailed,
     TooFewPeers,
     UpdateTopologyFailed,
 )
@@ -83,6 +90,8 @@ from .._types import (
     QuantizationOptions,
     ReduceInfo,
     ReduceOp,
+    SharedStateSyncInfo,
+    SharedStateSyncStrategy,
 )
 from ..ops import Codec, as_array, check_quantization, from_numpy_dtype
 from ..transport import (
@@ -95,12 +104,14 @@ from ..transport import (
     parse_address,
     run_in_thread,
 )
+from . import _shared_state as sharing
 from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure
 
 __all__ = ["Communicator", "CommunicatorStatistics"]
 
 log = logging.getLogger("pccl_trio.peer")
 
+_W = TypeVar("_W")
 _M = TypeVar("_M", bound=Message)
 U32_MAX = (1 << 32) - 1
 
@@ -254,6 +265,11 @@ class Communicator:
         self._p2p_lot = trio.lowlevel.ParkingLot()
         self._nursery: trio.Nursery | None = None
         self._background_done = trio.Event()
+        # Shared state: what this peer offers during a sync, and the connections
+        # serving it (cut when the sync ends).
+        self._serving: sharing.Serving | None = None
+        self._serving_lot = trio.lowlevel.ParkingLot()
+        self._serving_links: set[FramedStream | SocketLink] = set()
 
     # --- public API ----------------------------------------------------------------
 
@@ -356,6 +372,200 @@ class Communicator:
                 "rounds (peers kept failing or leaving); call update_topology() again"
             )
 
+    async def sync_shared_state(
+        self,
+        state: Any,
+        strategy: SharedStateSyncStrategy = SharedStateSyncStrategy.ENFORCE_POPULAR,
+    ) -> SharedStateSyncInfo:
+        """Collective vote: make this peer's shared state the group's popular one.
+
+        Every peer of the group calls it with the same tensors (names, dtypes, sizes, in
+        the same order) and a revision one above its last sync's. The master elects
+        the popular content; a peer whose tensors differ (or whose revision is behind,
+        like a joiner) fetches exactly the differing tensors from the peers that hold
+        it, straight into its buffers, verifies them, and adopts the group's revision.
+
+        Returns:
+            the tensor bytes this peer sent and received.
+
+        Raises:
+            SharedStateSyncFailed: the state could not be fetched (every peer holding
+                it failed, or what arrived did not verify), or the master refused the
+                vote; the state and its revision are unchanged, and syncing again is
+                safe.
+            Kicked: the master removed this peer (its tensors do not match the group's,
+                its revision skipped ahead, or its strategy is not allowed here).
+            InvalidArgument: the state is malformed.
+            InvalidUsage: all-reduces are in flight, or another membership call runs.
+        """
+        self._check_connected()
+        if not isinstance(strategy, SharedStateSyncStrategy):
+            raise InvalidArgument(
+                f"strategy must be a pccl_trio.SharedStateSyncStrategy, got {strategy!r}"
+            )
+        if self._tags_in_flight:
+            raise InvalidUsage(
+                f"sync_shared_state() while all-reduces are in flight (tags "
+                f"{sorted(self._tags_in_flight)}); await them first"
+            )
+        tensors = sharing.prepare_state(state)
+        await self._ensure_ring()  # see update_topology
+        with self._operation("sync_shared_state"):
+            hashes = await self._cpu(lambda: [t.content_hash() for t in tensors])
+            vote = SharedStateVote(
+                revision=state.revision,
+                strategy=strategy.value,
+                entries=tuple(t.entry(h) for t, h in zip(tensors, hashes, strict=True)),
+            )
+            if len(encode_control(vote)) > self._config.max_control_frame:
+                raise InvalidArgument(
+                    f"the shared state's {len(tensors)} tensors do not fit in one vote of "
+                    f"Config.max_control_frame={self._config.max_control_frame} bytes; "
+                    "use fewer (concatenated) tensors or shorter names"
+                )
+            serving = sharing.Serving(tensors)
+            self._serving = serving
+            try:
+                await self._vote(vote)
+                plan = await self._wait_for(SharedStatePlan)
+                if plan.error:
+                    raise SharedStateSyncFailed(
+                        f"the master refused the sync: {plan.error}; the shared state and "
+                        "its revision are unchanged"
+                    )
+                serving.sync = plan.sync
+                self._serving_lot.unpark_all()
+                received, failure = 0, ""
+                if plan.fetches:
+                    received, failure = await self._fetch_shared_state(plan, tensors)
+                await self._send(
+                    SharedStateDone(sync=plan.sync, success=not failure, reason=failure[:1000])
+                )
+                await self._wait_for(SharedStateComplete, lambda m: m.sync == plan.sync)
+            finally:
+                serving.active = False
+                self._serving = None
+                self._serving_lot.unpark_all()
+                for link in list(self._serving_links):
+                    link.close_now()
+            if failure:
+                raise SharedStateSyncFailed(
+                    f"could not fetch the shared state of revision {plan.revision}: "
+                    f"{failure}; the state and its revision ({state.revision}) are unchanged"
+                )
+            state.revision = plan.revision
+            return SharedStateSyncInfo(tx_bytes=serving.tx_bytes, rx_bytes=received)
+
+    async def _fetch_shared_state(
+        self, plan: SharedStatePlan, tensors: Sequence[sharing.Tensor]
+    ) -> tuple[int, str]:
+        """Fetch the plan's tensors from its distributors (see ``_shared_state``).
+
+        Returns:
+            the bytes received, and why the fetch failed (empty: it did not); after a
+            failure every fetched tensor holds its old bytes again.
+        """
+        by_key = {t.key: t for t in tensors}
+        targets = [by_key[f.key] for f in plan.fetches]
+        expected = {f.key: f.hash for f in plan.fetches if f.verify}
+        assert self._peer_id is not None
+        fetcher = sharing.Fetcher(
+            by_key, [t.key for t in targets], sync=plan.sync, peer_id=self._peer_id
+        )
+        copies = await self._cpu(lambda: sharing.backup(targets))
+        # A distributor that fails gives its piece back; the others may have finished
+        # meanwhile, so the survivors go round again until nothing is left.
+        alive = list(plan.distributors)
+        while fetcher.pieces and alive:
+            async with trio.open_nursery() as nursery:
+                for endpoint in alive:
+                    nursery.start_soon(self._fetch_from, endpoint, fetcher)
+            alive = [e for e in alive if e.peer_id not in fetcher.failed_peers]
+        failure = ""
+        if fetcher.pieces:
+            failure = (
+                "every peer holding it failed ("
+                + ("; ".join(fetcher.failures) or "none is left") + ")"
+            )
+        else:
+            wrong = await self._cpu(lambda: sharing.mismatched(targets, expected))
+            if wrong:
+                failure = (
+                    f"tensors {wrong} arrived but do not hash to the popular state's "
+                    "values (a distributor changed them during the sync?)"
+                )
+        if failure:
+            await self._cpu(lambda: sharing.restore(targets, copies))
+            log.warning("peer %s: shared-state fetch failed: %s", self._peer_id, failure)
+        return fetcher.received, failure
+
+    async def _fetch_from(self, endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
+        """One distributor's worker: fetch pieces from it until none is left or it fails."""
+        stream: trio.abc.Stream | None = None
+        try:
+            with trio.fail_after(self._config.connect_timeout):
+                stream = await self._network.connect(endpoint.host, endpoint.port)
+            framed = FramedStream(
+                stream,
+                max_control_frame=self._config.max_control_frame,
+                max_data_frame=self._config.max_data_frame,
+            )
+            link = self._to_link(framed)
+            if link is None:
+                await sharing.drive(sharing.request_pieces(fetcher), framed)
+                await framed.aclose()
+                return
+            try:
+                await run_in_thread(
+                    partial(sharing.drive_blocking, sharing.request_pieces(fetcher), link),
+                    interrupt=link.cut,
+                )
+            finally:
+                link.cut()
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                RemoteProtocolError, sharing.DistributorRefused) as exc:
+            fetcher.failed(endpoint.peer_id, str(exc) or type(exc).__name__)
+            log.info("peer %s: fetching shared state from peer %d failed: %s",
+                     self._peer_id, endpoint.peer_id, exc)
+        finally:
+            if stream is not None:
+                await trio.aclose_forcefully(stream)
+
+    async def _serve_shared_state(
+        self, framed: FramedStream, request: SharedStateRequest
+    ) -> None:
+        """Answer a peer fetching shared state from us, on its connection."""
+        # Its plan may have reached it before ours reached us: wait for ours.
+        with trio.move_on_after(self._liveness_timeout):
+            while self._serving is not None and self._serving.sync is None:
+                await self._serving_lot.park()
+        serving = self._serving or sharing.Serving(())  # none: every request is refused
+        link = self._to_link(framed)
+        if link is None:
+            self._serving_links.add(framed)
+            try:
+                await sharing.drive(sharing.serve_requests(serving, request), framed)
+            finally:
+                self._serving_links.discard(framed)
+            return
+        self._serving_links.add(link)
+        try:
+            await run_in_thread(
+                partial(sharing.drive_blocking, sharing.serve_requests(serving, request), link),
+                interrupt=link.cut,
+            )
+        finally:
+            self._serving_links.discard(link)
+            link.cut()
+
+    async def _cpu(self, work: Callable[[], _W]) -> _W:
+        """Run CPU-bound array work (hashing, copies): in a worker thread on real
+        networks, so heartbeats keep flowing; inline under virtual time, where threads
+        would let timers fire early."""
+        if self._config.threaded_data_path and isinstance(self._network, TcpNetwork):
+            return await trio.to_thread.run_sync(work)
+        return work()
+
     async def are_peers_pending(self) -> bool:
         """Collective vote: whether peers wait to be admitted by ``update_topology``."""
         self._check_connected()
@@ -426,8 +636,8 @@ class Communicator:
         ``InvalidUsage``); everything else is raised by ``await handle.wait()``.
         """
         self._check_connected()
-        if self._busy == "update_topology":
-            raise InvalidUsage("all_reduce() while update_topology() runs on this communicator")
+        if self._busy in ("update_topology", "sync_shared_state"):
+            raise InvalidUsage(f"all_reduce() while {self._busy}() runs on this communicator")
         xp, send_array, result = self._check_reduce_arguments(
             send, recv, op, tag, quantization, distribution_hint
         )
@@ -1142,7 +1352,20 @@ class Communicator:
         )
         try:
             with trio.fail_after(self._config.connect_timeout):
-                hello = await framed.receive_message()
+                hello = await framed.receive_message_exact()
+                if isinstance(hello, SharedStateRequest):
+                    if hello.protocol_version != PROTOCOL_VERSION:
+                        raise RemoteProtocolError(
+                            f"peer {hello.peer_id} speaks protocol {hello.protocol_version}, "
+                            f"this peer {PROTOCOL_VERSION}"
+                        )
+                    serve_request = hello
+                else:
+                    serve_request = None
+            if serve_request is not None:
+                await self._serve_shared_state(framed, serve_request)
+                return
+            with trio.fail_after(self._config.connect_timeout):
                 if not isinstance(hello, P2PHello):
                     raise RemoteProtocolError(f"expected P2PHello, got {type(hello).__name__}")
                 if hello.protocol_version != PROTOCOL_VERSION:
@@ -1190,7 +1413,10 @@ class Communicator:
         to keep it in trio tasks (no socket of its own, or threads turned off)."""
         if not self._config.threaded_data_path:
             return None
-        return SocketLink.detach(framed, max_data_frame=self._config.max_data_frame)
+        return SocketLink.detach(
+            framed, max_data_frame=self._config.max_data_frame,
+            max_control_frame=self._config.max_control_frame,
+        )
 
     def _link_lost(self, sender: int, exc: BaseException) -> None:
         """Every attempt receiving from ``sender`` lost frames with its connection."""

@@ -28,7 +28,16 @@ from typing import TypeVar
 import outcome
 import trio
 
-from .._core.wire import DATA_HEADER, encode_data_header, parse_data_header
+from .._core.messages import Message
+from .._core.wire import (
+    DATA_HEADER,
+    LENGTH_SIZE,
+    decode_control_body,
+    encode_control,
+    encode_data_header,
+    parse_control_length,
+    parse_data_header,
+)
 from ._framed import FramedStream, readable_now
 
 __all__ = ["SocketLink", "run_in_thread"]
@@ -80,10 +89,13 @@ class SocketLink:
     reused with a torn frame in it.
     """
 
-    def __init__(self, sock: socket.socket, *, max_data_frame: int) -> None:
+    def __init__(
+        self, sock: socket.socket, *, max_data_frame: int, max_control_frame: int = 1 << 20
+    ) -> None:
         sock.setblocking(True)
         self._sock = sock
         self._max_data_frame = max_data_frame
+        self._max_control_frame = max_control_frame
         self._header = bytearray(DATA_HEADER.size)
         self._state = threading.Lock()
         self._users = 0
@@ -92,7 +104,9 @@ class SocketLink:
         self.send_lock = threading.Lock()
 
     @classmethod
-    def detach(cls, framed: FramedStream, *, max_data_frame: int) -> SocketLink | None:
+    def detach(
+        cls, framed: FramedStream, *, max_data_frame: int, max_control_frame: int = 1 << 20
+    ) -> SocketLink | None:
         """Take over the socket of a TCP ``FramedStream`` whose handshake is done.
 
         Returns None, leaving ``framed`` as it was, if the stream has no socket of its
@@ -110,7 +124,10 @@ class SocketLink:
         fd = trio_socket.detach()
         if fd < 0:  # pragma: no cover - closed between the check and here
             return None
-        return cls(socket.socket(fileno=fd), max_data_frame=max_data_frame)
+        return cls(
+            socket.socket(fileno=fd), max_data_frame=max_data_frame,
+            max_control_frame=max_control_frame,
+        )
 
     @property
     def closed(self) -> bool:
@@ -191,7 +208,24 @@ class SocketLink:
         header = encode_data_header(tag=tag, seq=seq, offset=offset, nbytes=len(payload))
         self.send_frames([memoryview(header), payload])
 
+    def send_message(self, message: Message) -> None:
+        """Send one control frame (blocking)."""
+        self.send_frames([memoryview(encode_control(message))])
+
     # --- receiving -----------------------------------------------------------------
+
+    def receive_message(self) -> Message:
+        """The next frame, which must be a control message (blocking; nothing past it
+        is read).
+
+        Raises:
+            RemoteProtocolError: not a valid control frame.
+        """
+        prefix = bytearray(LENGTH_SIZE)
+        self.receive_into(memoryview(prefix))
+        body = bytearray(parse_control_length(prefix, max_control_frame=self._max_control_frame))
+        self.receive_into(memoryview(body))
+        return decode_control_body(body)
 
     def receive_data_header(self) -> tuple[int, int, int, int]:
         """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame.

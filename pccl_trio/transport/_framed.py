@@ -11,11 +11,14 @@ from .._core.errors import RemoteProtocolError
 from .._core.messages import Message
 from .._core.wire import (
     DATA_HEADER,
+    LENGTH_SIZE,
     DataFrame,
     DecoderState,
     FrameDecoder,
+    decode_control_body,
     encode_control,
     encode_data_header,
+    parse_control_length,
     parse_data_header,
 )
 
@@ -49,6 +52,7 @@ class FramedStream:
     ) -> None:
         self.stream = stream
         self._max_data_frame = max_data_frame
+        self._max_control_frame = max_control_frame
         # Zero-copy paths: a trio socket (TCP) or the memory network's receive_into.
         self._socket = getattr(stream, "socket", None)
         self._header = bytearray(DATA_HEADER.size)
@@ -170,6 +174,22 @@ class FramedStream:
                 return frame
             data = await self.stream.receive_some(RECEIVE_SIZE)
             self._decoder.receive_data(data)
+
+    async def receive_message_exact(self) -> Message:
+        """The next frame, which must be a control message, read without taking any byte
+        beyond it (data frames that follow can then be received straight into place).
+
+        Raises:
+            trio.BrokenResourceError: the stream ended first.
+            RemoteProtocolError: not a valid control frame, or bytes already buffered.
+        """
+        if self._decoder.buffered:
+            raise RemoteProtocolError("unexpected bytes before the control frame")
+        prefix = bytearray(LENGTH_SIZE)
+        await self.receive_into(memoryview(prefix))
+        body = bytearray(parse_control_length(prefix, max_control_frame=self._max_control_frame))
+        await self.receive_into(memoryview(body))
+        return decode_control_body(body)
 
     async def receive_message(self) -> Message:
         """The next frame, which must be a control message."""

@@ -1,0 +1,439 @@
+"""Shared-state sync, peer side: the tensors, their hashes, and the transfer protocol.
+
+Theory of operation
+-------------------
+A sync has three parts. The communicator hashes every tensor whose content must match
+(``simplehash``, the same for host and GPU memory), votes its entries to the master and,
+from that moment, *serves* its tensors: peers that received the master's plan earlier
+may already ask. The master answers each peer with a plan: the revision to hold
+afterwards, the tensors to fetch with their expected hashes, and the *distributors*,
+every peer that holds the popular state.
+
+A fetching peer splits the bytes it needs into *pieces* (at most ``PIECE_BYTES`` of one
+tensor) and opens one connection to every distributor. Each connection's worker takes
+the next piece from one shared queue, asks for it (``SharedStateRequest``), and receives
+the answer's data frames straight into the tensor's memory. Fast distributors thus
+serve more pieces; none is singled out. When a distributor fails (it left, broke the
+connection, refused, or sent a frame that does not continue the range), the unfinished
+part of its piece goes back to the front of the queue for the others. Before the first
+byte lands, every tensor to fetch is copied aside: if every distributor fails, or a
+received tensor does not hash to the value the master announced, the copies are put
+back, and the state and revision stay what they were. Only a complete, verified state
+is reported as synced.
+
+The protocol on one connection is written once, as generators that yield the IO they
+need (:class:`Send`, :class:`SendData`, :class:`ReceiveMessage`, :class:`ReceiveHeader`,
+:class:`ReceiveInto`), and driven either by trio tasks (:func:`drive`, streams without a
+socket of their own, e.g. the in-memory network) or by a worker thread with blocking
+sockets (:func:`drive_blocking`), the same way the all-reduce data path runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+from collections.abc import Generator, Mapping, Sequence
+from typing import Any, TypeVar
+
+import numpy
+
+from .._core.errors import RemoteProtocolError
+from .._core.messages import (
+    MAX_KEY,
+    PROTOCOL_VERSION,
+    U64_MAX,
+    Message,
+    SharedStateEntry,
+    SharedStateRange,
+    SharedStateRequest,
+    SharedStateResponse,
+)
+from .._errors import InvalidArgument
+from .._types import SharedState, TensorInfo
+from ..ops import Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash
+from ..transport import FramedStream, SocketLink
+
+__all__ = [
+    "PIECE_BYTES",
+    "Fetcher",
+    "Piece",
+    "Serving",
+    "Tensor",
+    "drive",
+    "drive_blocking",
+    "prepare_state",
+    "request_pieces",
+    "serve_requests",
+]
+
+#: Largest piece of a tensor asked for in one request.
+PIECE_BYTES = 64 << 20
+#: Largest data frame a distributor sends.
+FRAME_BYTES = 8 << 20
+
+T = TypeVar("T")
+
+
+# --- the tensors ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Tensor:
+    """One tensor of the state being synchronized, as flat views of its memory."""
+
+    key: str
+    xp: ArrayModule
+    array: Array  # flat, the tensor's dtype
+    raw: Array  # flat uint8 view of the same memory
+    allow_content_inequality: bool
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.raw.size)
+
+    def entry(self, content_hash: int) -> SharedStateEntry:
+        return SharedStateEntry(
+            key=self.key,
+            hash=content_hash,
+            dtype=from_numpy_dtype(self.array.dtype).value,
+            count=int(self.array.size),
+            allow_content_inequality=self.allow_content_inequality,
+        )
+
+    def content_hash(self) -> int:
+        """simplehash of the bytes; 0 for a tensor whose content may differ."""
+        return 0 if self.allow_content_inequality else simplehash(self.xp, self.raw)
+
+    def read(self, offset: int, nbytes: int) -> memoryview:
+        """Bytes ``[offset, offset + nbytes)``, zero-copy from host memory (a copy from
+        a GPU)."""
+        if self.xp is numpy:
+            return byte_view(numpy, self.raw)[offset : offset + nbytes]
+        return memoryview(self.xp.asnumpy(self.raw[offset : offset + nbytes]))  # pragma: no cover
+
+
+def prepare_state(state: object) -> list[Tensor]:
+    """Check a ``SharedState`` and view its tensors.
+
+    Raises:
+        InvalidArgument: not a SharedState, a bad revision, a tensor that is not a
+            TensorInfo, a missing, duplicate or overlong name, or an unusable buffer.
+    """
+    if not isinstance(state, SharedState):
+        raise InvalidArgument(f"expected a pccl_trio.SharedState, got {type(state).__name__}")
+    revision = state.revision
+    if not (isinstance(revision, int) and not isinstance(revision, bool)
+            and 0 <= revision <= U64_MAX):
+        raise InvalidArgument(
+            f"SharedState.revision must be an integer from 0 to 2**64-1, got {revision!r}"
+        )
+    if not isinstance(state.tensors, Sequence) or isinstance(state.tensors, str | bytes):
+        raise InvalidArgument("SharedState.tensors must be a list of pccl_trio.TensorInfo")
+    tensors: list[Tensor] = []
+    seen: set[str] = set()
+    for index, info in enumerate(state.tensors):
+        if not isinstance(info, TensorInfo):
+            raise InvalidArgument(
+                f"SharedState.tensors[{index}] is a {type(info).__name__}, not a pccl_trio.TensorInfo"
+            )
+        name = info.name
+        if not isinstance(name, str) or not 1 <= len(name) <= MAX_KEY:
+            raise InvalidArgument(
+                f"SharedState.tensors[{index}]: the name must be a string of 1 to {MAX_KEY} "
+                f"characters, got {name!r:.80}"
+            )
+        if name in seen:
+            raise InvalidArgument(f"SharedState: two tensors are named {name!r}; names must be unique")
+        seen.add(name)
+        if not isinstance(info.allow_content_inequality, bool):
+            raise InvalidArgument(
+                f"TensorInfo {name!r}: allow_content_inequality must be a bool, got "
+                f"{info.allow_content_inequality!r}"
+            )
+        xp, array = as_array(info.data, name=f"shared-state tensor {name!r}")
+        tensors.append(
+            Tensor(
+                key=name, xp=xp, array=array, raw=array.view(numpy.uint8),
+                allow_content_inequality=info.allow_content_inequality,
+            )
+        )
+    return tensors
+
+
+# --- protocol operations -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send:
+    message: Message
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendData:
+    tag: int
+    seq: int
+    offset: int
+    payload: memoryview
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceiveMessage:
+    """Answered with the next control message (nothing past it is read)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceiveHeader:
+    """Answered with the next data frame's ``(tag, seq, offset, nbytes)``."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReceiveInto:
+    view: memoryview
+
+
+Operation = Send | SendData | ReceiveMessage | ReceiveHeader | ReceiveInto
+Protocol = Generator[Operation, Any, T]
+
+
+async def drive(protocol: Protocol[T], framed: FramedStream) -> T:
+    """Run ``protocol`` on a trio stream."""
+    answer: Any = None
+    try:
+        while True:
+            try:
+                operation = protocol.send(answer)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            answer = None
+            match operation:
+                case Send(message=message):
+                    await framed.send_message(message)
+                case SendData(tag=tag, seq=seq, offset=offset, payload=payload):
+                    await framed.send_data(tag=tag, seq=seq, offset=offset, payload=payload)
+                case ReceiveMessage():
+                    answer = await framed.receive_message_exact()
+                case ReceiveHeader():
+                    answer = await framed.receive_data_header()
+                case ReceiveInto(view=view):
+                    await framed.receive_into(view)
+    finally:
+        protocol.close()
+
+
+def drive_blocking(protocol: Protocol[T], link: SocketLink) -> T:
+    """Run ``protocol`` on a blocking socket (in a worker thread)."""
+    answer: Any = None
+    try:
+        while True:
+            try:
+                operation = protocol.send(answer)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            answer = None
+            match operation:
+                case Send(message=message):
+                    link.send_message(message)
+                case SendData(tag=tag, seq=seq, offset=offset, payload=payload):
+                    link.send_data(tag=tag, seq=seq, offset=offset, payload=payload)
+                case ReceiveMessage():
+                    answer = link.receive_message()
+                case ReceiveHeader():
+                    answer = link.receive_data_header()
+                case ReceiveInto(view=view):
+                    link.receive_into(view)
+    finally:
+        protocol.close()
+
+
+# --- serving ---------------------------------------------------------------------------
+
+
+class Serving:
+    """This peer's tensors, offered to the peers of its sync from its vote to the end.
+
+    ``sync`` is None until this peer has its own plan; requests wait for it.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.tensors: Mapping[str, Tensor] = {t.key: t for t in tensors}
+        self.sync: int | None = None
+        self.active = True
+        self._lock = threading.Lock()
+        self._tx_bytes = 0
+
+    @property
+    def tx_bytes(self) -> int:
+        with self._lock:
+            return self._tx_bytes
+
+    def sent(self, nbytes: int) -> None:
+        with self._lock:
+            self._tx_bytes += nbytes
+
+    def refusal(self, request: SharedStateRequest) -> str:
+        """Why ``request`` cannot be served (empty: it can)."""
+        if not self.active or self.sync is None or request.sync != self.sync:
+            return f"this peer does not distribute the shared state of sync {request.sync}"
+        if not request.ranges:
+            return "a request must name at least one range"
+        for r in request.ranges:
+            tensor = self.tensors.get(r.key)
+            if tensor is None:
+                return f"no shared-state tensor is named {r.key!r}"
+            if r.nbytes == 0 or r.offset + r.nbytes > tensor.nbytes:
+                return (
+                    f"bytes {r.offset} to {r.offset + r.nbytes} are not inside tensor "
+                    f"{r.key!r} ({tensor.nbytes} bytes)"
+                )
+        return ""
+
+
+def serve_requests(serving: Serving, request: SharedStateRequest) -> Protocol[None]:
+    """A distributor's side of one connection: answer ``request`` and every later one,
+    until the requester closes the connection (or asks for something it cannot have)."""
+    while True:
+        refusal = serving.refusal(request)
+        yield Send(SharedStateResponse(error=refusal))
+        if refusal:
+            return
+        for index, wanted in enumerate(request.ranges):
+            tensor = serving.tensors[wanted.key]
+            end = wanted.offset + wanted.nbytes
+            for start in range(wanted.offset, end, FRAME_BYTES):
+                nbytes = min(FRAME_BYTES, end - start)
+                yield SendData(
+                    tag=index, seq=request.sync, offset=start, payload=tensor.read(start, nbytes)
+                )
+                serving.sent(nbytes)
+        following = yield ReceiveMessage()
+        if not isinstance(following, SharedStateRequest):
+            raise RemoteProtocolError(
+                f"expected a SharedStateRequest, got {type(following).__name__}"
+            )
+        request = following
+
+
+# --- fetching ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """Bytes ``[offset, offset + nbytes)`` of tensor ``key``."""
+
+    key: str
+    offset: int
+    nbytes: int
+
+
+class DistributorRefused(Exception):
+    """A distributor answered a request with an error."""
+
+
+class Fetcher:
+    """The pieces still to fetch, shared by one worker per distributor (trio tasks or
+    threads), and what was received."""
+
+    def __init__(self, tensors: Mapping[str, Tensor], keys: Sequence[str], *, sync: int,
+                 peer_id: int) -> None:
+        self.tensors = tensors
+        self.sync = sync
+        self.peer_id = peer_id
+        self.pieces: collections.deque[Piece] = collections.deque()
+        for key in keys:
+            size = tensors[key].nbytes
+            for offset in range(0, size, PIECE_BYTES):
+                self.pieces.append(Piece(key, offset, min(PIECE_BYTES, size - offset)))
+        self._lock = threading.Lock()
+        self._received = 0
+        self.failures: list[str] = []
+        self.failed_peers: set[int] = set()
+
+    @property
+    def received(self) -> int:
+        with self._lock:
+            return self._received
+
+    def take(self) -> Piece | None:
+        with self._lock:
+            return self.pieces.popleft() if self.pieces else None
+
+    def give_back(self, piece: Piece) -> None:
+        with self._lock:
+            self.pieces.appendleft(piece)
+
+    def count(self, nbytes: int) -> None:
+        with self._lock:
+            self._received += nbytes
+
+    def failed(self, distributor: int, reason: str) -> None:
+        with self._lock:
+            self.failures.append(f"peer {distributor}: {reason}")
+            self.failed_peers.add(distributor)
+
+
+def request_pieces(fetcher: Fetcher) -> Protocol[None]:
+    """A fetching peer's side of one connection: request pieces until none is left.
+
+    A piece interrupted by a failure goes back to the queue, from its first missing byte.
+    """
+    while True:
+        piece = fetcher.take()
+        if piece is None:
+            return
+        done = 0
+        try:
+            yield Send(
+                SharedStateRequest(
+                    protocol_version=PROTOCOL_VERSION,
+                    peer_id=fetcher.peer_id,
+                    sync=fetcher.sync,
+                    ranges=(SharedStateRange(key=piece.key, offset=piece.offset,
+                                             nbytes=piece.nbytes),),
+                )
+            )
+            response = yield ReceiveMessage()
+            if not isinstance(response, SharedStateResponse):
+                raise RemoteProtocolError(
+                    f"expected a SharedStateResponse, got {type(response).__name__}"
+                )
+            if response.error:
+                raise DistributorRefused(response.error)
+            tensor = fetcher.tensors[piece.key]
+            while done < piece.nbytes:
+                tag, seq, offset, nbytes = yield ReceiveHeader()
+                if (tag, seq, offset) != (0, fetcher.sync, piece.offset + done) or not (
+                    0 < nbytes <= piece.nbytes - done
+                ):
+                    raise RemoteProtocolError(
+                        f"data frame (tag {tag}, sync {seq}, bytes {offset} to "
+                        f"{offset + nbytes}) does not continue tensor {piece.key!r} at byte "
+                        f"{piece.offset + done}"
+                    )
+                if tensor.xp is numpy:
+                    yield ReceiveInto(byte_view(numpy, tensor.raw)[offset : offset + nbytes])
+                else:  # pragma: no cover - needs a GPU
+                    staging = numpy.empty(nbytes, numpy.uint8)
+                    yield ReceiveInto(staging.data)
+                    tensor.raw[offset : offset + nbytes].set(staging)
+                done += nbytes
+                fetcher.count(nbytes)
+        except BaseException:
+            if done < piece.nbytes:
+                fetcher.give_back(Piece(piece.key, piece.offset + done, piece.nbytes - done))
+            raise
+
+
+def backup(tensors: Sequence[Tensor]) -> list[Array]:
+    """Copies of the tensors' bytes, to put back if the fetch fails."""
+    return [t.raw.copy() for t in tensors]
+
+
+def restore(tensors: Sequence[Tensor], copies: Sequence[Array]) -> None:
+    for tensor, copy in zip(tensors, copies, strict=True):
+        tensor.xp.copyto(tensor.raw, copy)
+
+
+def mismatched(tensors: Sequence[Tensor], expected: Mapping[str, int]) -> list[str]:
+    """The keys among ``tensors`` whose content does not hash to ``expected``."""
+    return [t.key for t in tensors if t.key in expected and t.content_hash() != expected[t.key]]

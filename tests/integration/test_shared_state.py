@@ -1,0 +1,211 @@
+"""Shared-state sync over both networks: joiners, divergence, revisions, failures."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import trio
+
+import pccl_trio as pccl
+
+from .conftest import Cluster, form_run
+from .test_all_reduce import run_all
+
+ENFORCE = pccl.SharedStateSyncStrategy.ENFORCE_POPULAR
+
+
+def make_state(seed: int, *, revision: int = 0, zero: bool = False) -> pccl.SharedState:
+    rng = np.random.default_rng(seed)
+    tensors = {
+        "weights": rng.standard_normal(3000).astype(np.float32),
+        "bias": rng.standard_normal(17).astype(np.float64),
+        "steps": np.arange(5, dtype=np.int64),
+        "rng": rng.integers(0, 2**32, 4, dtype=np.uint32),
+    }
+    if zero:
+        tensors = {k: np.zeros_like(v) for k, v in tensors.items()}
+    return pccl.SharedState(
+        [
+            pccl.TensorInfo(name, array, allow_content_inequality=name == "rng")
+            for name, array in tensors.items()
+        ],
+        revision=revision,
+    )
+
+
+def state_bytes(state: pccl.SharedState, *, comparable_only: bool = False) -> int:
+    return sum(
+        t.data.nbytes for t in state.tensors
+        if not (comparable_only and t.allow_content_inequality)
+    )
+
+
+def same_content(states: Sequence[pccl.SharedState]) -> bool:
+    first = states[0]
+    return all(
+        a.data.tobytes() == b.data.tobytes()
+        for state in states[1:]
+        for a, b in zip(first.tensors, state.tensors, strict=True)
+        if not a.allow_content_inequality
+    )
+
+
+async def sync_all(
+    comms: Sequence[pccl.Communicator], states: Sequence[pccl.SharedState],
+    strategies: Sequence[pccl.SharedStateSyncStrategy] | None = None,
+) -> list[object]:
+    return await run_all(list(comms), lambda i, c: c.sync_shared_state(
+        states[i], ENFORCE if strategies is None else strategies[i]))
+
+
+def step(state: pccl.SharedState, grad: np.ndarray) -> None:
+    """A deterministic update of every comparable tensor, and the revision."""
+    tensors = {t.name: t.data for t in state.tensors}
+    tensors["weights"] -= np.float32(0.01) * grad
+    tensors["bias"] *= 0.5
+    tensors["steps"] += 1
+    state.revision += 1
+
+
+async def test_joiner_receives_the_state_then_every_sync_is_free(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(120):
+        founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(2)])
+        states = [make_state(1), make_state(1)]
+        infos = await sync_all(founders, states)
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        assert [(i.tx_bytes, i.rx_bytes) for i in infos] == [(0, 0), (0, 0)]  # type: ignore[union-attr]
+        assert [s.revision for s in states] == [0, 0]
+        for k in range(3):
+            grads = [np.full(3000, i + k, dtype=np.float32) for i in range(2)]
+            await run_all(founders, lambda i, c: c.all_reduce(grads[i]))
+            for i in range(2):
+                step(states[i], grads[i])
+            infos = await sync_all(founders, states)
+            assert [(i.tx_bytes, i.rx_bytes) for i in infos] == [(0, 0), (0, 0)]  # type: ignore[union-attr]
+        assert [s.revision for s in states] == [3, 3]
+
+        joiner = cluster.communicator("joiner")
+        comms = await form_run(founders, [joiner])
+        fresh = make_state(99, zero=True)
+        states.append(fresh)
+        for s in states[:2]:
+            s.revision += 1
+        infos = await sync_all(comms, states)
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        assert fresh.revision == 4
+        assert same_content(states)
+        # The joiner got every tensor, the may-differ one included (some founder's copy).
+        assert infos[2].rx_bytes == state_bytes(fresh)  # type: ignore[union-attr]
+        assert infos[2].tx_bytes == 0  # type: ignore[union-attr]
+        assert infos[0].tx_bytes + infos[1].tx_bytes == state_bytes(fresh)  # type: ignore[union-attr]
+        assert fresh.tensors[3].data.tobytes() in (
+            states[0].tensors[3].data.tobytes(), states[1].tensors[3].data.tobytes()
+        )
+        for k in range(3):
+            grads = [np.full(3000, i - k, dtype=np.float32) for i in range(3)]
+            await run_all(comms, lambda i, c: c.all_reduce(grads[i]))
+            for i in range(3):
+                step(states[i], grads[i])
+            infos = await sync_all(comms, states)
+            assert [(i.tx_bytes, i.rx_bytes) for i in infos] == [(0, 0)] * 3  # type: ignore[union-attr]
+            assert same_content(states)
+        assert [s.revision for s in states] == [7, 7, 7]
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_diverged_peer_receives_only_the_differing_tensors(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        states = [make_state(5) for _ in range(3)]
+        states[1].tensors[1].data[3] += 1.0  # bias differs on peer 1
+        infos = await sync_all(comms, states)
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        bias = states[0].tensors[1].data.nbytes
+        assert infos[1].rx_bytes == bias  # type: ignore[union-attr]
+        assert infos[0].rx_bytes == infos[2].rx_bytes == 0  # type: ignore[union-attr]
+        assert infos[0].tx_bytes + infos[2].tx_bytes == bias  # type: ignore[union-attr]
+        assert same_content(states)
+        # The may-differ tensor is never compared nor sent between current peers.
+        states[2].tensors[3].data[:] = 7
+        for s in states:
+            s.revision += 1
+        infos = await sync_all(comms, states)
+        assert [(i.tx_bytes, i.rx_bytes) for i in infos] == [(0, 0)] * 3  # type: ignore[union-attr]
+        assert (states[2].tensors[3].data == 7).all()
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_a_peer_skipping_a_revision_is_kicked_and_the_others_sync(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        states = [make_state(2) for _ in range(3)]
+        await sync_all(comms, states)
+        for s in states:
+            s.revision += 1
+        states[2].revision += 1  # 2 instead of 1
+        results = await sync_all(comms, states)
+        assert isinstance(results[2], pccl.Kicked), results
+        assert "skips ahead" in str(results[2])
+        assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in results[:2]), results
+        assert [s.revision for s in states[:2]] == [1, 1]
+        for comm in comms:
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("what", ["dtype", "name", "count"])
+async def test_mismatched_tensors_get_the_peer_kicked_naming_the_key(
+    cluster: Cluster, clock: object, what: str
+) -> None:
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        states = [make_state(3) for _ in range(3)]
+        odd = states[0].tensors
+        if what == "dtype":
+            odd[1] = pccl.TensorInfo("bias", odd[1].data.astype(np.float32))
+        elif what == "name":
+            odd[1] = pccl.TensorInfo("offset", odd[1].data)
+        else:
+            odd[1] = pccl.TensorInfo("bias", odd[1].data[:-1].copy())
+        results = await sync_all(comms, states)
+        assert isinstance(results[0], pccl.Kicked), results
+        assert "bias" in str(results[0])
+        assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in results[1:]), results
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_bad_states_are_refused_before_voting(cluster: Cluster, clock: object) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        comm = comms[0]
+        ok = np.zeros(4, dtype=np.float32)
+        cases: list[tuple[object, str]] = [
+            ("state", "SharedState"),
+            (pccl.SharedState([pccl.TensorInfo("a", ok), pccl.TensorInfo("a", ok)]), "two tensors"),
+            (pccl.SharedState([pccl.TensorInfo("", ok)]), "name"),
+            (pccl.SharedState([pccl.TensorInfo("a", ok)], revision=-1), "revision"),
+            (pccl.SharedState([pccl.TensorInfo("a", [1, 2])]), "expected"),
+            (pccl.SharedState([ok]), "TensorInfo"),  # type: ignore[list-item]
+            (pccl.SharedState([pccl.TensorInfo("a", np.zeros((4, 4))[:, 1])]), "contiguous"),
+        ]
+        for state, words in cases:
+            with pytest.raises(pccl.InvalidArgument, match=words):
+                await comm.sync_shared_state(state)  # type: ignore[arg-type]
+        with pytest.raises(pccl.InvalidArgument, match="strategy"):
+            await comm.sync_shared_state(make_state(1), strategy="popular")  # type: ignore[arg-type]
+        # Nothing was voted: the run goes on.
+        states = [make_state(4), make_state(4)]
+        infos = await sync_all(comms, states)
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        for c in comms:
+            await c.aclose()
