@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import trio
 
 import pccl_trio as pccl
+from pccl_trio.peer import _shared_state as sharing
 
 from .conftest import Cluster, form_run
 from .test_all_reduce import run_all
@@ -81,7 +83,7 @@ async def test_joiner_receives_the_state_then_every_sync_is_free(
         assert [s.revision for s in states] == [0, 0]
         for k in range(3):
             grads = [np.full(3000, i + k, dtype=np.float32) for i in range(2)]
-            await run_all(founders, lambda i, c: c.all_reduce(grads[i]))
+            await run_all(founders, lambda i, c, grads=grads: c.all_reduce(grads[i]))
             for i in range(2):
                 step(states[i], grads[i])
             infos = await sync_all(founders, states)
@@ -107,7 +109,7 @@ async def test_joiner_receives_the_state_then_every_sync_is_free(
         )
         for k in range(3):
             grads = [np.full(3000, i - k, dtype=np.float32) for i in range(3)]
-            await run_all(comms, lambda i, c: c.all_reduce(grads[i]))
+            await run_all(comms, lambda i, c, grads=grads: c.all_reduce(grads[i]))
             for i in range(3):
                 step(states[i], grads[i])
             infos = await sync_all(comms, states)
@@ -209,3 +211,132 @@ async def test_bad_states_are_refused_before_voting(cluster: Cluster, clock: obj
         assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
         for c in comms:
             await c.aclose()
+
+
+def big_state(seed: int, *, zero: bool = False) -> pccl.SharedState:
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    moments = rng.standard_normal(300_000).astype(np.float64)
+    if zero:
+        weights[:], moments[:] = 0, 0
+    return pccl.SharedState(
+        [pccl.TensorInfo("weights", weights), pccl.TensorInfo("moments", moments)], revision=0
+    )
+
+
+def kill_during_fetch(
+    monkeypatch: pytest.MonkeyPatch,
+    cluster: Cluster,
+    victims: dict[str, pccl.Communicator],
+    nursery: trio.Nursery,
+    *,
+    after_pieces: int,
+) -> list[int]:
+    """Small pieces, and the ``victims`` die once the fetching peer has received
+    ``after_pieces`` frames; the fetch waits until they are gone. Returns the bytes
+    received when they died."""
+    monkeypatch.setattr(sharing, "PIECE_BYTES", 256 << 10)
+    monkeypatch.setattr(sharing, "FRAME_BYTES", 64 << 10)
+    token = trio.lowlevel.current_trio_token()
+    original = sharing.Fetcher.count
+    frames: list[int] = []
+    dead = threading.Event()
+
+    async def kill() -> None:
+        for host, comm in victims.items():
+            await cluster.kill(host, comm)
+        dead.set()
+
+    def count(self: sharing.Fetcher, nbytes: int) -> None:
+        original(self, nbytes)
+        frames.append(nbytes)
+        if len(frames) != after_pieces:
+            return
+        if threading.current_thread() is threading.main_thread():
+            if cluster.memory is not None:  # dies right now, in virtual time
+                for host in victims:
+                    cluster.memory.kill(host)
+            nursery.start_soon(kill)
+        else:  # a worker thread: block the fetch until the victims are gone
+            token.run_sync_soon(nursery.start_soon, kill)
+            dead.wait(30)
+
+    monkeypatch.setattr(sharing.Fetcher, "count", count)
+    return frames
+
+
+async def test_a_distributor_dying_mid_transfer_leaves_no_torn_state(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch, nursery: trio.Nursery
+) -> None:
+    """Two founders serve a joiner; one dies after a few frames: the joiner finishes from
+    the other, and holds exactly the popular state."""
+    with trio.fail_after(120):
+        founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(2)])
+        states = [big_state(1), big_state(1)]
+        await sync_all(founders, states)
+        joiner = cluster.communicator("joiner")
+        comms = await form_run(founders, [joiner])
+        for s in states:
+            s.revision += 1
+        fresh = big_state(7, zero=True)
+        frames = kill_during_fetch(monkeypatch, cluster, {"f0": comms[0]}, nursery, after_pieces=5)
+        results = await sync_all(comms, [*states, fresh])
+        assert len(frames) > 5
+        assert isinstance(results[0], pccl.PCCLError), results
+        assert isinstance(results[1], pccl.SharedStateSyncInfo), results
+        assert isinstance(results[2], pccl.SharedStateSyncInfo), results
+        assert results[2].rx_bytes == state_bytes(fresh)
+        assert fresh.revision == 1
+        assert same_content([states[1], fresh])
+        for comm in comms[1:]:
+            await comm.aclose()
+
+
+async def test_every_distributor_dying_restores_the_old_state(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch, nursery: trio.Nursery
+) -> None:
+    with trio.fail_after(120):
+        founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(2)])
+        states = [big_state(1), big_state(1)]
+        await sync_all(founders, states)
+        joiner = cluster.communicator("joiner")
+        comms = await form_run(founders, [joiner])
+        for s in states:
+            s.revision += 1
+        fresh = big_state(7)  # its own content, at revision 0
+        before = [t.data.copy() for t in fresh.tensors]
+        kill_during_fetch(
+            monkeypatch, cluster, {"f0": comms[0], "f1": comms[1]}, nursery, after_pieces=5
+        )
+        results = await sync_all(comms, [*states, fresh])
+        assert isinstance(results[2], pccl.SharedStateSyncFailed), results
+        assert "unchanged" in str(results[2])
+        assert fresh.revision == 0
+        assert all(
+            t.data.tobytes() == b.tobytes() for t, b in zip(fresh.tensors, before, strict=True)
+        )
+        await joiner.aclose()
+
+
+async def test_fetches_are_spread_over_every_distributor(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sharing, "PIECE_BYTES", 256 << 10)
+    with trio.fail_after(120):
+        founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(3)])
+        states = [big_state(1) for _ in range(3)]
+        await sync_all(founders, states)
+        joiner = cluster.communicator("joiner")
+        comms = await form_run(founders, [joiner])
+        for s in states:
+            s.revision += 1
+        fresh = big_state(3, zero=True)
+        infos = await sync_all(comms, [*states, fresh])
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        sent = [i.tx_bytes for i in infos[:3]]  # type: ignore[union-attr]
+        assert sum(sent) == infos[3].rx_bytes == state_bytes(fresh)  # type: ignore[union-attr]
+        if cluster.memory is not None:  # deterministic: every distributor served a share
+            assert all(s > 0 for s in sent), sent
+        assert same_content([states[0], fresh])
+        for comm in comms:
+            await comm.aclose()

@@ -7,7 +7,7 @@ import pccl_trio.ops as ops
 PUBLIC = {
     "Array", "ArrayModule", "as_array", "byte_view", "combine_into", "copy_into", "finalize_average",
     "from_numpy_dtype", "reduce_into", "to_numpy_dtype", "Codec", "NonFiniteData",
-    "check_quantization", "META_BYTES",
+    "check_quantization", "META_BYTES", "simplehash",
 }
 
 
