@@ -731,14 +731,20 @@ class MasterCore:
         # A round can end because of an event, and the end of a round can make a new
         # one startable (e.g. all voters died): loop until nothing changes.
         while True:
-            if self._round is not None:
-                if not self._try_finish_round():
+            while True:
+                if self._round is not None:
+                    if not self._try_finish_round():
+                        break
+                elif not self._try_start_round():
                     break
-            elif not self._try_start_round():
+            self._try_answer_pending()
+            self._try_collectives()
+            before = len(self._peers)
+            self._try_syncs()
+            # An election may kick peers, which can complete any other consensus (a
+            # round or a pending vote waiting for them): check everything again.
+            if len(self._peers) == before:
                 break
-        self._try_answer_pending()
-        self._try_collectives()
-        self._try_syncs()
 
     def _accepted(self) -> list[_Peer]:
         return [p for p in self._peers.values() if p.phase is PeerPhase.ACCEPTED]

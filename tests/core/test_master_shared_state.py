@@ -1019,17 +1019,10 @@ def test_a_group_that_leaves_lets_another_groups_round_start() -> None:
     assert isinstance(got(h, 1)[-1], P2PInfo)
 
 
-# BUG (suspected): MasterCore._reevaluate checks rounds (_try_start_round) and pending
-# votes (_try_answer_pending) *before* _try_syncs, and _start_sync may kick every voter
-# of a group (here: the group's only peer votes RECEIVE_ONLY, so elect() kicks it). The
-# kicks remove the last peers that the other groups' consensus waited for, but nothing
-# re-runs _try_start_round / _try_answer_pending afterwards, contrary to the module
-# docstring ("Any event that removes a peer ... re-evaluates every pending consensus").
-# Scenario: groups {1, 2} and {3}; peers 1 and 2 VoteEstablish; peer 3 sends
-# SharedStateVote(strategy=RECEIVE_ONLY) and is kicked; no round starts, and heartbeats
-# and ticks never re-evaluate, so peers 1 and 2 wait forever (the same with close() in
-# place of the kick starts the round: see the control test above).
-@pytest.mark.xfail(strict=True, reason="a group kicked whole by the election does not re-evaluate rounds")
+# An election that kicks every voter of a group removes the last peers another group's
+# consensus waited for: the master checks every consensus again (groups {1, 2} and {3};
+# peers 1 and 2 wait in a round vote, or a pending vote; peer 3 votes RECEIVE_ONLY alone
+# and is kicked).
 def test_a_group_kicked_whole_by_the_election_lets_another_groups_round_start() -> None:
     h = MasterHarness()
     run_with(h, {1: 0, 2: 0, 3: 1})
@@ -1041,14 +1034,6 @@ def test_a_group_kicked_whole_by_the_election_lets_another_groups_round_start() 
     assert isinstance(got(h, 1)[-1], P2PInfo)
 
 
-# BUG (suspected): the same lost wake-up for pending votes. Groups {1, 2} and {3}; peers
-# 1 and 2 send VotePeersPending (they wait for peer 3); peer 3 votes RECEIVE_ONLY alone and
-# the election kicks it; every remaining accepted peer has now asked, but
-# _try_answer_pending ran before _try_syncs kicked peer 3, so 1 and 2 get no
-# PeersPendingResult.
-@pytest.mark.xfail(
-    strict=True, reason="a group kicked whole by the election does not re-evaluate pending votes"
-)
 def test_a_group_kicked_whole_by_the_election_lets_the_pending_vote_finish() -> None:
     h = MasterHarness()
     run_with(h, {1: 0, 2: 0, 3: 1})
