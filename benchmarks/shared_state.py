@@ -37,7 +37,8 @@ import numpy as np, trio
 import pccl_trio as pccl
 from pccl_trio.peer import _shared_state as sharing
 
-role, master, founders, size, tensors = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+role, master = sys.argv[1], sys.argv[2]
+founders, size, tensors = (int(a) for a in sys.argv[3:6])
 
 def state(zero):
     count = size // 4 // tensors
