@@ -63,6 +63,7 @@ def count(self, nbytes):
     window[1:] = [now]
 sharing.Fetcher.count = count
 
+
 async def main():
     config = pccl.Config(liveness_timeout=10.0, heartbeat_interval=0.5)
     async with pccl.Communicator(master, 0, 0, config=config, p2p_host="127.0.0.1") as comm:

@@ -27,6 +27,8 @@ view. Hashing 1 GiB takes ``274 x 4`` such steps.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy
 
 from ._buffers import Array, ArrayModule
@@ -105,9 +107,17 @@ def _fold_blocks(xp: ArrayModule, vectors: Array, blocks: int, length: int) -> A
     return lanes
 
 
-def simplehash(xp: ArrayModule, array: Array) -> int:
+#: Vectors below which a hash runs in one thread whatever ``threads`` says.
+_PARALLEL_VECTORS = 1 << 20
+
+
+def simplehash(xp: ArrayModule, array: Array, *, threads: int = 1) -> int:
     """The simplehash of ``array``'s bytes (a C-contiguous array of ``xp``), as an
-    unsigned 32-bit integer; 0 for an empty array."""
+    unsigned 32-bit integer; 0 for an empty array.
+
+    ``threads`` > 1 folds disjoint ranges of blocks in that many threads (numpy
+    releases the GIL in its loops); the result does not depend on it.
+    """
     data = array.reshape(-1).view(numpy.uint8)
     size = int(data.size)
     if size == 0:
@@ -120,7 +130,20 @@ def simplehash(xp: ArrayModule, array: Array) -> int:
         grid = min(-(-n_vec // _LANES), _MAX_BLOCKS)
         per_block = -(-n_vec // grid)
         full, rest = divmod(n_vec, per_block)
-        parts = [_fold_blocks(xp, vectors, full, per_block)]
+        workers = min(threads, full) if xp is numpy and n_vec >= _PARALLEL_VECTORS else 1
+        if workers > 1:
+            bounds = [full * i // workers for i in range(workers + 1)]
+            with ThreadPoolExecutor(workers, thread_name_prefix="pccl_trio hash") as pool:
+                parts = list(
+                    pool.map(
+                        lambda span: _fold_blocks(
+                            xp, vectors[span[0] * per_block :], span[1] - span[0], per_block
+                        ),
+                        zip(bounds, bounds[1:], strict=False),
+                    )
+                )
+        else:
+            parts = [_fold_blocks(xp, vectors, full, per_block)]
         if rest:
             parts.append(_fold_blocks(xp, vectors[full * per_block :], 1, rest))
         empty = grid - full - (1 if rest else 0)

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import os
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
@@ -411,7 +412,8 @@ class Communicator:
         tensors = sharing.prepare_state(state)
         await self._ensure_ring()  # see update_topology
         with self._operation("sync_shared_state"):
-            hashes = await self._cpu(lambda: [t.content_hash() for t in tensors])
+            threads = self._hash_threads()
+            hashes = await self._cpu(lambda: [t.content_hash(threads) for t in tensors])
             vote = SharedStateVote(
                 revision=state.revision,
                 strategy=strategy.value,
@@ -472,7 +474,7 @@ class Communicator:
         fetcher = sharing.Fetcher(
             by_key, [t.key for t in targets], sync=plan.sync, peer_id=self._peer_id
         )
-        copies = await self._cpu(lambda: sharing.backup(targets))
+        backup = await self._cpu(lambda: sharing.Backup(targets))
         # A distributor that fails gives its piece back; the others may have finished
         # meanwhile, so the survivors go round again until nothing is left.
         alive = list(plan.distributors)
@@ -488,14 +490,15 @@ class Communicator:
                 + ("; ".join(fetcher.failures) or "none is left") + ")"
             )
         else:
-            wrong = await self._cpu(lambda: sharing.mismatched(targets, expected))
+            threads = self._hash_threads()
+            wrong = await self._cpu(lambda: sharing.mismatched(targets, expected, threads))
             if wrong:
                 failure = (
                     f"tensors {wrong} arrived but do not hash to the popular state's "
                     "values (a distributor changed them during the sync?)"
                 )
         if failure:
-            await self._cpu(lambda: sharing.restore(targets, copies))
+            await self._cpu(backup.restore)
             log.warning("peer %s: shared-state fetch failed: %s", self._peer_id, failure)
         return fetcher.received, failure
 
@@ -558,11 +561,18 @@ class Communicator:
             self._serving_links.discard(link)
             link.cut()
 
+    def _threads_allowed(self) -> bool:
+        return self._config.threaded_data_path and isinstance(self._network, TcpNetwork)
+
+    def _hash_threads(self) -> int:
+        """Threads per hash: the machine's cores on real networks, one under virtual time."""
+        return min(8, os.cpu_count() or 1) if self._threads_allowed() else 1
+
     async def _cpu(self, work: Callable[[], _W]) -> _W:
         """Run CPU-bound array work (hashing, copies): in a worker thread on real
         networks, so heartbeats keep flowing; inline under virtual time, where threads
         would let timers fire early."""
-        if self._config.threaded_data_path and isinstance(self._network, TcpNetwork):
+        if self._threads_allowed():
             return await trio.to_thread.run_sync(work)
         return work()
 

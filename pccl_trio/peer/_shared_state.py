@@ -56,6 +56,7 @@ from ..transport import FramedStream, SocketLink
 
 __all__ = [
     "PIECE_BYTES",
+    "Backup",
     "Fetcher",
     "Piece",
     "Serving",
@@ -101,9 +102,11 @@ class Tensor:
             allow_content_inequality=self.allow_content_inequality,
         )
 
-    def content_hash(self) -> int:
+    def content_hash(self, threads: int = 1) -> int:
         """simplehash of the bytes; 0 for a tensor whose content may differ."""
-        return 0 if self.allow_content_inequality else simplehash(self.xp, self.raw)
+        if self.allow_content_inequality:
+            return 0
+        return simplehash(self.xp, self.raw, threads=threads)
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``[offset, offset + nbytes)``, zero-copy from host memory (a copy from
@@ -424,16 +427,35 @@ def request_pieces(fetcher: Fetcher) -> Protocol[None]:
             raise
 
 
-def backup(tensors: Sequence[Tensor]) -> list[Array]:
-    """Copies of the tensors' bytes, to put back if the fetch fails."""
-    return [t.raw.copy() for t in tensors]
+class Backup:
+    """The old bytes of the tensors to fetch, to put back if the fetch fails.
+
+    Kept chunk by chunk, and a chunk of zeros (a joiner's fresh state) is remembered as
+    zeros rather than copied: copying means touching as much new memory as the state,
+    which costs more than the transfer itself on some machines.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self._chunks: list[tuple[Tensor, int, int, Array | None]] = []
+        for tensor in tensors:
+            for start in range(0, tensor.nbytes, PIECE_BYTES):
+                end = min(start + PIECE_BYTES, tensor.nbytes)
+                chunk = tensor.raw[start:end]
+                self._chunks.append((tensor, start, end, chunk.copy() if chunk.any() else None))
+
+    def restore(self) -> None:
+        for tensor, start, end, copy in self._chunks:
+            if copy is None:
+                tensor.raw[start:end].fill(0)
+            else:
+                tensor.xp.copyto(tensor.raw[start:end], copy)
 
 
-def restore(tensors: Sequence[Tensor], copies: Sequence[Array]) -> None:
-    for tensor, copy in zip(tensors, copies, strict=True):
-        tensor.xp.copyto(tensor.raw, copy)
-
-
-def mismatched(tensors: Sequence[Tensor], expected: Mapping[str, int]) -> list[str]:
+def mismatched(
+    tensors: Sequence[Tensor], expected: Mapping[str, int], threads: int = 1
+) -> list[str]:
     """The keys among ``tensors`` whose content does not hash to ``expected``."""
-    return [t.key for t in tensors if t.key in expected and t.content_hash() != expected[t.key]]
+    return [
+        t.key for t in tensors
+        if t.key in expected and t.content_hash(threads) != expected[t.key]
+    ]

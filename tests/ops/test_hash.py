@@ -129,6 +129,12 @@ def test_hashes_bytes_whatever_the_dtype_and_shape(dtype: object) -> None:
     assert simplehash(numpy, typed.reshape(3, -1)) == simplehash(numpy, raw)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+def test_threads_do_not_change_the_hash(threads: int) -> None:
+    data = numpy.random.default_rng(threads).integers(0, 256, (1 << 24) + 5, dtype=numpy.uint8)
+    assert simplehash(numpy, data, threads=threads) == simplehash(numpy, data)
+
+
 def test_one_flipped_bit_changes_the_hash() -> None:
     data = numpy.random.default_rng(5).integers(0, 256, 1 << 20, dtype=numpy.uint8)
     before = simplehash(numpy, data)
