@@ -52,7 +52,9 @@ class Peer:
             self.peer_id = int(record["peer"])  # type: ignore[call-overload]
             say(self.name, f"joined the run as peer {self.peer_id}")
         elif event == "synced":
-            say(self.name, f"weights in sync at step {record['step']} (world {record['world']})")
+            rx, tx = int(record["rx"]), int(record["tx"])  # type: ignore[call-overload]
+            what = f"received {rx} bytes of shared state" if rx else f"sent {tx} bytes of shared state"
+            say(self.name, f"{what} at step {record['step']} (world {record['world']})")
         elif event == "step":
             step, world = int(record["step"]), int(record["world"])  # type: ignore[call-overload]
             self.hashes[step] = str(record["weights"])
@@ -123,7 +125,7 @@ async def main() -> None:
                     await peer.wait_until(lambda p: p.world == 3)
                 joined_at = late.step
                 say("demo", f"{late.name} was admitted and took the run's weights at step "
-                            f"{joined_at}")
+                            f"{joined_at} from the shared-state sync")
                 for peer in [*survivors, late]:
                     await peer.wait_until(lambda p: p.step >= joined_at + 30)
         finally:

@@ -1,11 +1,12 @@
 """One peer of the demo's training run: a small softmax classifier on synthetic data,
 data-parallel, gradients averaged with ``all_reduce`` every step.
 
-Every peer starts from the same weights and applies the same averaged gradient, so
-all peers hold bit-identical weights at every step. A peer that joins mid-run gets
-the current weights from the others with one MAX all-reduce (it contributes -inf).
-A peer that dies mid-step makes the all-reduce abort for everyone; the survivors
-retry the step. Prints one JSON line per event for ``examples/demo.py``.
+The weights and the step counter are the run's shared state. Every step begins with a
+shared-state sync: a peer that joins mid-run (with zeroed weights) receives the current
+weights and step from the others there; after that every peer applies the same averaged
+gradient in place, so all hold bit-identical weights and every sync moves 0 bytes. A
+peer that dies mid-step makes the all-reduce abort for everyone; the survivors retry the
+step. Prints one JSON line per event for ``examples/demo.py``.
 """
 
 from __future__ import annotations
@@ -52,48 +53,42 @@ def loss_and_gradient(params: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple
 async def train(master: str, seed: int, steps: int, step_seconds: float) -> None:
     x, y = make_data(seed)
     params = np.zeros(WEIGHTS, dtype=np.float32)  # the same start everywhere
-    step = 0
+    step = np.zeros(1, dtype=np.int64)
+    state = pccl.SharedState([pccl.TensorInfo("params", params), pccl.TensorInfo("step", step)])
     config = pccl.Config(liveness_timeout=3.0)
     async with pccl.Communicator(master, 0, config=config, p2p_host="127.0.0.1") as comm:
         emit(event="joined", peer=comm.peer_id)
-        known: set[int] = set()
-        while step < steps:
-            if known and await comm.are_peers_pending():
+        # connect() returned at the end of an update_topology of the others: a joiner's
+        # first call is the one that follows it, not another pending query.
+        just_joined = True
+        while step[0] < steps:
+            if not just_joined and await comm.are_peers_pending():
                 await comm.update_topology()
-            ring = set(comm.ring)
-            if ring - known:
-                # Someone (maybe us) is new: bring them to the others' weights and
-                # step. Existing peers all hold the same values; a newcomer offers
-                # -inf, so MAX hands everyone exactly the current state.
-                state = np.append(params, np.float32(step))
-                if not known:
-                    state[:] = -np.inf
-                try:
-                    await comm.all_reduce(state, op=pccl.ReduceOp.MAX, tag=1)
-                except pccl.CollectiveAborted:
-                    continue  # someone died meanwhile: the next pass sorts it out
-                except pccl.TooFewPeers:
-                    pass  # alone: our own state is the run's state
-                else:
-                    params, step = state[:-1].copy(), int(state[-1])
-                emit(event="synced", peer=comm.peer_id, step=step, world=len(ring))
-            known = ring
-            if len(ring) < 2:
+            just_joined = False
+            world = comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
+            if world < 2:
                 await trio.sleep(step_seconds)  # alone: wait for company
                 continue
+            # A joiner receives the weights, the step and the revision here; between
+            # peers that stepped together nothing moves.
+            synced = await comm.sync_shared_state(state)
+            if synced.rx_bytes or synced.tx_bytes:
+                emit(event="synced", peer=comm.peer_id, step=int(step[0]), world=world,
+                     rx=synced.rx_bytes, tx=synced.tx_bytes)
             loss, grad = loss_and_gradient(params, x, y)
             try:
                 info = await comm.all_reduce(grad, op=pccl.ReduceOp.AVG, tag=0)
             except pccl.CollectiveAborted as exc:
-                emit(event="aborted", peer=comm.peer_id, step=step, reason=str(exc)[:120])
+                emit(event="aborted", peer=comm.peer_id, step=int(step[0]), reason=str(exc)[:120])
                 continue  # the ring was rebuilt without the dead peer: retry the step
-            params -= np.float32(0.5) * grad
+            params -= np.float32(0.5) * grad  # in place: the shared state's memory
             step += 1
-            emit(event="step", peer=comm.peer_id, step=step, world=info.world_size,
+            state.revision += 1
+            emit(event="step", peer=comm.peer_id, step=int(step[0]), world=info.world_size,
                  loss=round(loss, 4),
                  weights=hashlib.sha256(params.tobytes()).hexdigest()[:12])
             await trio.sleep(step_seconds)  # stands in for a bigger model's compute
-        emit(event="finished", peer=comm.peer_id, step=step)
+        emit(event="finished", peer=comm.peer_id, step=int(step[0]))
 
 
 async def main(master: str, seed: int, steps: int, step_seconds: float) -> None:

@@ -450,6 +450,12 @@ class Communicator:
                 self._serving_lot.unpark_all()
                 for link in list(self._serving_links):
                     link.close_now()
+                # Handlers count what they sent when their send returns: wait for them
+                # (cut above, they end at once) so tx_bytes is complete.
+                with trio.move_on_after(self._liveness_timeout) as cleanup:
+                    cleanup.shield = True
+                    while serving.handlers:
+                        await self._serving_lot.park()
             if failure:
                 raise SharedStateSyncFailed(
                     f"could not fetch the shared state of revision {plan.revision}: "
@@ -543,23 +549,28 @@ class Communicator:
             while self._serving is not None and self._serving.sync is None:
                 await self._serving_lot.park()
         serving = self._serving or sharing.Serving(())  # none: every request is refused
-        link = self._to_link(framed)
-        if link is None:
-            self._serving_links.add(framed)
-            try:
-                await sharing.drive(sharing.serve_requests(serving, request), framed)
-            finally:
-                self._serving_links.discard(framed)
-            return
-        self._serving_links.add(link)
+        serving.handlers += 1
         try:
-            await run_in_thread(
-                partial(sharing.drive_blocking, sharing.serve_requests(serving, request), link),
-                interrupt=link.cut,
-            )
+            link = self._to_link(framed)
+            if link is None:
+                self._serving_links.add(framed)
+                try:
+                    await sharing.drive(sharing.serve_requests(serving, request), framed)
+                finally:
+                    self._serving_links.discard(framed)
+                return
+            self._serving_links.add(link)
+            try:
+                await run_in_thread(
+                    partial(sharing.drive_blocking, sharing.serve_requests(serving, request), link),
+                    interrupt=link.cut,
+                )
+            finally:
+                self._serving_links.discard(link)
+                link.cut()
         finally:
-            self._serving_links.discard(link)
-            link.cut()
+            serving.handlers -= 1
+            self._serving_lot.unpark_all()
 
     def _threads_allowed(self) -> bool:
         return self._config.threaded_data_path and isinstance(self._network, TcpNetwork)

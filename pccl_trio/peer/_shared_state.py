@@ -262,6 +262,7 @@ class Serving:
         self.tensors: Mapping[str, Tensor] = {t.key: t for t in tensors}
         self.sync: int | None = None
         self.active = True
+        self.handlers = 0  # connections being served (counted in the trio thread)
         self._lock = threading.Lock()
         self._tx_bytes = 0
 
