@@ -143,3 +143,21 @@ def test_one_flipped_bit_changes_the_hash() -> None:
         assert simplehash(numpy, data) != before
         data[position] ^= 1
     assert simplehash(numpy, data) == before
+
+
+class OtherArrayModule:
+    """numpy under another name: drives the code path taken for array modules other than
+    numpy (CuPy), whose arrays are not numpy arrays and come back through ``asnumpy``."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(numpy, name)
+
+    @staticmethod
+    def asnumpy(array: object) -> numpy.ndarray:
+        return numpy.asarray(array)
+
+
+@pytest.mark.parametrize("size", [1, 4100, 16 * 2049 + 5, (1 << 22) + 3])
+def test_the_other_array_module_path_gives_the_same_hash(size: int) -> None:
+    data = numpy.random.default_rng(size).integers(0, 256, size, dtype=numpy.uint8)
+    assert simplehash(OtherArrayModule(), data, threads=4) == simplehash(numpy, data)  # type: ignore[arg-type]
