@@ -544,6 +544,11 @@ class SharedStateRequest(Message):
     peer_id: int
     sync: int
     ranges: tuple[SharedStateRange, ...]
+    frame_bytes: int  # the largest data-frame payload the requester accepts
+
+    def _validate(self) -> None:
+        if self.frame_bytes == 0:
+            raise RemoteProtocolError("SharedStateRequest.frame_bytes: must be at least 1")
 
 
 @_message(131, P2P)

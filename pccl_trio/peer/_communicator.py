@@ -368,6 +368,9 @@ class Communicator:
                 if await self._establish_round():
                     self._ring_stale = False
                     return
+            # The master holds this peer as CONNECT_FAILED: only a topology vote is
+            # allowed next, so every other collective call re-establishes first.
+            self._ring_stale = True
             raise UpdateTopologyFailed(
                 f"the ring could not be established in {self._config.establish_attempts} "
                 "rounds (peers kept failing or leaving); call update_topology() again"
@@ -436,6 +439,7 @@ class Communicator:
                         "its revision are unchanged"
                     )
                 serving.sync = plan.sync
+                serving.distributor = not plan.fetches
                 self._serving_lot.unpark_all()
                 received, failure = 0, ""
                 if plan.fetches:
@@ -478,35 +482,53 @@ class Communicator:
         expected = {f.key: f.hash for f in plan.fetches if f.verify}
         assert self._peer_id is not None
         fetcher = sharing.Fetcher(
-            by_key, [t.key for t in targets], sync=plan.sync, peer_id=self._peer_id
+            by_key, [t.key for t in targets], sync=plan.sync, peer_id=self._peer_id,
+            frame_bytes=self._config.max_data_frame - 64,
+            whole=[f.key for f in plan.fetches if not f.verify],
         )
         backup = await self._cpu(lambda: sharing.Backup(targets))
-        # A distributor that fails gives its piece back; the others may have finished
-        # meanwhile, so the survivors go round again until nothing is left.
-        alive = list(plan.distributors)
-        while fetcher.pieces and alive:
-            async with trio.open_nursery() as nursery:
-                for endpoint in alive:
-                    nursery.start_soon(self._fetch_from, endpoint, fetcher)
-            alive = [e for e in alive if e.peer_id not in fetcher.failed_peers]
-        failure = ""
-        if fetcher.pieces:
-            failure = (
-                "every peer holding it failed ("
-                + ("; ".join(fetcher.failures) or "none is left") + ")"
-            )
-        else:
-            threads = self._hash_threads()
-            wrong = await self._cpu(lambda: sharing.mismatched(targets, expected, threads))
-            if wrong:
-                failure = (
-                    f"tensors {wrong} arrived but do not hash to the popular state's "
-                    "values (a distributor changed them during the sync?)"
-                )
+        try:
+            failure = await self._transfer(plan, fetcher, targets, expected)
+        except BaseException:
+            # Cancelled, or the run ended under us: the old bytes go back all the same.
+            with trio.CancelScope(shield=True):
+                await self._cpu(backup.restore)
+            raise
         if failure:
             await self._cpu(backup.restore)
             log.warning("peer %s: shared-state fetch failed: %s", self._peer_id, failure)
         return fetcher.received, failure
+
+    async def _transfer(
+        self,
+        plan: SharedStatePlan,
+        fetcher: sharing.Fetcher,
+        targets: Sequence[sharing.Tensor],
+        expected: dict[str, int],
+    ) -> str:
+        """Fetch every piece and verify the tensors; why it failed (empty: it did not)."""
+        # A distributor that fails gives its piece back; the others may have finished
+        # meanwhile, so the survivors go round again until nothing is left.
+        alive = list(plan.distributors)
+        while fetcher.pieces and alive:
+            self._raise_if_failed()
+            async with trio.open_nursery() as nursery:
+                for endpoint in alive:
+                    nursery.start_soon(self._fetch_from, endpoint, fetcher)
+            alive = [e for e in alive if e.peer_id not in fetcher.failed_peers]
+        if fetcher.pieces:
+            return (
+                "every peer holding it failed ("
+                + ("; ".join(fetcher.failures) or "none is left") + ")"
+            )
+        threads = self._hash_threads()
+        wrong = await self._cpu(lambda: sharing.mismatched(targets, expected, threads))
+        if wrong:
+            return (
+                f"tensors {wrong} arrived but do not hash to the popular state's values "
+                "(a distributor changed them during the sync?)"
+            )
+        return ""
 
     async def _fetch_from(self, endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
         """One distributor's worker: fetch pieces from it until none is left or it fails."""
@@ -521,12 +543,15 @@ class Communicator:
             )
             link = self._to_link(framed)
             if link is None:
-                await sharing.drive(sharing.request_pieces(fetcher), framed)
+                await sharing.drive(
+                    sharing.request_pieces(fetcher), framed, idle_timeout=self._idle_timeout()
+                )
                 await framed.aclose()
                 return
             try:
                 await run_in_thread(
-                    partial(sharing.drive_blocking, sharing.request_pieces(fetcher), link),
+                    partial(sharing.drive_blocking, sharing.request_pieces(fetcher), link,
+                            idle_timeout=self._idle_timeout()),
                     interrupt=link.cut,
                 )
             finally:
@@ -555,14 +580,18 @@ class Communicator:
             if link is None:
                 self._serving_links.add(framed)
                 try:
-                    await sharing.drive(sharing.serve_requests(serving, request), framed)
+                    await sharing.drive(
+                        sharing.serve_requests(serving, request), framed,
+                        idle_timeout=self._idle_timeout(),
+                    )
                 finally:
                     self._serving_links.discard(framed)
                 return
             self._serving_links.add(link)
             try:
                 await run_in_thread(
-                    partial(sharing.drive_blocking, sharing.serve_requests(serving, request), link),
+                    partial(sharing.drive_blocking, sharing.serve_requests(serving, request),
+                            link, idle_timeout=self._idle_timeout()),
                     interrupt=link.cut,
                 )
             finally:
@@ -572,8 +601,15 @@ class Communicator:
             serving.handlers -= 1
             self._serving_lot.unpark_all()
 
+    def _idle_timeout(self) -> float:
+        """How long a shared-state connection may make no progress: a distributor waits
+        up to the liveness timeout for its own plan before it answers, so twice that."""
+        return 2 * self._liveness_timeout
+
     def _threads_allowed(self) -> bool:
-        return self._config.threaded_data_path and isinstance(self._network, TcpNetwork)
+        """Whether CPU work may leave the trio thread: on real networks (real time),
+        not on the in-memory network under virtual time."""
+        return isinstance(self._network, TcpNetwork)
 
     def _hash_threads(self) -> int:
         """Threads per hash: the machine's cores on real networks, one under virtual time."""

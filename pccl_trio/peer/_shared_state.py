@@ -37,10 +37,12 @@ from collections.abc import Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import numpy
+import trio
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
     MAX_KEY,
+    MAX_SEQUENCE,
     PROTOCOL_VERSION,
     U64_MAX,
     Message,
@@ -133,6 +135,11 @@ def prepare_state(state: object) -> list[Tensor]:
         )
     if not isinstance(state.tensors, Sequence) or isinstance(state.tensors, str | bytes):
         raise InvalidArgument("SharedState.tensors must be a list of pccl_trio.TensorInfo")
+    if len(state.tensors) > MAX_SEQUENCE:
+        raise InvalidArgument(
+            f"SharedState holds {len(state.tensors)} tensors; at most {MAX_SEQUENCE} fit in a "
+            "vote: concatenate small tensors"
+        )
     tensors: list[Tensor] = []
     seen: set[str] = set()
     for index, info in enumerate(state.tensors):
@@ -199,8 +206,13 @@ Operation = Send | SendData | ReceiveMessage | ReceiveHeader | ReceiveInto
 Protocol = Generator[Operation, Any, T]
 
 
-async def drive(protocol: Protocol[T], framed: FramedStream) -> T:
-    """Run ``protocol`` on a trio stream."""
+async def drive(protocol: Protocol[T], framed: FramedStream, *, idle_timeout: float) -> T:
+    """Run ``protocol`` on a trio stream.
+
+    Raises:
+        trio.TooSlowError: one operation made no progress for ``idle_timeout`` seconds
+            (the other side went silent without closing the connection).
+    """
     answer: Any = None
     try:
         while True:
@@ -209,23 +221,35 @@ async def drive(protocol: Protocol[T], framed: FramedStream) -> T:
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
             answer = None
-            match operation:
-                case Send(message=message):
-                    await framed.send_message(message)
-                case SendData(tag=tag, seq=seq, offset=offset, payload=payload):
-                    await framed.send_data(tag=tag, seq=seq, offset=offset, payload=payload)
-                case ReceiveMessage():
-                    answer = await framed.receive_message_exact()
-                case ReceiveHeader():
-                    answer = await framed.receive_data_header()
-                case ReceiveInto(view=view):
-                    await framed.receive_into(view)
+            with trio.fail_after(idle_timeout):
+                answer = await _perform(operation, framed)
     finally:
         protocol.close()
 
 
-def drive_blocking(protocol: Protocol[T], link: SocketLink) -> T:
-    """Run ``protocol`` on a blocking socket (in a worker thread)."""
+async def _perform(operation: Operation, framed: FramedStream) -> Any:
+    match operation:
+        case Send(message=message):
+            await framed.send_message(message)
+        case SendData(tag=tag, seq=seq, offset=offset, payload=payload):
+            await framed.send_data(tag=tag, seq=seq, offset=offset, payload=payload)
+        case ReceiveMessage():
+            return await framed.receive_message_exact()
+        case ReceiveHeader():
+            return await framed.receive_data_header()
+        case ReceiveInto(view=view):
+            await framed.receive_into(view)
+    return None
+
+
+def drive_blocking(protocol: Protocol[T], link: SocketLink, *, idle_timeout: float) -> T:
+    """Run ``protocol`` on a blocking socket (in a worker thread).
+
+    Raises:
+        trio.BrokenResourceError: among others, when the socket made no progress for
+            ``idle_timeout`` seconds (the other side went silent).
+    """
+    link.set_idle_timeout(idle_timeout)
     answer: Any = None
     try:
         while True:
@@ -261,6 +285,7 @@ class Serving:
     def __init__(self, tensors: Sequence[Tensor]) -> None:
         self.tensors: Mapping[str, Tensor] = {t.key: t for t in tensors}
         self.sync: int | None = None
+        self.distributor = False  # set with ``sync``: only peers fetching nothing serve
         self.active = True
         self.handlers = 0  # connections being served (counted in the trio thread)
         self._lock = threading.Lock()
@@ -277,18 +302,19 @@ class Serving:
 
     def refusal(self, request: SharedStateRequest) -> str:
         """Why ``request`` cannot be served (empty: it can)."""
-        if not self.active or self.sync is None or request.sync != self.sync:
+        if (not self.active or self.sync is None or request.sync != self.sync
+                or not self.distributor):
             return f"this peer does not distribute the shared state of sync {request.sync}"
         if not request.ranges:
             return "a request must name at least one range"
         for r in request.ranges:
             tensor = self.tensors.get(r.key)
             if tensor is None:
-                return f"no shared-state tensor is named {r.key!r}"
+                return f"no shared-state tensor is named {r.key!r:.100}"
             if r.nbytes == 0 or r.offset + r.nbytes > tensor.nbytes:
                 return (
                     f"bytes {r.offset} to {r.offset + r.nbytes} are not inside tensor "
-                    f"{r.key!r} ({tensor.nbytes} bytes)"
+                    f"{r.key!r:.100} ({tensor.nbytes} bytes)"
                 )
         return ""
 
@@ -301,11 +327,12 @@ def serve_requests(serving: Serving, request: SharedStateRequest) -> Protocol[No
         yield Send(SharedStateResponse(error=refusal))
         if refusal:
             return
+        frame = min(FRAME_BYTES, request.frame_bytes)
         for index, wanted in enumerate(request.ranges):
             tensor = serving.tensors[wanted.key]
             end = wanted.offset + wanted.nbytes
-            for start in range(wanted.offset, end, FRAME_BYTES):
-                nbytes = min(FRAME_BYTES, end - start)
+            for start in range(wanted.offset, end, frame):
+                nbytes = min(frame, end - start)
                 yield SendData(
                     tag=index, seq=request.sync, offset=start, payload=tensor.read(start, nbytes)
                 )
@@ -323,11 +350,14 @@ def serve_requests(serving: Serving, request: SharedStateRequest) -> Protocol[No
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Piece:
-    """Bytes ``[offset, offset + nbytes)`` of tensor ``key``."""
+    """Bytes ``[offset, offset + nbytes)`` of tensor ``key``; a ``whole`` piece (a tensor
+    whose content may differ between peers) must come from one distributor, so after a
+    failure it starts again from its first byte."""
 
     key: str
     offset: int
     nbytes: int
+    whole: bool = False
 
 
 class DistributorRefused(Exception):
@@ -339,13 +369,18 @@ class Fetcher:
     threads), and what was received."""
 
     def __init__(self, tensors: Mapping[str, Tensor], keys: Sequence[str], *, sync: int,
-                 peer_id: int) -> None:
+                 peer_id: int, frame_bytes: int, whole: Sequence[str] = ()) -> None:
         self.tensors = tensors
         self.sync = sync
         self.peer_id = peer_id
+        self.frame_bytes = frame_bytes
         self.pieces: collections.deque[Piece] = collections.deque()
         for key in keys:
             size = tensors[key].nbytes
+            if key in whole:
+                # Peers' copies may differ: splicing two would give a value nobody has.
+                self.pieces.append(Piece(key, 0, size, whole=True))
+                continue
             for offset in range(0, size, PIECE_BYTES):
                 self.pieces.append(Piece(key, offset, min(PIECE_BYTES, size - offset)))
         self._lock = threading.Lock()
@@ -369,6 +404,11 @@ class Fetcher:
     def count(self, nbytes: int) -> None:
         with self._lock:
             self._received += nbytes
+
+    def uncount(self, nbytes: int) -> None:
+        """Bytes received for a whole piece that must start again."""
+        with self._lock:
+            self._received -= nbytes
 
     def failed(self, distributor: int, reason: str) -> None:
         with self._lock:
@@ -394,6 +434,7 @@ def request_pieces(fetcher: Fetcher) -> Protocol[None]:
                     sync=fetcher.sync,
                     ranges=(SharedStateRange(key=piece.key, offset=piece.offset,
                                              nbytes=piece.nbytes),),
+                    frame_bytes=fetcher.frame_bytes,
                 )
             )
             response = yield ReceiveMessage()
@@ -407,7 +448,7 @@ def request_pieces(fetcher: Fetcher) -> Protocol[None]:
             while done < piece.nbytes:
                 tag, seq, offset, nbytes = yield ReceiveHeader()
                 if (tag, seq, offset) != (0, fetcher.sync, piece.offset + done) or not (
-                    0 < nbytes <= piece.nbytes - done
+                    0 < nbytes <= min(piece.nbytes - done, fetcher.frame_bytes)
                 ):
                     raise RemoteProtocolError(
                         f"data frame (tag {tag}, sync {seq}, bytes {offset} to "
@@ -424,7 +465,13 @@ def request_pieces(fetcher: Fetcher) -> Protocol[None]:
                 fetcher.count(nbytes)
         except BaseException:
             if done < piece.nbytes:
-                fetcher.give_back(Piece(piece.key, piece.offset + done, piece.nbytes - done))
+                if piece.whole:
+                    fetcher.uncount(done)
+                    fetcher.give_back(piece)
+                else:
+                    fetcher.give_back(
+                        Piece(piece.key, piece.offset + done, piece.nbytes - done)
+                    )
             raise
 
 

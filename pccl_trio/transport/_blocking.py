@@ -20,6 +20,7 @@ descriptor is closed by whoever is the last to stop using it.
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -169,6 +170,17 @@ class SocketLink:
             self._sock.close()
 
     close_now = cut
+
+    def set_idle_timeout(self, seconds: float | None) -> None:
+        """Fail a send or receive that makes no progress for ``seconds`` (None: wait
+        forever), as ``trio.BrokenResourceError``; the connection is then unusable."""
+        # Kernel timeouts keep the socket blocking (and MSG_WAITALL receives whole);
+        # a call that waits this long with nothing moving fails with EAGAIN.
+        whole = int(seconds or 0)
+        timeval = struct.pack("ll", whole, int(((seconds or 0) - whole) * 1e6))
+        with self._use() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
     async def aclose(self) -> None:
         self.cut()

@@ -109,6 +109,7 @@ SAMPLES: dict[type[Message], Message] = {
         peer_id=3,
         sync=4,
         ranges=(SharedStateRange(key="w", offset=4096, nbytes=65536),),
+        frame_bytes=1 << 23,
     ),
     SharedStateResponse: SharedStateResponse(error="not distributing"),
 }

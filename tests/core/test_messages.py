@@ -43,6 +43,7 @@ from pccl_trio._core.messages import (
     SharedStateFetch,
     SharedStatePlan,
     SharedStateRange,
+    SharedStateRequest,
     SharedStateVote,
     VoteEstablish,
     Welcome,
@@ -267,6 +268,7 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (SharedStateEntry, "dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
     (SharedStateFetch, "key"): st.text(min_size=1, max_size=30),
     (SharedStateRange, "key"): st.text(min_size=1, max_size=30),
+    (SharedStateRequest, "frame_bytes"): st.integers(1, U64_MAX),
     (SharedStateVote, "strategy"): st.integers(0, len(STRATEGY_NAMES) - 1),
     (SharedStateVote, "entries"): st.deferred(
         lambda: st.lists(records(SharedStateEntry), max_size=5, unique_by=lambda e: e.key)

@@ -1,0 +1,182 @@
+"""Shared-state sync under failures and odd settings: silent distributors, tensors that may
+differ, small frames, cancellation, threads without the threaded data path."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+import pytest
+import trio
+
+import pccl_trio as pccl
+from pccl_trio.peer import _shared_state as sharing
+
+from .conftest import Cluster, form_run
+from .test_all_reduce import run_all
+from .test_shared_state import big_state, same_content, state_bytes, sync_all
+
+
+def count_frames(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Small pieces and frames; returns the list of frames the fetching peer received."""
+    monkeypatch.setattr(sharing, "PIECE_BYTES", 256 << 10)
+    monkeypatch.setattr(sharing, "FRAME_BYTES", 64 << 10)
+    original = sharing.Fetcher.count
+    frames: list[int] = []
+
+    def count(self: sharing.Fetcher, nbytes: int) -> None:
+        original(self, nbytes)
+        frames.append(nbytes)
+
+    monkeypatch.setattr(sharing.Fetcher, "count", count)
+    return frames
+
+
+async def joined(cluster: Cluster, states: list[pccl.SharedState]) -> list[pccl.Communicator]:
+    """Two founders synced on ``states``, then a joiner admitted; revisions advanced."""
+    founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(2)])
+    await sync_all(founders, states)
+    comms = await form_run(founders, [cluster.communicator("joiner")])
+    for s in states:
+        s.revision += 1
+    return comms
+
+
+# A distributor that dies silently (host frozen, network partition: no FIN/RST) is
+# kicked by the master after the liveness timeout; its shared-state connection makes no
+# progress, fails after twice the liveness timeout, and its piece goes to another
+# distributor.
+async def test_a_silently_dead_distributor_does_not_hang_the_sync(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if cluster.memory is None:
+        pytest.skip("silent partitions need the memory network")
+    with trio.fail_after(120):
+        states = [big_state(1), big_state(1)]
+        comms = await joined(cluster, states)
+        fresh = big_state(7, zero=True)
+        frames = count_frames(monkeypatch)
+        memory = cluster.memory
+
+        async def partition_f0_mid_transfer() -> None:
+            while len(frames) < 3:
+                await trio.lowlevel.checkpoint()
+            memory.partition("f0")
+
+        results: list[object] = []
+        with trio.move_on_after(60):  # 20 liveness timeouts
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partition_f0_mid_transfer)
+                results = await sync_all(comms, [*states, fresh])
+        assert results, "the sync still runs 60 s after f0 was partitioned (kicked at ~3 s)"
+        assert isinstance(results[1], pccl.SharedStateSyncInfo), results
+        assert isinstance(results[2], pccl.SharedStateSyncInfo), results
+        assert same_content([states[1], fresh])
+
+
+def with_random_state(seed: int, *, zero: bool = False) -> pccl.SharedState:
+    weights = np.arange(1 << 18, dtype=np.float32)
+    rng_state = np.full(1 << 20, seed, dtype=np.uint8)  # 1 MiB: four 256 KiB pieces
+    if zero:
+        weights[:], rng_state[:] = 0, 0
+    return pccl.SharedState(
+        [
+            pccl.TensorInfo("weights", weights),
+            pccl.TensorInfo("rng", rng_state, allow_content_inequality=True),
+        ],
+        revision=0,
+    )
+
+
+# An allow_content_inequality tensor differs between distributors by definition: it is
+# fetched whole from one of them (and from its first byte again after a failover), so
+# the joiner holds one peer's copy, never a splice.
+async def test_a_joiner_gets_one_peers_copy_of_a_tensor_that_may_differ(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sharing, "PIECE_BYTES", 256 << 10)
+    with trio.fail_after(120):
+        states = [with_random_state(1), with_random_state(2)]
+        comms = await joined(cluster, states)
+        fresh = with_random_state(0, zero=True)
+        infos = await sync_all(comms, [*states, fresh])
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        got = fresh.tensors[1].data.tobytes()
+        copies = [s.tensors[1].data.tobytes() for s in states]
+        assert got in copies, np.unique(fresh.tensors[1].data, return_counts=True)
+
+
+# Distributors send frames no larger than the requester accepts (its
+# Config.max_data_frame travels in the request).
+async def test_sync_works_with_a_smaller_max_data_frame(cluster: Cluster, clock: object) -> None:
+    cluster.config = dataclasses.replace(cluster.config, max_data_frame=(1 << 20) + 64)
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        states = [big_state(1), big_state(2)]
+        infos = await sync_all(comms, states)
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        assert same_content(states)
+
+
+# Cancelling sync_shared_state while it fetches puts the old bytes back, as a
+# cancelled all_reduce restores its input.
+async def test_a_cancelled_fetch_restores_the_old_state(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with trio.fail_after(120):
+        states = [big_state(1), big_state(1)]
+        comms = await joined(cluster, states)
+        fresh = big_state(7)  # its own content, at revision 0
+        before = [t.data.copy() for t in fresh.tensors]
+        frames = count_frames(monkeypatch)
+        counted = sharing.Fetcher.count
+        token = trio.lowlevel.current_trio_token()
+        scope = trio.CancelScope()
+
+        def count(self: sharing.Fetcher, nbytes: int) -> None:
+            counted(self, nbytes)
+            in_thread = threading.current_thread() is not threading.main_thread()
+            if len(frames) == 3:  # mid-transfer: the caller cancels
+                if in_thread:
+                    token.run_sync_soon(scope.cancel)
+                else:
+                    scope.cancel()
+            if len(frames) >= 3 and in_thread:
+                time.sleep(1)  # the fetch threads wait to be cut
+
+        monkeypatch.setattr(sharing.Fetcher, "count", count)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_all, comms[:2], lambda i, c: c.sync_shared_state(states[i]))
+            with scope:
+                await comms[2].sync_shared_state(fresh)
+        assert scope.cancelled_caught
+        assert len(frames) >= 3 and sum(frames) < state_bytes(fresh), frames
+        assert fresh.revision == 0
+        assert all(
+            t.data.tobytes() == b.tobytes() for t, b in zip(fresh.tensors, before, strict=True)
+        )
+
+
+# Hashing and the backup copy leave the trio thread on real networks, whatever
+# Config.threaded_data_path says, so heartbeats keep flowing during a long hash.
+async def test_hashing_leaves_the_event_loop_free_without_threaded_data_path(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if cluster.memory is not None:
+        pytest.skip("under virtual time hashing runs inline by design")
+    cluster.config = dataclasses.replace(cluster.config, threaded_data_path=False)
+    on_loop: list[bool] = []
+    original = sharing.Tensor.content_hash
+
+    def content_hash(self: sharing.Tensor, threads: int = 1) -> int:
+        on_loop.append(threading.current_thread() is threading.main_thread())
+        return original(self, threads)
+
+    monkeypatch.setattr(sharing.Tensor, "content_hash", content_hash)
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        infos = await sync_all(comms, [big_state(1), big_state(1)])
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        assert on_loop and not any(on_loop), on_loop
