@@ -1,0 +1,340 @@
+"""Ring orders from link measurements: the cost model, an exact solver and a heuristic.
+
+Theory of operation
+-------------------
+A ring all-reduce of ``S`` bytes over ``W`` peers runs ``2 (W - 1)`` steps; in each,
+every peer sends one chunk of ``S / W`` bytes to its successor, and the step ends when
+the slowest hop is done. So with ``cost[i, j] = latency[i, j] + (S / W) / bandwidth[i, j]``
+(seconds for one chunk from ``i`` to ``j``; links are directed and need not be
+symmetric), a ring's predicted time is
+
+    ``2 (W - 1) * max over its hops of cost[i, j]``
+
+and the best ring minimizes its slowest hop: a directed *bottleneck* travelling-salesman
+problem, not the usual sum. Among rings with the same slowest hop, the one with the
+smallest total is preferred (it is also faster when chunks queue, and it makes the
+answer unique enough to compare). Unknown or unreachable links cost infinity.
+
+* :func:`solve_exact` computes the optimum by dynamic programming over subsets
+  (Held-Karp), twice: first the minimal bottleneck (``min over i of max(path, hop)``),
+  then the minimal total among rings within it. ``O(2^n n^2)``; ``EXACT_LIMIT`` peers
+  take well under a second.
+* :func:`solve_heuristic`, for larger groups, descends through thresholds: starting
+  from a greedy ring (or the installed one), it asks for a ring whose every hop is
+  cheaper than the current slowest, by local moves (relocate a segment of 1-3 peers, or
+  swap two) that never add a hop above the threshold, mostly around the hops that
+  exceed it; on success the threshold drops below the new slowest hop, on failure the
+  effort doubles. Deterministic for a seed and a move budget; ``should_stop`` lets a
+  caller bound it in time or cancel it from another thread. It optimizes the
+  bottleneck only, not the total.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import random
+from collections.abc import Callable, Sequence
+
+import numpy
+
+__all__ = [
+    "EXACT_LIMIT",
+    "Ring",
+    "hop_costs",
+    "predicted_seconds",
+    "ring_of",
+    "solve",
+    "solve_exact",
+    "solve_heuristic",
+]
+
+#: Largest group solved exactly by :func:`solve`.
+EXACT_LIMIT = 12
+
+Matrix = numpy.ndarray
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Ring:
+    """A ring order (indices into the cost matrix, starting at 0) and its costs.
+
+    Attributes:
+        order: the peers in ring order; ``order[k]`` sends to ``order[k + 1]`` (the last to
+            the first).
+        bottleneck: the slowest hop's cost, seconds per chunk.
+        total: the sum of the hops' costs.
+        optimal: whether no ring has a smaller ``(bottleneck, total)``.
+    """
+
+    order: tuple[int, ...]
+    bottleneck: float
+    total: float
+    optimal: bool
+
+    def key(self) -> tuple[float, float]:
+        return (self.bottleneck, self.total)
+
+
+def hop_costs(bandwidth: Matrix, latency: Matrix | None, *, nbytes: int) -> Matrix:
+    """Seconds to move one ring chunk over each directed link.
+
+    Args:
+        bandwidth: ``bandwidth[i, j]``, bytes per second from ``i`` to ``j`` (0, negative
+            or NaN: unknown or unreachable).
+        latency: seconds per message from ``i`` to ``j``, or None for zero.
+        nbytes: the all-reduce's size; a chunk is ``nbytes / W``.
+    """
+    bandwidth = numpy.asarray(bandwidth, dtype=numpy.float64)
+    world = bandwidth.shape[0]
+    if bandwidth.shape != (world, world):
+        raise ValueError(f"the bandwidth matrix must be square, got {bandwidth.shape}")
+    chunk = nbytes / max(world, 1)
+    with numpy.errstate(divide="ignore", invalid="ignore"):
+        cost = numpy.where(bandwidth > 0, chunk / bandwidth, math.inf)
+    if latency is not None:
+        cost = cost + numpy.asarray(latency, dtype=numpy.float64)
+    numpy.fill_diagonal(cost, math.inf)
+    return cost
+
+
+def predicted_seconds(cost: Matrix, order: Sequence[int]) -> float:
+    """Predicted all-reduce time of the ring ``order`` (see the module docstring)."""
+    world = len(order)
+    if world < 2:
+        return 0.0
+    return 2 * (world - 1) * ring_of(cost, order, optimal=False).bottleneck
+
+
+def ring_of(cost: Matrix, order: Sequence[int], *, optimal: bool = False) -> Ring:
+    """``order`` rotated to start at its smallest index, with its costs."""
+    order = list(order)
+    start = order.index(min(order))
+    order = order[start:] + order[:start]
+    hops = [float(cost[a, b]) for a, b in zip(order, order[1:] + order[:1], strict=True)]
+    if len(order) < 2:
+        hops = [0.0]
+    return Ring(order=tuple(order), bottleneck=max(hops), total=sum(hops), optimal=optimal)
+
+
+def solve(
+    cost: Matrix,
+    *,
+    iterations: int = 200_000,
+    seed: int = 0,
+    should_stop: Callable[[], bool] | None = None,
+) -> Ring:
+    """The exact optimum up to ``EXACT_LIMIT`` peers, the heuristic's best beyond."""
+    if len(cost) <= EXACT_LIMIT:
+        return solve_exact(cost)
+    return solve_heuristic(cost, iterations=iterations, seed=seed, should_stop=should_stop)
+
+
+def solve_exact(cost: Matrix) -> Ring:
+    """The ring with the smallest ``(bottleneck, total)`` (see the module docstring)."""
+    cost = numpy.asarray(cost, dtype=numpy.float64)
+    n = len(cost)
+    if n <= 3:  # one ring (two for three peers, compared directly)
+        candidates = [ring_of(cost, range(n))]
+        if n == 3:
+            candidates.append(ring_of(cost, (0, 2, 1)))
+        return dataclasses.replace(min(candidates, key=Ring.key), optimal=True)
+    bottleneck = _held_karp(cost, numpy.maximum)[0]
+    allowed = numpy.where(cost <= bottleneck, cost, math.inf)
+    total, order = _held_karp(allowed, numpy.add)
+    if not math.isfinite(total):
+        # Every ring uses an unusable link: keep the bottleneck order found first.
+        order = _held_karp(cost, numpy.maximum)[1]
+    return dataclasses.replace(ring_of(cost, order), optimal=True)
+
+
+def _held_karp(cost: Matrix, combine: Callable[[Matrix, Matrix], Matrix]) -> tuple[float, list[int]]:
+    """The best Hamiltonian cycle through node 0 under ``combine`` (``maximum`` for the
+    bottleneck, ``add`` for the total); returns its value and order."""
+    n = len(cost)
+    size = 1 << (n - 1)  # subsets of the nodes 1..n-1
+    best = numpy.full((size, n), math.inf)
+    parent = numpy.full((size, n), -1, dtype=numpy.int64)
+    for j in range(1, n):
+        best[1 << (j - 1), j] = cost[0, j]
+    nodes = numpy.arange(n)
+    for mask in range(1, size):
+        members = [j for j in range(1, n) if mask >> (j - 1) & 1]
+        if len(members) < 2:
+            continue
+        for j in members:
+            previous = mask ^ (1 << (j - 1))
+            values = combine(best[previous], cost[:, j])
+            values[0] = math.inf
+            values[j] = math.inf
+            i = int(numpy.argmin(values))
+            best[mask, j] = values[i]
+            parent[mask, j] = nodes[i]
+    full = size - 1
+    closing = combine(best[full], cost[:, 0])
+    closing[0] = math.inf
+    last = int(numpy.argmin(closing))
+    value = float(closing[last])
+    if not math.isfinite(value):  # no ring avoids an unusable link: any order will do
+        return value, list(range(n))
+    order = [0] * n
+    mask, j = full, last
+    for position in range(n - 1, 0, -1):
+        order[position] = j
+        i = int(parent[mask, j])
+        mask ^= 1 << (j - 1)
+        j = i
+    return value, order
+
+
+def solve_heuristic(
+    cost: Matrix,
+    *,
+    iterations: int = 200_000,
+    seed: int = 0,
+    start: Sequence[int] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Ring:
+    """A good ring by threshold search (see the module docstring).
+
+    Args:
+        iterations: moves to try in all; deterministic for a seed and this budget.
+        start: a ring to start from (e.g. the installed one); a greedy ring otherwise.
+        should_stop: polled every few hundred moves; True ends the search early.
+    """
+    cost = numpy.asarray(cost, dtype=numpy.float64)
+    n = len(cost)
+    if n <= 3:
+        return solve_exact(cost)
+    rng = random.Random(seed)
+    c = cost.tolist()
+    best = list(start) if start is not None else _greedy(c, n)
+    best_bottleneck = ring_of(cost, best).bottleneck
+    # No ring beats the worst of the peers' cheapest outgoing and incoming links.
+    floor = max(max(min(row) for row in c), max(min(col) for col in zip(*c, strict=True)))
+    values = sorted({v for row in c for v in row if floor <= v < best_bottleneck})
+    budget = Budget(iterations, should_stop)
+    # Descend: ask for a ring whose every hop is below the current slowest one, first
+    # with a small effort, then with more when the easy moves run out.
+    effort = 2_000
+    while values and not budget.spent():
+        target = values[bisect.bisect_left(values, best_bottleneck) - 1]
+        if target >= best_bottleneck:
+            break
+        attempt = _repair(c, best, target, budget, rng, moves=effort)
+        if attempt is None:
+            effort *= 2
+            continue
+        best = attempt
+        best_bottleneck = max(c[a][b] for a, b in zip(best, best[1:] + best[:1], strict=True))
+        values = values[: bisect.bisect_left(values, best_bottleneck)]
+    return ring_of(cost, best)
+
+
+class Budget:
+    """Moves left to the search, and the caller's stop switch."""
+
+    def __init__(self, moves: int, should_stop: Callable[[], bool] | None) -> None:
+        self.left = moves
+        self._should_stop = should_stop
+        self._stopped = False
+
+    def take(self) -> bool:
+        """Spend one move; False when none is left or the caller said stop."""
+        if self.left <= 0 or self._stopped:
+            return False
+        self.left -= 1
+        if self._should_stop is not None and self.left % 256 == 0 and self._should_stop():
+            self._stopped = True
+        return True
+
+    def spent(self) -> bool:
+        return self.left <= 0 or self._stopped
+
+
+def _repair(
+    c: list[list[float]],
+    order: list[int],
+    threshold: float,
+    budget: Budget,
+    rng: random.Random,
+    *,
+    moves: int,
+) -> list[int] | None:
+    """A ring with every hop at most ``threshold``, found by moving peers out of the way
+    of the hops above it (a move is kept when it does not add such hops), or None."""
+    n = len(order)
+    ring = order[:]
+
+    def bad(a: int, b: int) -> int:
+        return 1 if c[a][b] > threshold else 0
+
+    count = sum(bad(a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True))
+    for _ in range(moves):
+        if count == 0:
+            return ring
+        if not budget.take():
+            return None
+        # Pick a peer next to a hop above the threshold most of the time.
+        k = rng.randrange(n)
+        if rng.random() < 0.8:
+            for _probe in range(n):
+                if bad(ring[k], ring[(k + 1) % n]):
+                    break
+                k = (k + 1) % n
+            k = (k + rng.randint(0, 1)) % n
+        if rng.random() < 0.3:
+            j = rng.randrange(n)
+            if j == k:
+                continue
+            delta, ring2 = _swap(c, ring, k, j, bad)
+        else:
+            length = rng.randint(1, min(3, n - 2))
+            delta, ring2 = _relocate(ring, k, length, rng.randrange(n), bad)
+        if ring2 is not None and delta <= 0:
+            ring, count = ring2, count + delta
+    return ring if count == 0 else None
+
+
+def _swap(
+    c: list[list[float]], ring: list[int], i: int, j: int, bad: Callable[[int, int], int]
+) -> tuple[int, list[int] | None]:
+    n = len(ring)
+    touched = {(i - 1) % n, i, (j - 1) % n, j}  # positions whose outgoing hop changes
+    before = sum(bad(ring[p], ring[(p + 1) % n]) for p in touched)
+    result = ring[:]
+    result[i], result[j] = result[j], result[i]
+    after = sum(bad(result[p], result[(p + 1) % n]) for p in touched)
+    return after - before, result
+
+
+def _relocate(
+    ring: list[int], start: int, length: int, to: int, bad: Callable[[int, int], int]
+) -> tuple[int, list[int] | None]:
+    """Move ``ring[start:start + length]`` (wrapping) in front of the peer at ``to``."""
+    rotated = ring[start:] + ring[:start]  # the segment first
+    segment, rest = rotated[:length], rotated[length:]
+    target = ring[to]
+    if target in segment:
+        return 0, None
+    at = rest.index(target)
+    before = (bad(rest[-1], segment[0]) + bad(segment[-1], rest[0])
+              + bad(rest[at - 1], target))
+    after = (bad(rest[-1], rest[0]) + bad(rest[at - 1], segment[0])
+             + bad(segment[-1], target))
+    if at == 0:  # in front of rest[0]: the same ring
+        return 0, None
+    return after - before, rest[:at] + segment + rest[at:]
+
+
+def _greedy(c: list[list[float]], n: int) -> list[int]:
+    """Nearest-successor ring from node 0 (cheapest outgoing link first)."""
+    order = [0]
+    left = set(range(1, n))
+    while left:
+        here = order[-1]
+        nxt = min(left, key=lambda j: (c[here][j], j))
+        order.append(nxt)
+        left.remove(nxt)
+    return order

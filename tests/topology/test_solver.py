@@ -1,0 +1,122 @@
+"""Ring solver: the cost model, the exact solver against brute force, the heuristic."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy
+import pytest
+
+from pccl_trio.topology import (
+    hop_costs,
+    predicted_seconds,
+    ring_of,
+    solve,
+    solve_exact,
+    solve_heuristic,
+)
+
+
+def random_costs(n: int, seed: int, *, holes: float = 0.0) -> numpy.ndarray:
+    rng = numpy.random.default_rng([n, seed])
+    cost = rng.uniform(1.0, 100.0, (n, n))
+    if holes:
+        cost[rng.random((n, n)) < holes] = math.inf
+    numpy.fill_diagonal(cost, math.inf)
+    return cost
+
+
+def brute_force(cost: numpy.ndarray) -> tuple[float, float]:
+    n = len(cost)
+    return min(ring_of(cost, (0, *p)).key() for p in itertools.permutations(range(1, n)))
+
+
+def test_hop_costs_model() -> None:
+    bandwidth = numpy.array([[0, 100.0, 50.0], [25.0, 0, 0], [10.0, 20.0, 0]])
+    latency = numpy.full((3, 3), 0.5)
+    cost = hop_costs(bandwidth, latency, nbytes=300)  # chunks of 100 bytes
+    assert cost[0, 1] == pytest.approx(1.5) and cost[0, 2] == pytest.approx(2.5)
+    assert cost[1, 0] == pytest.approx(4.5) and math.isinf(cost[1, 2])  # unknown link
+    assert all(math.isinf(cost[i, i]) for i in range(3))
+    # Ring 0 -> 1 -> 2 -> 0 has an unusable hop; 0 -> 2 -> 1 -> 0: max(2.5, 5.5, 4.5).
+    assert predicted_seconds(cost, [0, 2, 1]) == pytest.approx(2 * 2 * 5.5)
+    assert math.isinf(predicted_seconds(cost, [0, 1, 2]))
+    with pytest.raises(ValueError, match="square"):
+        hop_costs(numpy.ones((2, 3)), None, nbytes=1)
+
+
+def test_ring_of_rotates_to_the_smallest_index() -> None:
+    cost = random_costs(4, 0)
+    ring = ring_of(cost, [2, 3, 0, 1])
+    assert ring.order == (0, 1, 2, 3)
+    assert ring.bottleneck == max(cost[0, 1], cost[1, 2], cost[2, 3], cost[3, 0])
+
+
+@pytest.mark.parametrize("n", range(2, 10))
+@pytest.mark.parametrize("holes", [0.0, 0.3], ids=["dense", "holes"])
+def test_exact_solver_matches_brute_force(n: int, holes: float) -> None:
+    for seed in range(6 if n < 9 else 2):
+        cost = random_costs(n, seed, holes=holes)
+        ring = solve_exact(cost)
+        assert sorted(ring.order) == list(range(n)) and ring.optimal
+        assert ring.key() == brute_force(cost), (n, seed)
+
+
+def test_exact_solver_is_fast_enough_for_twelve_peers() -> None:
+    ring = solve_exact(random_costs(12, 0))
+    assert sorted(ring.order) == list(range(12))
+
+
+def one_fast_ring(n: int, fast: list[int]) -> numpy.ndarray:
+    """400 Mbit/s along ``fast`` (directed), 40 Mbit/s everywhere else."""
+    bandwidth = numpy.full((n, n), 40e6 / 8)
+    for a, b in zip(fast, fast[1:] + fast[:1], strict=True):
+        bandwidth[a, b] = 400e6 / 8
+    return hop_costs(bandwidth, None, nbytes=8 << 20)
+
+
+@pytest.mark.parametrize("solver", ["exact", "heuristic"])
+def test_the_one_fast_ring_is_found_whatever_the_start(solver: str) -> None:
+    fast = [0, 3, 1, 4, 2]
+    cost = one_fast_ring(5, fast)
+    ideal = predicted_seconds(cost, fast)
+    for start in itertools.islice(itertools.permutations(range(5)), 0, 120, 7):
+        if solver == "exact":
+            ring = solve_exact(cost)
+        else:
+            ring = solve_heuristic(cost, start=list(start), iterations=5_000, seed=1)
+        assert ring.order == tuple(fast)
+        assert predicted_seconds(cost, ring.order) == pytest.approx(ideal)
+
+
+@pytest.mark.parametrize("n", [6, 10, 12])
+def test_heuristic_finds_the_optimal_bottleneck_on_small_groups(n: int) -> None:
+    for seed in range(5):
+        cost = random_costs(n, seed)
+        ring = solve_heuristic(cost, iterations=50_000, seed=seed)
+        assert sorted(ring.order) == list(range(n))
+        assert ring.bottleneck == solve_exact(cost).bottleneck, (n, seed)
+
+
+def test_heuristic_is_deterministic_and_stoppable() -> None:
+    cost = random_costs(40, 3)
+    first = solve_heuristic(cost, iterations=20_000, seed=7)
+    assert solve_heuristic(cost, iterations=20_000, seed=7) == first
+    assert sorted(first.order) == list(range(40))
+    assert first.bottleneck <= ring_of(cost, range(40)).bottleneck
+    calls: list[int] = []
+
+    def stop() -> bool:
+        calls.append(1)
+        return True
+
+    stopped = solve_heuristic(cost, iterations=10_000_000, seed=7, should_stop=stop)
+    assert sorted(stopped.order) == list(range(40)) and len(calls) == 1
+
+
+def test_solve_picks_the_exact_solver_for_small_groups() -> None:
+    cost = random_costs(7, 1)
+    assert solve(cost).optimal and solve(cost).key() == brute_force(cost)
+    big = solve(random_costs(20, 1), iterations=5_000)
+    assert not big.optimal and sorted(big.order) == list(range(20))
