@@ -19,14 +19,18 @@ answer unique enough to compare). Unknown or unreachable links cost infinity.
   (Held-Karp), twice: first the minimal bottleneck (``min over i of max(path, hop)``),
   then the minimal total among rings within it. ``O(2^n n^2)``; ``EXACT_LIMIT`` peers
   take well under a second.
-* :func:`solve_heuristic`, for larger groups, descends through thresholds: starting
-  from a greedy ring (or the installed one), it asks for a ring whose every hop is
-  cheaper than the current slowest, by local moves (relocate a segment of 1-3 peers, or
-  swap two) that never add a hop above the threshold, mostly around the hops that
-  exceed it; on success the threshold drops below the new slowest hop, on failure the
-  effort doubles. Deterministic for a seed and a move budget; ``should_stop`` lets a
+* :func:`solve_heuristic`, for larger groups, bisects thresholds: starting from a
+  greedy ring (or the installed one), it asks for a ring whose every hop is at most a
+  threshold, by local moves (relocate a segment of 1-3 peers, or swap two) that never
+  add a hop above it, mostly around the hops that exceed it; a threshold met becomes
+  the new upper end, one missed the lower end, and when they meet the bisection starts
+  again with twice the effort. Deterministic for a seed and a move budget; ``should_stop`` lets a
   caller bound it in time or cancel it from another thread. It optimizes the
-  bottleneck only, not the total.
+  bottleneck only, not the total. It starts from a lower bound: the smallest threshold
+  under which every peer still has a distinct successor (a bottleneck cycle cover,
+  found by bipartite matching), whose cycles, patched into one ring by the cheapest
+  successor exchanges, usually give a ring close to it; a ring that meets the bound is
+  reported optimal, and the search stops there.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
+import networkx  # type: ignore[import-untyped]
 import numpy
 
 __all__ = [
     "EXACT_LIMIT",
     "Ring",
+    "bottleneck_lower_bound",
     "hop_costs",
     "predicted_seconds",
     "ring_of",
@@ -65,7 +71,9 @@ class Ring:
             the first).
         bottleneck: the slowest hop's cost, seconds per chunk.
         total: the sum of the hops' costs.
-        optimal: whether no ring has a smaller ``(bottleneck, total)``.
+        optimal: whether no ring has a smaller bottleneck (which decides the predicted
+            time); from the exact solver also: none with the same bottleneck has a
+            smaller total.
     """
 
     order: tuple[int, ...]
@@ -215,21 +223,137 @@ def solve_heuristic(
     floor = max(max(min(row) for row in c), max(min(col) for col in zip(*c, strict=True)))
     values = sorted({v for row in c for v in row if floor <= v < best_bottleneck})
     budget = Budget(iterations, should_stop)
-    # Descend: ask for a ring whose every hop is below the current slowest one, first
-    # with a small effort, then with more when the easy moves run out.
-    effort = 2_000
-    while values and not budget.spent():
-        target = values[bisect.bisect_left(values, best_bottleneck) - 1]
-        if target >= best_bottleneck:
-            break
-        attempt = _repair(c, best, target, budget, rng, moves=effort)
-        if attempt is None:
+    # The smallest threshold that admits a cycle cover (every peer one successor, one
+    # predecessor) bounds every ring from below; patching the cover's cycles into one
+    # ring gives a good start near it.
+    low = 0
+    if values:
+        low, patched = _patched_ring(c, n, values)
+        if patched is not None:
+            bottleneck = max(c[a][b] for a, b in zip(patched, patched[1:] + patched[:1],
+                                                     strict=True))
+            if bottleneck < best_bottleneck:
+                best, best_bottleneck = patched, bottleneck
+    # Bisect the thresholds below the current slowest hop: a target met lowers the upper
+    # end to the new ring's slowest hop; a target missed (with this effort) raises the
+    # lower end. When the two meet, start again from the bottom with twice the effort.
+    effort = 5_000
+    floor_index = low
+    high = bisect.bisect_left(values, best_bottleneck)
+    while high > floor_index and not budget.spent():
+        if low >= high:
             effort *= 2
+            low = floor_index
+            if effort > 4 * max(budget.left, 1):
+                break
+        middle = (low + high) // 2
+        attempt = _repair(c, best, values[middle], budget, rng, moves=effort)
+        if attempt is None:
+            low = middle + 1
             continue
         best = attempt
         best_bottleneck = max(c[a][b] for a, b in zip(best, best[1:] + best[:1], strict=True))
-        values = values[: bisect.bisect_left(values, best_bottleneck)]
-    return ring_of(cost, best)
+        high = bisect.bisect_left(values, best_bottleneck)
+    # The cycle-cover threshold is a lower bound: a ring that meets it is optimal.
+    bound = values[floor_index] if floor_index < len(values) else best_bottleneck
+    return ring_of(cost, best, optimal=best_bottleneck <= bound)
+
+
+def bottleneck_lower_bound(cost: Matrix) -> float:
+    """No ring's slowest hop is cheaper than this: the smallest threshold under which
+    every peer still has a distinct successor (a bottleneck cycle cover)."""
+    c = numpy.asarray(cost, dtype=numpy.float64).tolist()
+    n = len(c)
+    if n < 2:
+        return 0.0
+    floor = max(max(min(row) for row in c), max(min(col) for col in zip(*c, strict=True)))
+    values = sorted({v for row in c for v in row if floor <= v and math.isfinite(v)})
+    if not values or _cycle_cover(c, n, values[-1]) is None:
+        return math.inf
+    low, high = 0, len(values) - 1
+    while low < high:
+        middle = (low + high) // 2
+        if _cycle_cover(c, n, values[middle]) is None:
+            low = middle + 1
+        else:
+            high = middle
+    return float(values[low])
+
+
+def _patched_ring(c: list[list[float]], n: int, values: list[float]) -> tuple[int, list[int] | None]:
+    """The index in ``values`` of the smallest threshold with a cycle cover, and the best
+    ring made by patching the cycles of covers at that threshold and a few above it
+    (None if no cover exists)."""
+    low, high = 0, len(values) - 1
+    if _cycle_cover(c, n, values[high]) is None:
+        return len(values), None  # no cover below the given ring's slowest hop
+    while low < high:
+        middle = (low + high) // 2
+        if _cycle_cover(c, n, values[middle]) is None:
+            low = middle + 1
+        else:
+            high = middle
+    best: list[int] | None = None
+    best_bottleneck = math.inf
+    # Looser covers have other cycles, which sometimes patch into a better ring.
+    for index in sorted({min(len(values) - 1, low + step) for step in (0, 1, 2, 4, 8, 16, 32)}):
+        cover = _cycle_cover(c, n, values[index])
+        if cover is None:
+            continue
+        ring = _patch(c, cover)
+        bottleneck = max(c[a][b] for a, b in zip(ring, ring[1:] + ring[:1], strict=True))
+        if bottleneck < best_bottleneck:
+            best, best_bottleneck = ring, bottleneck
+    return low, best
+
+
+def _cycle_cover(c: list[list[float]], n: int, threshold: float) -> list[int] | None:
+    """Successors forming a cycle cover with every hop at most ``threshold`` (a perfect
+    matching of senders to receivers), or None."""
+    # Integer nodes (senders 0..n-1, receivers n..2n-1): their hashes, and so the
+    # matching found, do not change between processes.
+    graph = networkx.Graph()
+    graph.add_nodes_from(range(2 * n))
+    graph.add_edges_from(
+        (i, n + j) for i in range(n) for j in range(n) if i != j and c[i][j] <= threshold
+    )
+    matching = networkx.bipartite.hopcroft_karp_matching(graph, top_nodes=range(n))
+    if any(i not in matching for i in range(n)):
+        return None
+    return [int(matching[i]) - n for i in range(n)]
+
+
+def _patch(c: list[list[float]], successor: list[int]) -> list[int]:
+    """Merge the cycles of ``successor`` into one ring, each time by the exchange of two
+    successors (one in each of two cycles) whose new hops have the smallest maximum."""
+    n = len(successor)
+    succ = successor[:]
+    while True:
+        cycle_of = [-1] * n
+        cycles = 0
+        for start in range(n):
+            if cycle_of[start] < 0:
+                node = start
+                while cycle_of[node] < 0:
+                    cycle_of[node] = cycles
+                    node = succ[node]
+                cycles += 1
+        if cycles == 1:
+            break
+        best: tuple[float, int, int] | None = None
+        for a in range(n):
+            for b in range(n):
+                if cycle_of[a] < cycle_of[b]:
+                    worst = max(c[a][succ[b]], c[b][succ[a]])
+                    if best is None or worst < best[0]:
+                        best = (worst, a, b)
+        assert best is not None
+        _, a, b = best
+        succ[a], succ[b] = succ[b], succ[a]
+    order = [0]
+    while len(order) < n:
+        order.append(succ[order[-1]])
+    return order
 
 
 class Budget:
@@ -237,16 +361,20 @@ class Budget:
 
     def __init__(self, moves: int, should_stop: Callable[[], bool] | None) -> None:
         self.left = moves
+        self._taken = 0
         self._should_stop = should_stop
         self._stopped = False
 
     def take(self) -> bool:
-        """Spend one move; False when none is left or the caller said stop."""
+        """Spend one move; False when none is left or the caller said stop (asked
+        before the first move and every 256 moves)."""
         if self.left <= 0 or self._stopped:
             return False
-        self.left -= 1
-        if self._should_stop is not None and self.left % 256 == 0 and self._should_stop():
+        if self._should_stop is not None and self._taken % 256 == 0 and self._should_stop():
             self._stopped = True
+            return False
+        self.left -= 1
+        self._taken += 1
         return True
 
     def spent(self) -> bool:
@@ -270,62 +398,69 @@ def _repair(
     def bad(a: int, b: int) -> int:
         return 1 if c[a][b] > threshold else 0
 
-    count = sum(bad(a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True))
+    # The peers whose outgoing hop is above the threshold, kept up to date per move.
+    senders = {a for a, b in zip(ring, ring[1:] + ring[:1], strict=True) if bad(a, b)}
     for _ in range(moves):
-        if count == 0:
+        if not senders:
             return ring
         if not budget.take():
             return None
-        # Pick a peer next to a hop above the threshold most of the time.
-        k = rng.randrange(n)
-        if rng.random() < 0.8:
-            for _probe in range(n):
-                if bad(ring[k], ring[(k + 1) % n]):
-                    break
-                k = (k + 1) % n
-            k = (k + rng.randint(0, 1)) % n
+        if rng.random() < 0.8:  # mostly next to a hop above the threshold
+            k = ring.index(rng.choice(sorted(senders))) + rng.randint(0, 1)
+        else:
+            k = rng.randrange(n)
+        k %= n
         if rng.random() < 0.3:
             j = rng.randrange(n)
             if j == k:
                 continue
-            delta, ring2 = _swap(c, ring, k, j, bad)
+            delta, moved, touched = _swap(ring, k, j, bad)
         else:
             length = rng.randint(1, min(3, n - 2))
-            delta, ring2 = _relocate(ring, k, length, rng.randrange(n), bad)
-        if ring2 is not None and delta <= 0:
-            ring, count = ring2, count + delta
-    return ring if count == 0 else None
+            delta, moved, touched = _relocate(ring, k, length, rng.randrange(n), bad)
+        if moved is None or delta > 0:
+            continue
+        ring = moved
+        for a in touched:
+            if bad(a, ring[(ring.index(a) + 1) % n]):
+                senders.add(a)
+            else:
+                senders.discard(a)
+    return ring if not senders else None
 
 
 def _swap(
-    c: list[list[float]], ring: list[int], i: int, j: int, bad: Callable[[int, int], int]
-) -> tuple[int, list[int] | None]:
+    ring: list[int], i: int, j: int, bad: Callable[[int, int], int]
+) -> tuple[int, list[int] | None, list[int]]:
+    """Swap the peers at ``i`` and ``j``: the change in hops above the threshold, the
+    new ring, and the peers whose outgoing hop changed."""
     n = len(ring)
-    touched = {(i - 1) % n, i, (j - 1) % n, j}  # positions whose outgoing hop changes
-    before = sum(bad(ring[p], ring[(p + 1) % n]) for p in touched)
+    positions = {(i - 1) % n, i, (j - 1) % n, j}  # positions whose outgoing hop changes
+    before = sum(bad(ring[p], ring[(p + 1) % n]) for p in positions)
     result = ring[:]
     result[i], result[j] = result[j], result[i]
-    after = sum(bad(result[p], result[(p + 1) % n]) for p in touched)
-    return after - before, result
+    after = sum(bad(result[p], result[(p + 1) % n]) for p in positions)
+    return after - before, result, [result[p] for p in positions]
 
 
 def _relocate(
     ring: list[int], start: int, length: int, to: int, bad: Callable[[int, int], int]
-) -> tuple[int, list[int] | None]:
-    """Move ``ring[start:start + length]`` (wrapping) in front of the peer at ``to``."""
+) -> tuple[int, list[int] | None, list[int]]:
+    """Move ``ring[start:start + length]`` (wrapping) in front of the peer at ``to``; the
+    same results as :func:`_swap`."""
     rotated = ring[start:] + ring[:start]  # the segment first
     segment, rest = rotated[:length], rotated[length:]
     target = ring[to]
     if target in segment:
-        return 0, None
+        return 0, None, []
     at = rest.index(target)
+    if at == 0:  # in front of rest[0]: the same ring
+        return 0, None, []
     before = (bad(rest[-1], segment[0]) + bad(segment[-1], rest[0])
               + bad(rest[at - 1], target))
     after = (bad(rest[-1], rest[0]) + bad(rest[at - 1], segment[0])
              + bad(segment[-1], target))
-    if at == 0:  # in front of rest[0]: the same ring
-        return 0, None
-    return after - before, rest[:at] + segment + rest[at:]
+    return after - before, rest[:at] + segment + rest[at:], [rest[-1], segment[-1], rest[at - 1]]
 
 
 def _greedy(c: list[list[float]], n: int) -> list[int]:
