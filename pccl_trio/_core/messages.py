@@ -30,6 +30,7 @@ import msgpack
 from .errors import RemoteProtocolError
 
 __all__ = [
+    "BenchmarkRequest",
     "C2M",
     "CollectiveAbort",
     "CollectiveCommence",
@@ -83,6 +84,8 @@ DISTRIBUTION_HINT_NAMES = ("NONE", "NORMAL", "UNIFORM")
 SUCCESS, ABORTED, REJECTED = 0, 1, 2
 OUTCOMES = (SUCCESS, ABORTED, REJECTED)
 STRATEGY_NAMES = ("ENFORCE_POPULAR", "RECEIVE_ONLY", "SEND_ONLY")
+#: Most bytes one benchmark request may ask for.
+MAX_BENCHMARK_BYTES = 1 << 30
 #: Longest shared-state key, in characters.
 MAX_KEY = 1024
 
@@ -558,6 +561,26 @@ class SharedStateResponse(Message):
     in the order asked (header: the range's index, the sync, its offset, the length)."""
 
     error: str = ""
+
+
+@_message(132, P2P)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BenchmarkRequest(Message):
+    """On a benchmark connection: send me ``nbytes`` of data frames (each at most
+    ``frame_bytes`` of payload), to measure the link from you to me."""
+
+    protocol_version: int
+    peer_id: int
+    nbytes: int
+    frame_bytes: int
+
+    def _validate(self) -> None:
+        if not 1 <= self.nbytes <= MAX_BENCHMARK_BYTES:
+            raise RemoteProtocolError(
+                f"BenchmarkRequest.nbytes: {self.nbytes} is not in 1..{MAX_BENCHMARK_BYTES}"
+            )
+        if self.frame_bytes == 0:
+            raise RemoteProtocolError("BenchmarkRequest.frame_bytes: must be at least 1")
 
 
 # --- codec ------------------------------------------------------------------------

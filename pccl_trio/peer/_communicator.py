@@ -45,6 +45,7 @@ from .._core.messages import (
     PROTOCOL_VERSION,
     REJECTED,
     SUCCESS,
+    BenchmarkRequest,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
@@ -105,6 +106,7 @@ from ..transport import (
     parse_address,
     run_in_thread,
 )
+from . import _bandwidth as bandwidth
 from . import _shared_state as sharing
 from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure
 
@@ -614,6 +616,45 @@ class Communicator:
     def _hash_threads(self) -> int:
         """Threads per hash: the machine's cores on real networks, one under virtual time."""
         return min(8, os.cpu_count() or 1) if self._threads_allowed() else 1
+
+    async def _run_protocol(self, framed: FramedStream, protocol: sharing.Protocol[_W]) -> _W:
+        """Run a p2p protocol on ``framed``: in a worker thread over its socket on TCP,
+        in this task otherwise; the connection is closed afterwards."""
+        link = self._to_link(framed)
+        if link is None:
+            try:
+                return await sharing.drive(protocol, framed, idle_timeout=self._idle_timeout())
+            finally:
+                await framed.aclose()
+        try:
+            return await run_in_thread(
+                partial(sharing.drive_blocking, protocol, link, idle_timeout=self._idle_timeout()),
+                interrupt=link.cut,
+            )
+        finally:
+            link.cut()
+
+    async def _measure_link(self, endpoint: PeerEndpoint) -> bandwidth.LinkMeasurement:
+        """Measure the link from ``endpoint`` to this peer (see ``_bandwidth``).
+
+        Raises:
+            OSError, trio.TooSlowError, trio.BrokenResourceError, RemoteProtocolError:
+                the peer could not be reached or the measurement broke off.
+        """
+        assert self._peer_id is not None
+        with trio.fail_after(self._config.connect_timeout):
+            stream = await self._network.connect(endpoint.host, endpoint.port)
+        framed = FramedStream(
+            stream,
+            max_control_frame=self._config.max_control_frame,
+            max_data_frame=self._config.max_data_frame,
+        )
+        return await self._run_protocol(
+            framed,
+            bandwidth.measure_link(
+                peer_id=self._peer_id, frame_bytes=self._config.max_data_frame - 64
+            ),
+        )
 
     async def _cpu(self, work: Callable[[], _W]) -> _W:
         """Run CPU-bound array work (hashing, copies): in a worker thread on real
@@ -1410,15 +1451,26 @@ class Communicator:
         try:
             with trio.fail_after(self._config.connect_timeout):
                 hello = await framed.receive_message_exact()
-                if isinstance(hello, SharedStateRequest):
+                if isinstance(hello, BenchmarkRequest):
                     if hello.protocol_version != PROTOCOL_VERSION:
                         raise RemoteProtocolError(
                             f"peer {hello.peer_id} speaks protocol {hello.protocol_version}, "
                             f"this peer {PROTOCOL_VERSION}"
                         )
-                    serve_request = hello
+                    benchmark = hello
                 else:
-                    serve_request = None
+                    benchmark = None
+            if benchmark is not None:
+                await self._run_protocol(framed, bandwidth.serve_benchmark(benchmark))
+                return
+            serve_request = None
+            if isinstance(hello, SharedStateRequest):
+                if hello.protocol_version != PROTOCOL_VERSION:
+                    raise RemoteProtocolError(
+                        f"peer {hello.peer_id} speaks protocol {hello.protocol_version}, "
+                        f"this peer {PROTOCOL_VERSION}"
+                    )
+                serve_request = hello
             if serve_request is not None:
                 await self._serve_shared_state(framed, serve_request)
                 return

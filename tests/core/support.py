@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 from pccl_trio._core.messages import (
     ABORTED,
     PROTOCOL_VERSION,
+    BenchmarkRequest,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
@@ -112,6 +113,9 @@ SAMPLES: dict[type[Message], Message] = {
         frame_bytes=1 << 23,
     ),
     SharedStateResponse: SharedStateResponse(error="not distributing"),
+    BenchmarkRequest: BenchmarkRequest(
+        protocol_version=PROTOCOL_VERSION, peer_id=3, nbytes=1 << 20, frame_bytes=65536
+    ),
 }
 
 

@@ -28,6 +28,7 @@ from pccl_trio._core.messages import (
     U16_MAX,
     U32_MAX,
     U64_MAX,
+    BenchmarkRequest,
     CollectiveInitiate,
     CollectiveVerdict,
     Heartbeat,
@@ -269,6 +270,8 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (SharedStateFetch, "key"): st.text(min_size=1, max_size=30),
     (SharedStateRange, "key"): st.text(min_size=1, max_size=30),
     (SharedStateRequest, "frame_bytes"): st.integers(1, U64_MAX),
+    (BenchmarkRequest, "frame_bytes"): st.integers(1, U64_MAX),
+    (BenchmarkRequest, "nbytes"): st.integers(1, 1 << 30),
     (SharedStateVote, "strategy"): st.integers(0, len(STRATEGY_NAMES) - 1),
     (SharedStateVote, "entries"): st.deferred(
         lambda: st.lists(records(SharedStateEntry), max_size=5, unique_by=lambda e: e.key)
