@@ -22,13 +22,8 @@ from pathlib import Path
 
 import numpy
 
+from pccl_trio._bench import parse_size
 from pccl_trio.ops import simplehash
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def median_seconds(work: Callable[[], object], repeats: int) -> float:

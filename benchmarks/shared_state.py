@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pccl_trio._bench import parse_size
+
 WORKER = r"""
 import json, sys, time
 import numpy as np, trio
@@ -91,12 +93,6 @@ async def main():
 
 trio.run(main)
 """
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    text = text.strip().upper()
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def read_json(process: subprocess.Popen[str]) -> dict[str, object]:

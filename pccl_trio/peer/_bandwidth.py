@@ -29,7 +29,7 @@ from .._core.errors import RemoteProtocolError
 from .._core.messages import MAX_BENCHMARK_BYTES, PROTOCOL_VERSION, BenchmarkRequest
 from ._shared_state import Protocol, ReceiveHeader, ReceiveInto, ReceiveMessage, Send, SendData
 
-__all__ = ["BenchmarkRequest", "LinkMeasurement", "measure_link", "serve_benchmark"]
+__all__ = ["LinkMeasurement", "measure_link", "serve_benchmark"]
 
 #: Largest data frame a benchmark server sends.
 FRAME_BYTES = 1 << 20

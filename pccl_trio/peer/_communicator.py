@@ -534,38 +534,14 @@ class Communicator:
 
     async def _fetch_from(self, endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
         """One distributor's worker: fetch pieces from it until none is left or it fails."""
-        stream: trio.abc.Stream | None = None
         try:
-            with trio.fail_after(self._config.connect_timeout):
-                stream = await self._network.connect(endpoint.host, endpoint.port)
-            framed = FramedStream(
-                stream,
-                max_control_frame=self._config.max_control_frame,
-                max_data_frame=self._config.max_data_frame,
-            )
-            link = self._to_link(framed)
-            if link is None:
-                await sharing.drive(
-                    sharing.request_pieces(fetcher), framed, idle_timeout=self._idle_timeout()
-                )
-                await framed.aclose()
-                return
-            try:
-                await run_in_thread(
-                    partial(sharing.drive_blocking, sharing.request_pieces(fetcher), link,
-                            idle_timeout=self._idle_timeout()),
-                    interrupt=link.cut,
-                )
-            finally:
-                link.cut()
+            framed = await self._connect_p2p(endpoint)
+            await self._run_protocol(framed, sharing.request_pieces(fetcher))
         except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
                 RemoteProtocolError, sharing.DistributorRefused) as exc:
             fetcher.failed(endpoint.peer_id, str(exc) or type(exc).__name__)
             log.info("peer %s: fetching shared state from peer %d failed: %s",
                      self._peer_id, endpoint.peer_id, exc)
-        finally:
-            if stream is not None:
-                await trio.aclose_forcefully(stream)
 
     async def _serve_shared_state(
         self, framed: FramedStream, request: SharedStateRequest
@@ -578,27 +554,9 @@ class Communicator:
         serving = self._serving or sharing.Serving(())  # none: every request is refused
         serving.handlers += 1
         try:
-            link = self._to_link(framed)
-            if link is None:
-                self._serving_links.add(framed)
-                try:
-                    await sharing.drive(
-                        sharing.serve_requests(serving, request), framed,
-                        idle_timeout=self._idle_timeout(),
-                    )
-                finally:
-                    self._serving_links.discard(framed)
-                return
-            self._serving_links.add(link)
-            try:
-                await run_in_thread(
-                    partial(sharing.drive_blocking, sharing.serve_requests(serving, request),
-                            link, idle_timeout=self._idle_timeout()),
-                    interrupt=link.cut,
-                )
-            finally:
-                self._serving_links.discard(link)
-                link.cut()
+            await self._run_protocol(
+                framed, sharing.serve_requests(serving, request), track=self._serving_links
+            )
         finally:
             serving.handlers -= 1
             self._serving_lot.unpark_all()
@@ -617,22 +575,44 @@ class Communicator:
         """Threads per hash: the machine's cores on real networks, one under virtual time."""
         return min(8, os.cpu_count() or 1) if self._threads_allowed() else 1
 
-    async def _run_protocol(self, framed: FramedStream, protocol: sharing.Protocol[_W]) -> _W:
+    async def _connect_p2p(self, endpoint: PeerEndpoint) -> FramedStream:
+        """A new connection to ``endpoint``'s p2p listener (the caller sends the first
+        frame and closes it)."""
+        with trio.fail_after(self._config.connect_timeout):
+            stream = await self._network.connect(endpoint.host, endpoint.port)
+        return FramedStream(
+            stream,
+            max_control_frame=self._config.max_control_frame,
+            max_data_frame=self._config.max_data_frame,
+        )
+
+    async def _run_protocol(
+        self,
+        framed: FramedStream,
+        protocol: sharing.Protocol[_W],
+        *,
+        track: set[FramedStream | SocketLink] | None = None,
+    ) -> _W:
         """Run a p2p protocol on ``framed``: in a worker thread over its socket on TCP,
-        in this task otherwise; the connection is closed afterwards."""
+        in this task otherwise; the connection is closed afterwards. While it runs, the
+        connection is in ``track`` (if given), so that it can be cut from elsewhere."""
         link = self._to_link(framed)
-        if link is None:
-            try:
-                return await sharing.drive(protocol, framed, idle_timeout=self._idle_timeout())
-            finally:
-                await framed.aclose()
+        connection: FramedStream | SocketLink = framed if link is None else link
+        if track is not None:
+            track.add(connection)
         try:
+            if link is None:
+                return await sharing.drive(protocol, framed, idle_timeout=self._idle_timeout())
             return await run_in_thread(
                 partial(sharing.drive_blocking, protocol, link, idle_timeout=self._idle_timeout()),
                 interrupt=link.cut,
             )
         finally:
-            link.cut()
+            if track is not None:
+                track.discard(connection)
+            if link is not None:
+                link.cut()
+            await framed.aclose()
 
     async def _measure_link(self, endpoint: PeerEndpoint) -> bandwidth.LinkMeasurement:
         """Measure the link from ``endpoint`` to this peer (see ``_bandwidth``).
@@ -642,15 +622,8 @@ class Communicator:
                 the peer could not be reached or the measurement broke off.
         """
         assert self._peer_id is not None
-        with trio.fail_after(self._config.connect_timeout):
-            stream = await self._network.connect(endpoint.host, endpoint.port)
-        framed = FramedStream(
-            stream,
-            max_control_frame=self._config.max_control_frame,
-            max_data_frame=self._config.max_data_frame,
-        )
         return await self._run_protocol(
-            framed,
+            await self._connect_p2p(endpoint),
             bandwidth.measure_link(
                 peer_id=self._peer_id, frame_bytes=self._config.max_data_frame - 64
             ),

@@ -148,12 +148,12 @@ def solve_exact(cost: Matrix) -> Ring:
         if n == 3:
             candidates.append(ring_of(cost, (0, 2, 1)))
         return dataclasses.replace(min(candidates, key=Ring.key), optimal=True)
-    bottleneck = _held_karp(cost, numpy.maximum)[0]
+    bottleneck, bottleneck_order = _held_karp(cost, numpy.maximum)
     allowed = numpy.where(cost <= bottleneck, cost, math.inf)
     total, order = _held_karp(allowed, numpy.add)
     if not math.isfinite(total):
         # Every ring uses an unusable link: keep the bottleneck order found first.
-        order = _held_karp(cost, numpy.maximum)[1]
+        order = bottleneck_order
     return dataclasses.replace(ring_of(cost, order), optimal=True)
 
 
@@ -219,8 +219,7 @@ def solve_heuristic(
     c = cost.tolist()
     best = list(start) if start is not None else _greedy(c, n)
     best_bottleneck = ring_of(cost, best).bottleneck
-    # No ring beats the worst of the peers' cheapest outgoing and incoming links.
-    floor = max(max(min(row) for row in c), max(min(col) for col in zip(*c, strict=True)))
+    floor = _floor(c)
     values = sorted({v for row in c for v in row if floor <= v < best_bottleneck})
     budget = Budget(iterations, should_stop)
     # The smallest threshold that admits a cycle cover (every peer one successor, one
@@ -230,8 +229,7 @@ def solve_heuristic(
     if values:
         low, patched = _patched_ring(c, n, values)
         if patched is not None:
-            bottleneck = max(c[a][b] for a, b in zip(patched, patched[1:] + patched[:1],
-                                                     strict=True))
+            bottleneck = _slowest_hop(c, patched)
             if bottleneck < best_bottleneck:
                 best, best_bottleneck = patched, bottleneck
     # Bisect the thresholds below the current slowest hop: a target met lowers the upper
@@ -252,7 +250,7 @@ def solve_heuristic(
             low = middle + 1
             continue
         best = attempt
-        best_bottleneck = max(c[a][b] for a, b in zip(best, best[1:] + best[:1], strict=True))
+        best_bottleneck = _slowest_hop(c, best)
         high = bisect.bisect_left(values, best_bottleneck)
     # The cycle-cover threshold is a lower bound: a ring that meets it is optimal.
     bound = values[floor_index] if floor_index < len(values) else best_bottleneck
@@ -266,10 +264,26 @@ def bottleneck_lower_bound(cost: Matrix) -> float:
     n = len(c)
     if n < 2:
         return 0.0
-    floor = max(max(min(row) for row in c), max(min(col) for col in zip(*c, strict=True)))
+    floor = _floor(c)
     values = sorted({v for row in c for v in row if floor <= v and math.isfinite(v)})
+    index = _cover_index(c, n, values)
+    return math.inf if index is None else float(values[index])
+
+
+def _floor(c: list[list[float]]) -> float:
+    """No ring beats the worst of the peers' cheapest outgoing and incoming links."""
+    return float(max(max(min(row) for row in c), max(min(col) for col in zip(*c, strict=True))))
+
+
+def _slowest_hop(c: list[list[float]], ring: Sequence[int]) -> float:
+    return max(c[a][b] for a, b in zip(ring, [*ring[1:], ring[0]], strict=True))
+
+
+def _cover_index(c: list[list[float]], n: int, values: list[float]) -> int | None:
+    """The index in ``values`` (sorted) of the smallest threshold that admits a cycle
+    cover, or None if even the largest does not."""
     if not values or _cycle_cover(c, n, values[-1]) is None:
-        return math.inf
+        return None
     low, high = 0, len(values) - 1
     while low < high:
         middle = (low + high) // 2
@@ -277,22 +291,16 @@ def bottleneck_lower_bound(cost: Matrix) -> float:
             low = middle + 1
         else:
             high = middle
-    return float(values[low])
+    return low
 
 
 def _patched_ring(c: list[list[float]], n: int, values: list[float]) -> tuple[int, list[int] | None]:
     """The index in ``values`` of the smallest threshold with a cycle cover, and the best
     ring made by patching the cycles of covers at that threshold and a few above it
-    (None if no cover exists)."""
-    low, high = 0, len(values) - 1
-    if _cycle_cover(c, n, values[high]) is None:
+    (``len(values)`` and None if no cover exists)."""
+    low = _cover_index(c, n, values)
+    if low is None:
         return len(values), None  # no cover below the given ring's slowest hop
-    while low < high:
-        middle = (low + high) // 2
-        if _cycle_cover(c, n, values[middle]) is None:
-            low = middle + 1
-        else:
-            high = middle
     best: list[int] | None = None
     best_bottleneck = math.inf
     # Looser covers have other cycles, which sometimes patch into a better ring.
@@ -301,7 +309,7 @@ def _patched_ring(c: list[list[float]], n: int, values: list[float]) -> tuple[in
         if cover is None:
             continue
         ring = _patch(c, cover)
-        bottleneck = max(c[a][b] for a, b in zip(ring, ring[1:] + ring[:1], strict=True))
+        bottleneck = _slowest_hop(c, ring)
         if bottleneck < best_bottleneck:
             best, best_bottleneck = ring, bottleneck
     return low, best

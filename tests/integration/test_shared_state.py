@@ -224,6 +224,17 @@ def big_state(seed: int, *, zero: bool = False) -> pccl.SharedState:
     )
 
 
+async def joined(cluster: Cluster, states: list[pccl.SharedState]) -> list[pccl.Communicator]:
+    """One founder per state, synced on ``states``, then a joiner admitted (last in the
+    list); the founders' revisions advanced for the next sync."""
+    founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(len(states))])
+    await sync_all(founders, states)
+    comms = await form_run(founders, [cluster.communicator("joiner")])
+    for s in states:
+        s.revision += 1
+    return comms
+
+
 def kill_during_fetch(
     monkeypatch: pytest.MonkeyPatch,
     cluster: Cluster,
@@ -271,13 +282,8 @@ async def test_a_distributor_dying_mid_transfer_leaves_no_torn_state(
     """Two founders serve a joiner; one dies after a few frames: the joiner finishes from
     the other, and holds exactly the popular state."""
     with trio.fail_after(120):
-        founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(2)])
         states = [big_state(1), big_state(1)]
-        await sync_all(founders, states)
-        joiner = cluster.communicator("joiner")
-        comms = await form_run(founders, [joiner])
-        for s in states:
-            s.revision += 1
+        comms = await joined(cluster, states)
         fresh = big_state(7, zero=True)
         frames = kill_during_fetch(monkeypatch, cluster, {"f0": comms[0]}, nursery, after_pieces=5)
         results = await sync_all(comms, [*states, fresh])
@@ -296,13 +302,8 @@ async def test_every_distributor_dying_restores_the_old_state(
     cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch, nursery: trio.Nursery
 ) -> None:
     with trio.fail_after(120):
-        founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(2)])
         states = [big_state(1), big_state(1)]
-        await sync_all(founders, states)
-        joiner = cluster.communicator("joiner")
-        comms = await form_run(founders, [joiner])
-        for s in states:
-            s.revision += 1
+        comms = await joined(cluster, states)
         fresh = big_state(7)  # its own content, at revision 0
         before = [t.data.copy() for t in fresh.tensors]
         kill_during_fetch(
@@ -315,7 +316,7 @@ async def test_every_distributor_dying_restores_the_old_state(
         assert all(
             t.data.tobytes() == b.tobytes() for t, b in zip(fresh.tensors, before, strict=True)
         )
-        await joiner.aclose()
+        await comms[2].aclose()
 
 
 async def test_fetches_are_spread_over_every_distributor(
@@ -323,13 +324,8 @@ async def test_fetches_are_spread_over_every_distributor(
 ) -> None:
     monkeypatch.setattr(sharing, "PIECE_BYTES", 256 << 10)
     with trio.fail_after(120):
-        founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(3)])
         states = [big_state(1) for _ in range(3)]
-        await sync_all(founders, states)
-        joiner = cluster.communicator("joiner")
-        comms = await form_run(founders, [joiner])
-        for s in states:
-            s.revision += 1
+        comms = await joined(cluster, states)
         fresh = big_state(3, zero=True)
         infos = await sync_all(comms, [*states, fresh])
         assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos

@@ -16,7 +16,7 @@ from pccl_trio.peer import _shared_state as sharing
 
 from .conftest import Cluster, form_run
 from .test_all_reduce import run_all
-from .test_shared_state import big_state, same_content, state_bytes, sync_all
+from .test_shared_state import big_state, joined, same_content, state_bytes, sync_all
 
 
 def count_frames(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -32,16 +32,6 @@ def count_frames(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(sharing.Fetcher, "count", count)
     return frames
-
-
-async def joined(cluster: Cluster, states: list[pccl.SharedState]) -> list[pccl.Communicator]:
-    """Two founders synced on ``states``, then a joiner admitted; revisions advanced."""
-    founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(2)])
-    await sync_all(founders, states)
-    comms = await form_run(founders, [cluster.communicator("joiner")])
-    for s in states:
-        s.revision += 1
-    return comms
 
 
 # A distributor that dies silently (host frozen, network partition: no FIN/RST) is

@@ -11,6 +11,7 @@ from functools import partial
 
 import trio
 
+from pccl_trio._core.messages import BenchmarkRequest
 from pccl_trio.peer import _bandwidth as bandwidth
 from pccl_trio.peer import _shared_state as sharing
 from pccl_trio.transport import FramedStream, SocketLink, TcpNetwork, run_in_thread
@@ -24,7 +25,7 @@ async def server(host: str) -> None:
     print("ready", flush=True)
     framed = FramedStream(await listener.accept(), **LIMITS)
     request = await framed.receive_message_exact()
-    assert isinstance(request, bandwidth.BenchmarkRequest)
+    assert isinstance(request, BenchmarkRequest)
     link = SocketLink.detach(framed, max_data_frame=LIMITS["max_data_frame"])
     assert link is not None
     try:
