@@ -40,6 +40,13 @@ class Config:
             every direction of every connection moving while others reduce; False
             keeps them in trio tasks. Streams without a socket of their own (the
             in-memory network) always use trio tasks.
+        topology_solve_seconds: (master) time budget of an optimization's first ring
+            search; groups up to ``topology.EXACT_LIMIT`` peers are solved exactly, and
+            faster.
+        topology_search_seconds: (master) time budget of the background search that
+            follows a first ring not provably optimal (0: none).
+        topology_reference_bytes: (master) the all-reduce size rings are optimized and
+            their time predicted for; it weighs latency against bandwidth.
     """
 
     heartbeat_interval: float = 0.5
@@ -52,6 +59,9 @@ class Config:
     p2p_connection_pool_size: int = 1
     slice_bytes: int = 1 << 20
     threaded_data_path: bool = True
+    topology_solve_seconds: float = 1.0
+    topology_search_seconds: float = 60.0
+    topology_reference_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout"):
@@ -64,7 +74,16 @@ class Config:
                 f"({self.heartbeat_interval} >= {self.liveness_timeout}); otherwise a healthy, "
                 "quiet link would be declared dead"
             )
-        for name in ("max_control_frame", "max_data_frame", "establish_attempts", "slice_bytes"):
+        for name in ("topology_solve_seconds", "topology_search_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"Config.{name} must be a non-negative number of seconds, got {value!r}")
+        if self.topology_solve_seconds == 0:
+            raise ValueError("Config.topology_solve_seconds must be positive")
+        for name in (
+            "max_control_frame", "max_data_frame", "establish_attempts", "slice_bytes",
+            "topology_reference_bytes",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"Config.{name} must be a positive integer, got {value!r}")

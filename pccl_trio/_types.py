@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+from collections.abc import Sequence
 from typing import Any
+
+import numpy
 
 __all__ = [
     "Attribute",
@@ -18,6 +22,7 @@ __all__ = [
     "SharedStateSyncInfo",
     "SharedStateSyncStrategy",
     "TensorInfo",
+    "TopologyInfo",
 ]
 
 
@@ -128,3 +133,51 @@ class SharedState:
 
     tensors: list[TensorInfo]
     revision: int = 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class TopologyInfo:
+    """What the last ``optimize_topology`` measured and installed for this peer's group.
+
+    Attributes:
+        peers: the peer ids ordering the rows and columns of the matrices.
+        bandwidth: ``bandwidth[i, j]`` is the rate from ``peers[i]`` to ``peers[j]`` in
+            bytes per second; NaN where not measured (and on the diagonal), 0 where the
+            link could not be measured (unreachable).
+        latency: one-way seconds from ``peers[i]`` to ``peers[j]``; NaN where unknown.
+        ring: the ring order the optimization installed (a peer sends to the next).
+        predicted_seconds: the ring's predicted time for an all-reduce of
+            ``reference_bytes`` (infinity when some link of it is unknown).
+        reference_bytes: the all-reduce size the ring was optimized for.
+        optimal: whether no ring is predicted faster; when False, the master keeps
+            searching and a better ring is installed at the next ``update_topology``
+            (``Communicator.ring`` then shows it).
+    """
+
+    peers: tuple[int, ...]
+    bandwidth: numpy.ndarray
+    latency: numpy.ndarray
+    ring: tuple[int, ...]
+    predicted_seconds: float
+    reference_bytes: int
+    optimal: bool
+
+    def predict(self, nbytes: int, ring: Sequence[int] | None = None) -> float:
+        """Predicted seconds of a ring all-reduce of ``nbytes`` over ``ring`` (the
+        installed one by default): ``2 (W - 1)`` steps, each as slow as the ring's
+        slowest hop moving ``nbytes / W`` (latency plus bytes over bandwidth)."""
+        order = list(self.ring if ring is None else ring)
+        if sorted(order) != sorted(self.peers):
+            raise ValueError(f"ring {order} is not an order of the peers {list(self.peers)}")
+        world = len(order)
+        if world < 2:
+            return 0.0
+        index = {p: i for i, p in enumerate(self.peers)}
+        slowest = 0.0
+        for a, b in zip(order, [*order[1:], order[0]], strict=True):
+            rate = float(self.bandwidth[index[a], index[b]])
+            delay = float(self.latency[index[a], index[b]])
+            if not (rate > 0 and math.isfinite(delay)):
+                return math.inf
+            slowest = max(slowest, delay + nbytes / world / rate)
+        return 2 * (world - 1) * slowest

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy
 
-__all__ = ["BandwidthStore", "Link", "measurement_rounds"]
+__all__ = ["BandwidthStore", "Link", "measurement_rounds", "ring_cost"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,6 +96,32 @@ class BandwidthStore:
                 if found is not None and a != b:
                     cost[i, j] = found.latency + chunk / found.bandwidth
         return cost
+
+    def matrices(
+        self, members: Sequence[int]
+    ) -> tuple[list[float], list[float], list[int]]:
+        """The links among ``members`` flattened row by row (sender, then receiver):
+        bandwidths (0: unknown), latencies, and the flat indices of unreachable links."""
+        bandwidth: list[float] = []
+        latency: list[float] = []
+        unreachable: list[int] = []
+        for a in members:
+            for b in members:
+                found = self._links.get((a, b))
+                bandwidth.append(found.bandwidth if found is not None else 0.0)
+                latency.append(found.latency if found is not None else 0.0)
+                if (a, b) in self._unreachable:
+                    unreachable.append(len(bandwidth) - 1)
+        return bandwidth, latency, unreachable
+
+
+def ring_cost(cost: numpy.ndarray, order: Sequence[int]) -> tuple[float, float]:
+    """The slowest hop and the sum of all hops of the ring ``order`` (indices into
+    ``cost``); the ring's predicted all-reduce time is ``2 (W - 1)`` times the first."""
+    if len(order) < 2:
+        return 0.0, 0.0
+    hops = [float(cost[a, b]) for a, b in zip(order, [*order[1:], order[0]], strict=True)]
+    return max(hops), sum(hops)
 
 
 def measurement_rounds(links: Iterable[tuple[int, int]]) -> list[list[tuple[int, int]]]:

@@ -43,10 +43,14 @@ import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy
+
+from .bandwidth import BandwidthStore, measurement_rounds, ring_cost
 from .errors import LocalProtocolError, RemoteProtocolError
 from .messages import (
     ABORTED,
     C2M,
+    MATRIX_LIMIT,
     PROTOCOL_VERSION,
     REJECTED,
     SUCCESS,
@@ -57,6 +61,8 @@ from .messages import (
     CollectiveVerdict,
     Heartbeat,
     Kick,
+    LinkMeasured,
+    MeasureLink,
     Message,
     P2PEstablished,
     P2PEstablishResult,
@@ -68,7 +74,9 @@ from .messages import (
     SharedStateDone,
     SharedStatePlan,
     SharedStateVote,
+    TopologyOptimized,
     VoteEstablish,
+    VoteOptimizeTopology,
     VotePeersPending,
     Welcome,
     WorldSizes,
@@ -79,6 +87,7 @@ from .shared_state import Ballot, elect
 __all__ = [
     "TRANSITIONS",
     "Action",
+    "CancelSolve",
     "Close",
     "ConnectionBroken",
     "ConnectionClosed",
@@ -91,7 +100,10 @@ __all__ = [
     "PeerState",
     "PeerView",
     "Send",
+    "Solve",
+    "SolveFinished",
     "Tick",
+    "TopologyView",
     "transition",
 ]
 
@@ -112,6 +124,8 @@ class PeerState(enum.Enum):
     VOTE_SYNC = enum.auto()  # voted to synchronize the shared state
     SYNCING = enum.auto()  # fetching (or serving) the shared state
     SYNC_DONE = enum.auto()  # done with its part; waiting for the group
+    VOTE_OPTIMIZE = enum.auto()  # voted to optimize the topology
+    OPTIMIZING = enum.auto()  # measuring links, then waiting for the new ring
 
 
 class PeerEvent(enum.Enum):
@@ -121,6 +135,7 @@ class PeerEvent(enum.Enum):
     REPORT_FAILED = enum.auto()
     VOTE_SYNC = enum.auto()
     REPORT_SYNCED = enum.auto()
+    VOTE_OPTIMIZE = enum.auto()
     # caused by the master
     ROUND_START = enum.auto()
     ROUND_SUCCEEDED = enum.auto()
@@ -128,12 +143,14 @@ class PeerEvent(enum.Enum):
     SYNC_START = enum.auto()
     SYNC_REFUSED = enum.auto()
     SYNC_COMPLETE = enum.auto()
+    OPTIMIZE_START = enum.auto()
+    OPTIMIZE_REFUSED = enum.auto()
 
 
 REMOTE_EVENTS = frozenset(
     {
         PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED,
-        PeerEvent.VOTE_SYNC, PeerEvent.REPORT_SYNCED,
+        PeerEvent.VOTE_SYNC, PeerEvent.REPORT_SYNCED, PeerEvent.VOTE_OPTIMIZE,
     }
 )
 
@@ -153,12 +170,29 @@ TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
     (PeerState.VOTE_SYNC, PeerEvent.SYNC_REFUSED): PeerState.IDLE,
     (PeerState.SYNCING, PeerEvent.REPORT_SYNCED): PeerState.SYNC_DONE,
     (PeerState.SYNC_DONE, PeerEvent.SYNC_COMPLETE): PeerState.IDLE,
+    (PeerState.IDLE, PeerEvent.VOTE_OPTIMIZE): PeerState.VOTE_OPTIMIZE,
+    (PeerState.VOTE_OPTIMIZE, PeerEvent.OPTIMIZE_START): PeerState.OPTIMIZING,
+    (PeerState.VOTE_OPTIMIZE, PeerEvent.OPTIMIZE_REFUSED): PeerState.IDLE,
+    # The optimization ends with a round that installs the new ring.
+    (PeerState.OPTIMIZING, PeerEvent.ROUND_START): PeerState.CONNECTING,
 }
 
 #: States of a peer blocked in a vote (it initiates no collective until the vote ends).
 _VOTING = {
     PeerState.VOTE_ESTABLISH: "re-establish the ring",
     PeerState.VOTE_SYNC: "synchronize the shared state",
+    PeerState.VOTE_OPTIMIZE: "optimize the topology",
+}
+
+#: A solved ring replaces the installed one only if predicted faster by this fraction:
+#: rings within measurement noise of each other are not worth re-connecting for.
+KEEP_MARGIN = 0.05
+
+#: The call a peer blocked in a vote is making, for error messages.
+_CALLS = {
+    PeerState.VOTE_ESTABLISH: "update_topology",
+    PeerState.VOTE_SYNC: "sync_shared_state",
+    PeerState.VOTE_OPTIMIZE: "optimize_topology",
 }
 
 #: States in which a peer may ask whether peers are pending.
@@ -221,7 +255,21 @@ class Tick:
     """Only time passed."""
 
 
-Event = ConnectionOpened | MessageReceived | ConnectionBroken | ConnectionClosed | Tick
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SolveFinished:
+    """A ``Solve`` job ended: the best ring it found (indices into the job's ``peers``)
+    and whether it is provably optimal; ``order`` empty: it failed (``error`` says why)
+    or was cancelled."""
+
+    job: int
+    order: tuple[int, ...] = ()
+    optimal: bool = False
+    error: str = ""
+
+
+Event = (
+    ConnectionOpened | MessageReceived | ConnectionBroken | ConnectionClosed | Tick | SolveFinished
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -238,7 +286,30 @@ class Close:
     reason: str
 
 
-Action = Send | Close
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
+class Solve:
+    """Find a ring for ``peers`` over ``cost`` (seconds per ring chunk from row to
+    column; infinity: unusable) off the event loop, for at most ``seconds``; then deliver
+    ``SolveFinished(job=...)``. ``start``: a ring (indices) to improve on. ``background``:
+    the long search after a first answer that was not provably optimal."""
+
+    job: int
+    group: int
+    peers: tuple[int, ...]
+    cost: numpy.ndarray
+    start: tuple[int, ...] | None
+    seconds: float
+    background: bool
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CancelSolve:
+    """Stop job ``job`` if it still runs; its ``SolveFinished`` is no longer needed."""
+
+    job: int
+
+
+Action = Send | Close | Solve | CancelSolve
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -251,6 +322,24 @@ class PeerView:
     port: int
     phase: PeerPhase
     state: PeerState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TopologyView:
+    """What the master knows of one peer group's links and ring (for logs and tools).
+
+    ``bandwidth[i, j]`` (bytes per second; NaN: not measured, 0: unreachable) and
+    ``latency[i, j]`` (seconds) describe the link from ``peers[i]`` to ``peers[j]``;
+    ``predicted_seconds`` is the installed ring's predicted all-reduce time for
+    ``reference_bytes`` (infinity while some link of it is unknown).
+    """
+
+    peers: tuple[int, ...]
+    bandwidth: numpy.ndarray
+    latency: numpy.ndarray
+    ring: tuple[int, ...]
+    predicted_seconds: float
+    reference_bytes: int
 
 
 # --- internal bookkeeping ----------------------------------------------------------
@@ -278,6 +367,42 @@ class _Sync:
     number: int
     members: set[int]
     done: set[int] = dataclasses.field(default_factory=set)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Optimization:
+    """A topology optimization, from the vote to the round that installs its rings."""
+
+    number: int
+    participants: set[int]
+    steps: list[list[tuple[int, int]]]  # links (sender, receiver) measured together
+    step: int = -1
+    solving: bool = False
+    outstanding: dict[int, int] = dataclasses.field(default_factory=dict)  # receiver -> sender
+    step_started: float = 0.0
+    jobs: dict[int, _Job] = dataclasses.field(default_factory=dict)  # solver jobs running
+    solved: dict[int, tuple[tuple[int, ...], bool]] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Job:
+    """A solver job: the group and members it was asked for, over which costs."""
+
+    number: int
+    group: int
+    peers: tuple[int, ...]
+    cost: numpy.ndarray
+    background: bool
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Candidate:
+    """A better ring found in the background, for the group's next round."""
+
+    members: frozenset[int]
+    ring: tuple[int, ...]
+    cost: numpy.ndarray
+    peers: tuple[int, ...]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -320,6 +445,25 @@ class _Collective:
 COLLECTIVE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
 
 
+def _format_links(members: Sequence[int], store: BandwidthStore) -> str:
+    """A table of the measured rates (Mbit/s) among ``members``: ``-`` unknown, ``x``
+    unreachable."""
+    width = max(7, *(len(str(p)) + 1 for p in members))
+    lines = [" " * width + "".join(f"{p:>{width}}" for p in members)]
+    for a in members:
+        cells = []
+        for b in members:
+            found = store.link(a, b)
+            if a == b:
+                cells.append("")
+            elif found is not None:
+                cells.append(f"{found.bandwidth * 8e-6:.1f}")
+            else:
+                cells.append("x" if store.unreachable(a, b) else "-")
+        lines.append(f"{a:>{width}}" + "".join(f"{c:>{width}}" for c in cells))
+    return "\n".join(lines)
+
+
 def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost")
 
@@ -331,19 +475,36 @@ class MasterCore:
         heartbeat_interval: seconds between heartbeats the master sends on quiet links.
         liveness_timeout: a connection silent this long is dropped (its peer removed).
         round_timeout: a participant that has not reported on its p2p connections
-            this long after a round started is removed (it would stall the run).
+            this long after a round started is removed (it would stall the run); the
+            same bound applies to a link measurement during a topology optimization.
+        solve_seconds: time budget of the first ring search of an optimization.
+        search_seconds: time budget of the background search that follows a first
+            ring not provably optimal.
+        reference_bytes: the all-reduce size rings are optimized (and predicted) for.
     """
 
     def __init__(
-        self, *, heartbeat_interval: float, liveness_timeout: float, round_timeout: float = 30.0
+        self,
+        *,
+        heartbeat_interval: float,
+        liveness_timeout: float,
+        round_timeout: float = 30.0,
+        solve_seconds: float = 1.0,
+        search_seconds: float = 60.0,
+        reference_bytes: int = 64 << 20,
     ) -> None:
         if not 0 < heartbeat_interval < liveness_timeout:
             raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
         if not round_timeout > 0:
             raise ValueError("need round_timeout > 0")
+        if not (solve_seconds > 0 and search_seconds >= 0 and reference_bytes > 0):
+            raise ValueError("need solve_seconds > 0, search_seconds >= 0, reference_bytes > 0")
         self._heartbeat_interval = heartbeat_interval
         self._liveness_timeout = liveness_timeout
         self._round_timeout = round_timeout
+        self._solve_seconds = solve_seconds
+        self._search_seconds = search_seconds
+        self._reference_bytes = reference_bytes
         self._conns: dict[int, _Conn] = {}
         self._peers: dict[int, _Peer] = {}
         self._next_peer_id = 1
@@ -361,6 +522,14 @@ class MasterCore:
         self._expected_revision: dict[int, int] = {}
         self._syncs: dict[int, _Sync] = {}
         self._sync_counter = 0
+        # Topology: what is known of each group's links, the optimization running, the
+        # background searches and the better rings they found.
+        self._bandwidth: dict[int, BandwidthStore] = {}
+        self._optimization: _Optimization | None = None
+        self._optimization_counter = 0
+        self._job_counter = 0
+        self._searches: dict[int, _Job] = {}  # group -> background job
+        self._candidates: dict[int, _Candidate] = {}  # group -> better ring
         self._actions: list[Action] = []
         self._now = -math.inf
 
@@ -396,6 +565,9 @@ class MasterCore:
                     self._reevaluate()
             case Tick():
                 self._on_tick()
+            case SolveFinished():
+                self._on_solved(event)
+                self._reevaluate()
             case _:  # pragma: no cover - exhaustive
                 raise LocalProtocolError(f"unknown event {event!r}")
         actions, self._actions = self._actions, []
@@ -406,6 +578,8 @@ class MasterCore:
         deadline = math.inf
         if self._round is not None:
             deadline = self._round.started_at + self._round_timeout
+        if self._optimization is not None and self._optimization.outstanding:
+            deadline = min(deadline, self._optimization.step_started + self._round_timeout)
         for conn in self._conns.values():
             deadline = min(deadline, conn.last_heard + self._liveness_timeout)
             if conn.peer is not None:
@@ -434,6 +608,32 @@ class MasterCore:
     @property
     def round_in_progress(self) -> bool:
         return self._round is not None
+
+    @property
+    def optimization_in_progress(self) -> bool:
+        return self._optimization is not None
+
+    def topology(self, peer_group: int) -> TopologyView:
+        """The links measured among ``peer_group``'s accepted peers and its ring."""
+        members = tuple(sorted(
+            p.peer_id for p in self._accepted() if p.peer_group == peer_group
+        ))
+        store = self._bandwidth.get(peer_group, BandwidthStore())
+        bandwidth, latency, unreachable = store.matrices(members)
+        n = len(members)
+        rates = numpy.array(bandwidth, dtype=numpy.float64).reshape(n, n)
+        rates[rates == 0] = math.nan
+        rates.flat[unreachable] = 0.0
+        numpy.fill_diagonal(rates, math.nan)
+        ring = tuple(p for p in self._rings.get(peer_group, ()) if p in members)
+        return TopologyView(
+            peers=members,
+            bandwidth=rates,
+            latency=numpy.array(latency, dtype=numpy.float64).reshape(n, n),
+            ring=ring,
+            predicted_seconds=self._predicted(peer_group, members, ring),
+            reference_bytes=self._reference_bytes,
+        )
 
     # --- messages ------------------------------------------------------------------
 
@@ -491,6 +691,19 @@ class MasterCore:
                     self._on_sync_vote(conn, peer, message)
                 case SharedStateDone(sync=number, success=success, reason=reason):
                     self._on_sync_done(peer, number, success, reason)
+                case VoteOptimizeTopology():
+                    if peer.phase is not PeerPhase.ACCEPTED:
+                        raise RemoteProtocolError(
+                            "VoteOptimizeTopology before being accepted into the run"
+                        )
+                    if peer.collectives:
+                        raise RemoteProtocolError(
+                            "VoteOptimizeTopology with collectives in flight (tags "
+                            f"{sorted(peer.collectives)})"
+                        )
+                    self._apply(peer, PeerEvent.VOTE_OPTIMIZE)
+                case LinkMeasured():
+                    self._on_link_measured(peer, message)
                 case _:  # pragma: no cover - every C2M kind is handled above
                     raise LocalProtocolError(f"unhandled message {message!r}")
         except RemoteProtocolError as exc:
@@ -718,6 +931,18 @@ class MasterCore:
                     f"did not report on its p2p connections within {self._round_timeout}s "
                     f"of round {current.number}'s start",
                 )
+        optimization = self._optimization
+        if (
+            optimization is not None
+            and optimization.outstanding
+            and self._now >= optimization.step_started + self._round_timeout
+        ):
+            for receiver in sorted(optimization.outstanding):
+                late.append(self._peers[receiver])
+                self._kick(
+                    self._conns[self._peers[receiver].conn],
+                    f"did not report its link measurement within {self._round_timeout}s",
+                )
         if silent or late:
             self._reevaluate()
         for conn in self._conns.values():
@@ -740,6 +965,7 @@ class MasterCore:
             self._try_answer_pending()
             self._try_collectives()
             before = len(self._peers)
+            self._try_optimize()
             self._try_syncs()
             # An election may kick peers, which can complete any other consensus (a
             # round or a pending vote waiting for them): check everything again.
@@ -816,6 +1042,7 @@ class MasterCore:
         rings: dict[int, list[int]] = {}
         for group, members in groups.items():
             member_set = set(members)
+            self._adopt_candidate(group, member_set)
             kept = [p for p in self._rings.get(group, ()) if p in member_set]
             preferred = kept + sorted(member_set.difference(kept))
             blocked = {
@@ -892,7 +1119,11 @@ class MasterCore:
 
     def _try_answer_pending(self) -> None:
         accepted = self._accepted()
-        establishing = next((p for p in accepted if p.state is PeerState.VOTE_ESTABLISH), None)
+        establishing = next(
+            (p for p in accepted
+             if p.state in (PeerState.VOTE_ESTABLISH, PeerState.VOTE_OPTIMIZE)),
+            None,
+        )
         refused = False
         for peer in accepted:
             if not peer.pending_vote:
@@ -909,10 +1140,7 @@ class MasterCore:
                 continue
             refused = True
             peer.pending_vote = False
-            call = (
-                "update_topology" if blocker.state is PeerState.VOTE_ESTABLISH
-                else "sync_shared_state"
-            )
+            call = _CALLS[blocker.state]
             self._send(
                 peer,
                 PeersPendingResult(
@@ -979,12 +1207,17 @@ class MasterCore:
             voters = [p for p in members if p.state is PeerState.VOTE_SYNC]
             if not voters:
                 continue
-            blocker = next((p for p in members if p.state is PeerState.VOTE_ESTABLISH), None)
+            blocker = next(
+                (p for p in members
+                 if p.state in (PeerState.VOTE_ESTABLISH, PeerState.VOTE_OPTIMIZE)),
+                None,
+            )
             if blocker is not None:
                 self._refuse_sync(
                     voters,
-                    f"peer {blocker.peer_id} called update_topology while this peer called "
-                    "sync_shared_state; every peer must make the same calls in the same order",
+                    f"peer {blocker.peer_id} called {_CALLS[blocker.state]} while this peer "
+                    "called sync_shared_state; every peer must make the same calls in the "
+                    "same order",
                 )
             elif len(voters) == len(members):
                 self._start_sync(group, voters)
@@ -1044,6 +1277,307 @@ class MasterCore:
                 ),
             )
 
+    # --- topology optimization -------------------------------------------------------
+
+    def _try_optimize(self) -> None:
+        current = self._optimization
+        if current is not None:
+            self._advance_optimization(current)
+            return
+        accepted = self._accepted()
+        voters = [p for p in accepted if p.state is PeerState.VOTE_OPTIMIZE]
+        if not voters:
+            return
+        blocker = next((p for p in accepted if p.state is PeerState.VOTE_ESTABLISH), None)
+        if blocker is not None:
+            # Both votes span every group and neither can complete: refuse this one.
+            for peer in voters:
+                self._apply(peer, PeerEvent.OPTIMIZE_REFUSED)
+                self._send(
+                    peer,
+                    TopologyOptimized(
+                        optimization=0,
+                        error=f"peer {blocker.peer_id} called update_topology while this peer "
+                        "called optimize_topology; every peer must make the same calls in the "
+                        "same order",
+                    ),
+                )
+            return
+        if len(voters) == len(accepted) and self._round is None:
+            self._start_optimization(voters)
+
+    def _start_optimization(self, voters: Sequence[_Peer]) -> None:
+        self._optimization_counter += 1
+        steps: list[list[tuple[int, int]]] = []
+        for group, members in sorted(self._groups(voters).items()):
+            store = self._bandwidth.setdefault(group, BandwidthStore())
+            for edge in store.missing(members):
+                if edge in self._unreachable:  # a ring could not use it: nothing to measure
+                    store.mark_unreachable(*edge)
+            self._cancel_search(group)  # the new answer starts from the best ring known
+            for index, links in enumerate(measurement_rounds(store.missing(members))):
+                if index == len(steps):
+                    steps.append([])
+                steps[index].extend(links)
+        current = _Optimization(
+            number=self._optimization_counter,
+            participants={p.peer_id for p in voters},
+            steps=steps,
+        )
+        self._optimization = current
+        log.info(
+            "optimization %d: measuring %d links in %d steps",
+            current.number, sum(map(len, steps)), len(steps),
+        )
+        for peer in voters:
+            self._apply(peer, PeerEvent.OPTIMIZE_START)
+        self._advance_optimization(current)
+
+    def _advance_optimization(self, current: _Optimization) -> None:
+        """Start the next measurement step once the last one is reported, then the
+        solvers once every step is, then the round once every group is solved."""
+        while not current.outstanding and current.step + 1 < len(current.steps):
+            current.step += 1
+            current.step_started = self._now
+            for sender, receiver in current.steps[current.step]:
+                if sender in current.participants and receiver in current.participants:
+                    current.outstanding[receiver] = sender
+                    source = self._peers[sender]
+                    self._send(
+                        self._peers[receiver],
+                        MeasureLink(
+                            optimization=current.number,
+                            source=PeerEndpoint(
+                                peer_id=sender, host=source.host, port=source.port
+                            ),
+                        ),
+                    )
+        if current.outstanding:
+            return
+        if not current.solving:
+            current.solving = True
+            self._start_solves(current)
+        if not current.jobs:
+            self._finish_optimization(current)
+
+    def _on_link_measured(self, peer: _Peer, message: LinkMeasured) -> None:
+        current = self._optimization
+        if (
+            current is None
+            or message.optimization != current.number
+            or current.outstanding.get(peer.peer_id) != message.sender
+        ):
+            raise RemoteProtocolError(
+                f"LinkMeasured for the link from peer {message.sender} in optimization "
+                f"{message.optimization}, which this peer was not asked to measure"
+            )
+        del current.outstanding[peer.peer_id]
+        if message.sender not in self._peers:
+            return  # the sender left: its links are forgotten
+        store = self._bandwidth.setdefault(peer.peer_group, BandwidthStore())
+        if message.error:
+            store.mark_unreachable(message.sender, peer.peer_id)
+            log.warning(
+                "optimization %d: link %d -> %d could not be measured: %s",
+                current.number, message.sender, peer.peer_id, message.error,
+            )
+        else:
+            store.record(message.sender, peer.peer_id, message.bandwidth, message.latency)
+            log.debug(
+                "optimization %d: link %d -> %d: %.1f Mbit/s, %.3f ms",
+                current.number, message.sender, peer.peer_id, message.bandwidth * 8e-6,
+                message.latency * 1e3,
+            )
+
+    def _start_solves(self, current: _Optimization) -> None:
+        for group, members in sorted(self._groups(self._peers[p] for p in current.participants).items()):
+            if len(members) < 3:  # one ring only
+                current.solved[group] = (tuple(members), True)
+                continue
+            job = self._solve(group, members, background=False, start=self._best_known(group, members))
+            current.jobs[job.number] = job
+
+    def _solve(
+        self, group: int, members: Sequence[int], *, background: bool,
+        start: Sequence[int] | None,
+    ) -> _Job:
+        self._job_counter += 1
+        cost = self._cost(group, members)
+        job = _Job(
+            number=self._job_counter, group=group, peers=tuple(members), cost=cost,
+            background=background,
+        )
+        index = {p: i for i, p in enumerate(members)}
+        self._actions.append(
+            Solve(
+                job=job.number,
+                group=group,
+                peers=job.peers,
+                cost=cost,
+                start=None if start is None else tuple(index[p] for p in start),
+                seconds=self._search_seconds if background else self._solve_seconds,
+                background=background,
+            )
+        )
+        return job
+
+    def _best_known(self, group: int, members: Sequence[int]) -> list[int] | None:
+        """The ring to improve on: the background search's, else the installed one
+        (None if neither has exactly these members)."""
+        member_set = set(members)
+        candidate = self._candidates.get(group)
+        if candidate is not None and candidate.members == member_set:
+            return list(candidate.ring)
+        ring = self._rings.get(group, [])
+        return list(ring) if set(ring) == member_set and len(ring) == len(members) else None
+
+    def _on_solved(self, event: SolveFinished) -> None:
+        current = self._optimization
+        if current is not None and event.job in current.jobs:
+            job = current.jobs.pop(event.job)
+            order = self._solution(job, event)
+            current.solved[job.group] = (order, event.optimal) if order else ((), False)
+            return  # _reevaluate advances the optimization
+        search = next((j for j in self._searches.values() if j.number == event.job), None)
+        if search is None:
+            return  # cancelled meanwhile: membership changed
+        del self._searches[search.group]
+        order = self._solution(search, event)
+        members = {p.peer_id for p in self._accepted() if p.peer_group == search.group}
+        installed = self._rings.get(search.group, [])
+        if not order or members != set(search.peers) or set(installed) != members:
+            return
+        index = {p: i for i, p in enumerate(search.peers)}
+        found = ring_cost(search.cost, [index[p] for p in order])
+        before = ring_cost(search.cost, [index[p] for p in installed])
+        if found < before:
+            self._candidates[search.group] = _Candidate(
+                members=frozenset(members), ring=order, cost=search.cost, peers=search.peers
+            )
+            scale = 2 * (len(order) - 1)
+            log.info(
+                "peer group %d: the background search found a ring %s predicted %.3f s "
+                "(installed: %.3f s); the next update_topology installs it",
+                search.group, list(order), scale * found[0], scale * before[0],
+            )
+
+    def _solution(self, job: _Job, event: SolveFinished) -> tuple[int, ...]:
+        """The job's ring in peer ids, or () if it failed."""
+        if event.error or not event.order:
+            log.warning(
+                "peer group %d: the ring search failed (%s); keeping the installed ring",
+                job.group, event.error or "no ring",
+            )
+            return ()
+        if sorted(event.order) != list(range(len(job.peers))):
+            log.error("peer group %d: the ring search returned %s, not a ring of %d peers",
+                      job.group, list(event.order), len(job.peers))
+            return ()
+        return tuple(job.peers[i] for i in event.order)
+
+    def _finish_optimization(self, current: _Optimization) -> None:
+        self._optimization = None
+        participants = [self._peers[p] for p in sorted(current.participants)]
+        reports: dict[int, TopologyOptimized] = {}
+        for group, members in sorted(self._groups(participants).items()):
+            solved, optimal = current.solved.get(group, ((), False))
+            ring = [p for p in solved if p in members]
+            cost = self._cost(group, members)
+            index = {p: i for i, p in enumerate(members)}
+            installed = [p for p in self._rings.get(group, ()) if p in index]
+            installed += [p for p in members if p not in installed]
+            new = ring_cost(cost, [index[p] for p in ring])[0] if len(ring) == len(members) else math.inf
+            old = ring_cost(cost, [index[p] for p in installed])[0]
+            if math.isfinite(new) and new * (1 + KEEP_MARGIN) < old:
+                self._rings[group] = ring
+                self._candidates.pop(group, None)
+            else:
+                # Not clearly faster (measurement noise): keep the connections we have.
+                optimal = optimal and old <= new
+                ring = installed
+            reports[group] = self._report(current.number, group, members, ring, optimal)
+            if not optimal and len(members) >= 3 and self._search_seconds > 0:
+                self._searches[group] = self._solve(group, members, background=True, start=ring)
+        for peer in participants:
+            self._send(peer, reports[peer.peer_group])
+        self._start_round(accept_new=False)
+
+    def _report(
+        self, number: int, group: int, members: Sequence[int], ring: Sequence[int], optimal: bool
+    ) -> TopologyOptimized:
+        store = self._bandwidth.get(group) or BandwidthStore()
+        predicted = self._predicted(group, members, ring)
+        log.info(
+            "optimization %d, peer group %d: ring %s, predicted %s for %d MiB%s; links "
+            "(Mbit/s, sender by row):\n%s",
+            number, group, list(ring),
+            f"{predicted:.3f} s" if math.isfinite(predicted) else "unknown",
+            self._reference_bytes >> 20, " (optimal)" if optimal else "",
+            _format_links(members, store),
+        )
+        bandwidth: list[float] = []
+        latency: list[float] = []
+        unreachable: list[int] = []
+        if len(members) <= MATRIX_LIMIT:
+            bandwidth, latency, unreachable = store.matrices(members)
+        return TopologyOptimized(
+            optimization=number,
+            peers=tuple(members),
+            bandwidth=tuple(bandwidth),
+            latency=tuple(latency),
+            unreachable=tuple(unreachable),
+            ring=tuple(ring),
+            predicted_seconds=predicted if math.isfinite(predicted) else -1.0,
+            reference_bytes=self._reference_bytes,
+            optimal=optimal,
+        )
+
+    def _cost(self, group: int, members: Sequence[int]) -> numpy.ndarray:
+        """Seconds per chunk of a reference all-reduce over each link among ``members``;
+        infinity where unknown, unmeasurable, or reported unreachable by a round."""
+        store = self._bandwidth.get(group) or BandwidthStore()
+        cost = store.cost_matrix(members, nbytes=self._reference_bytes)
+        index = {p: i for i, p in enumerate(members)}
+        for a, b in self._unreachable:
+            if a in index and b in index:
+                cost[index[a], index[b]] = math.inf
+        return cost
+
+    def _predicted(self, group: int, members: Sequence[int], ring: Sequence[int]) -> float:
+        if len(ring) < 2:
+            return 0.0
+        index = {p: i for i, p in enumerate(members)}
+        bottleneck, _total = ring_cost(self._cost(group, members), [index[p] for p in ring])
+        return 2 * (len(ring) - 1) * bottleneck
+
+    def _cancel_search(self, group: int) -> None:
+        search = self._searches.pop(group, None)
+        if search is not None:
+            self._actions.append(CancelSolve(job=search.number))
+
+    def _adopt_candidate(self, group: int, members: set[int]) -> None:
+        """Before a round: install the background search's better ring if the group
+        still has exactly the members it was found for; otherwise drop it."""
+        search = self._searches.get(group)
+        if search is not None and set(search.peers) != members:
+            self._cancel_search(group)
+        candidate = self._candidates.pop(group, None)
+        if candidate is None or candidate.members != members:
+            return
+        log.info(
+            "peer group %d: installing the ring %s found by the background search",
+            group, list(candidate.ring),
+        )
+        self._rings[group] = list(candidate.ring)
+
+    @staticmethod
+    def _groups(peers: Iterable[_Peer]) -> dict[int, list[int]]:
+        """Peer ids by group, sorted."""
+        groups: dict[int, list[int]] = {}
+        for peer in peers:
+            groups.setdefault(peer.peer_group, []).append(peer.peer_id)
+        return {group: sorted(ids) for group, ids in groups.items()}
+
     # --- helpers -------------------------------------------------------------------
 
     def _apply(self, peer: _Peer, event: PeerEvent) -> None:
@@ -1077,6 +1611,21 @@ class MasterCore:
             self._round.dropped = True
         if peer.phase is PeerPhase.ACCEPTED:
             self._stale_groups.add(peer.peer_group)
+            # The group's links and rings change: what was measured or searched for
+            # its old membership no longer applies.
+            store = self._bandwidth.get(peer.peer_group)
+            if store is not None:
+                store.forget(peer.peer_id)
+            self._cancel_search(peer.peer_group)
+            self._candidates.pop(peer.peer_group, None)
+        current = self._optimization
+        if current is not None and peer.peer_id in current.participants:
+            current.participants.discard(peer.peer_id)
+            current.outstanding.pop(peer.peer_id, None)  # nothing to wait for
+            if not current.participants:
+                for job in current.jobs:
+                    self._actions.append(CancelSolve(job=job))
+                self._optimization = None
         for collective in list(self._collectives.values()):
             if collective.group != peer.peer_group:
                 continue

@@ -42,6 +42,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Heartbeat",
     "Kick",
+    "LinkMeasured",
+    "MeasureLink",
     "Message",
     "P2PEstablished",
     "P2PEstablishResult",
@@ -60,7 +62,9 @@ __all__ = [
     "SharedStateRequest",
     "SharedStateResponse",
     "SharedStateVote",
+    "TopologyOptimized",
     "VoteEstablish",
+    "VoteOptimizeTopology",
     "VotePeersPending",
     "Welcome",
     "WorldSizes",
@@ -69,7 +73,7 @@ __all__ = [
 ]
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 #: Names by wire value; the public enums in ``pccl_trio._types`` use the same values
 #: (a test holds them together).
@@ -86,6 +90,8 @@ OUTCOMES = (SUCCESS, ABORTED, REJECTED)
 STRATEGY_NAMES = ("ENFORCE_POPULAR", "RECEIVE_ONLY", "SEND_ONLY")
 #: Most bytes one benchmark request may ask for.
 MAX_BENCHMARK_BYTES = 1 << 30
+#: Largest group whose link matrices ``TopologyOptimized`` carries.
+MATRIX_LIMIT = 128
 #: Longest shared-state key, in characters.
 MAX_KEY = 1024
 
@@ -406,6 +412,33 @@ class SharedStateDone(Message):
     reason: str = ""
 
 
+@_message(10, C2M)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class VoteOptimizeTopology(Message):
+    """Vote to measure the links not measured yet and re-order the rings by them."""
+
+
+@_message(11, C2M)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LinkMeasured(Message):
+    """The link from peer ``sender`` to this peer, measured for ``optimization``:
+    ``bandwidth`` bytes per second and ``latency`` seconds one way, or ``error`` (not
+    empty) saying why it could not be measured."""
+
+    optimization: int
+    sender: int
+    bandwidth: float = 0.0
+    latency: float = 0.0
+    error: str = ""
+
+    def _validate(self) -> None:
+        if not self.error and not (self.bandwidth > 0 and self.latency >= 0):
+            raise RemoteProtocolError(
+                f"LinkMeasured: bandwidth {self.bandwidth} and latency {self.latency} "
+                "must be positive and non-negative (or an error given)"
+            )
+
+
 # --- master -> peer ---------------------------------------------------------------
 
 
@@ -516,6 +549,58 @@ class SharedStateComplete(Message):
     """Every peer of the group is done with sync ``sync``: distributors stop serving."""
 
     sync: int
+
+
+@_message(74, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class MeasureLink(Message):
+    """Measure the link from ``source`` to this peer and report it (``LinkMeasured``)."""
+
+    optimization: int
+    source: PeerEndpoint
+
+
+@_message(75, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TopologyOptimized(Message):
+    """The end of ``optimization`` for this peer's group; an establishment round of the
+    new ring follows. ``error`` not empty: the vote was refused, nothing follows.
+
+    ``peers`` orders the rows and columns of the flattened ``bandwidth`` (bytes per
+    second; 0: unknown) and ``latency`` (seconds) matrices, ``unreachable`` lists the
+    flat indices of links that could not be measured; the matrices are left empty for
+    groups larger than ``MATRIX_LIMIT``. ``ring`` is the solved ring, ``predicted_seconds``
+    its predicted time for an all-reduce of ``reference_bytes`` (negative: unknown, some
+    link of it unmeasured), and ``optimal`` whether no ring is predicted faster.
+    """
+
+    optimization: int
+    error: str = ""
+    peers: tuple[int, ...] = ()
+    bandwidth: tuple[float, ...] = ()
+    latency: tuple[float, ...] = ()
+    unreachable: tuple[int, ...] = ()
+    ring: tuple[int, ...] = ()
+    predicted_seconds: float = -1.0
+    reference_bytes: int = 0
+    optimal: bool = False
+
+    def _validate(self) -> None:
+        n = len(self.peers)
+        if len(set(self.peers)) != n:
+            raise RemoteProtocolError("TopologyOptimized.peers: a peer appears twice")
+        for name in ("bandwidth", "latency"):
+            values = getattr(self, name)
+            if values and len(values) != n * n:
+                raise RemoteProtocolError(
+                    f"TopologyOptimized.{name}: {len(values)} values for {n} peers"
+                )
+            if any(v < 0 for v in values):
+                raise RemoteProtocolError(f"TopologyOptimized.{name}: a negative value")
+        if any(i >= n * n for i in self.unreachable):
+            raise RemoteProtocolError("TopologyOptimized.unreachable: index out of range")
+        if self.ring and sorted(self.ring) != sorted(self.peers):
+            raise RemoteProtocolError("TopologyOptimized.ring: not an order of the peers")
 
 
 # --- peer <-> peer ----------------------------------------------------------------

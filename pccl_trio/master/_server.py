@@ -11,15 +11,19 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import trio
 
+from .. import topology
 from .._config import Config
 from .._core.errors import RemoteProtocolError
 from .._core.master import (
     Action,
+    CancelSolve,
     Close,
     ConnectionBroken,
     ConnectionClosed,
@@ -28,6 +32,8 @@ from .._core.master import (
     MasterCore,
     MessageReceived,
     Send,
+    Solve,
+    SolveFinished,
     Tick,
 )
 from .._core.wire import encode_control
@@ -60,6 +66,9 @@ class _MasterServer:
             heartbeat_interval=config.heartbeat_interval,
             liveness_timeout=config.liveness_timeout,
             round_timeout=config.round_timeout,
+            solve_seconds=config.topology_solve_seconds,
+            search_seconds=config.topology_search_seconds,
+            reference_bytes=config.topology_reference_bytes,
         )
         # Bounded: a connection whose frames arrive faster than the core handles them
         # waits (and, through TCP, so does its sender), instead of burying the
@@ -67,6 +76,8 @@ class _MasterServer:
         self.events_send, self.events_receive = trio.open_memory_channel[Event](EVENT_BACKLOG)
         self.connections: dict[int, _Connection] = {}
         self.ids = itertools.count(1)
+        self.solves: dict[int, threading.Event] = {}  # running solver jobs' stop switches
+        self.nursery: trio.Nursery | None = None
 
     async def accept_loop(self, listener: trio.abc.Listener[Any], nursery: trio.Nursery) -> None:
         async with listener:
@@ -121,6 +132,18 @@ class _MasterServer:
 
     def execute(self, actions: Sequence[Action]) -> None:
         for action in actions:
+            match action:
+                case Solve():
+                    stop = threading.Event()
+                    self.solves[action.job] = stop
+                    assert self.nursery is not None
+                    self.nursery.start_soon(self.solve, action, stop)
+                    continue
+                case CancelSolve(job=job):
+                    stopping = self.solves.pop(job, None)
+                    if stopping is not None:
+                        stopping.set()
+                    continue
             conn = self.connections.get(action.conn)
             if conn is None:
                 continue
@@ -137,6 +160,20 @@ class _MasterServer:
                     conn.scope.deadline = min(
                         conn.scope.deadline, trio.current_time() + conn.flush_timeout
                     )
+
+    async def solve(self, job: Solve, stop: threading.Event) -> None:
+        """Run one ring search in a worker thread; a cancelled search stops at its next
+        poll of ``stop`` (the thread is abandoned at once)."""
+        try:
+            ring = await trio.to_thread.run_sync(_search, job, stop, abandon_on_cancel=True)
+            result = SolveFinished(job=job.job, order=ring.order, optimal=ring.optimal)
+        except Exception as exc:  # a solver bug must cost this search, not the master
+            log.exception("ring search %d for peer group %d failed", job.job, job.group)
+            result = SolveFinished(job=job.job, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            stop.set()
+        if self.solves.pop(job.job, None) is not None:
+            await self.events_send.send(result)
 
     async def run_core(self) -> NoReturn:
         while True:
@@ -177,11 +214,36 @@ async def serve_master(
     """
     server = _MasterServer(config or Config())
     async with trio.open_nursery() as nursery:
+        server.nursery = nursery
         for listener in listeners:
             nursery.start_soon(server.accept_loop, listener, nursery)
         task_status.started([listener_address(listener) for listener in listeners])
         await server.run_core()
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _search(job: Solve, stop: threading.Event) -> topology.Ring:
+    """The best ring for ``job`` within its time budget (in a worker thread)."""
+    deadline = time.monotonic() + job.seconds
+
+    def should_stop() -> bool:
+        return stop.is_set() or time.monotonic() >= deadline
+
+    started = time.monotonic()
+    if job.background:
+        ring = topology.solve_heuristic(
+            job.cost, iterations=1 << 60, seed=job.job, start=job.start, should_stop=should_stop
+        )
+    else:
+        ring = topology.solve(
+            job.cost, iterations=1 << 60, seed=job.job, start=job.start, should_stop=should_stop
+        )
+    log.debug(
+        "ring search %d (peer group %d, %d peers%s): %.3f s, optimal: %s",
+        job.job, job.group, len(job.peers), ", background" if job.background else "",
+        time.monotonic() - started, ring.optimal,
+    )
+    return ring
 
 
 async def serve_master_tcp(

@@ -6,7 +6,8 @@ A peer measures the link *from* another peer *to* itself by opening a benchmark
 connection to that peer's p2p listener and asking (``BenchmarkRequest``) for a number of
 bytes, which come back as data frames. Both sides are written once as generators of IO
 operations (``_shared_state.drive`` runs them in trio tasks, ``drive_blocking`` in a worker
-thread over a blocking socket), so the clock is read in the thread that moves the bytes.
+thread over a blocking socket), reading the clock as an operation too: in the thread that
+moves the bytes, and in virtual time under trio's mock clock.
 
 1. **Latency.** Three requests for a single byte; the smallest round trip, halved, is
    the link's one-way latency.
@@ -21,13 +22,20 @@ thread over a blocking socket), so the clock is read in the thread that moves th
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import numpy
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import MAX_BENCHMARK_BYTES, PROTOCOL_VERSION, BenchmarkRequest
-from ._shared_state import Protocol, ReceiveHeader, ReceiveInto, ReceiveMessage, Send, SendData
+from ._shared_state import (
+    Protocol,
+    ReadClock,
+    ReceiveHeader,
+    ReceiveInto,
+    ReceiveMessage,
+    Send,
+    SendData,
+)
 
 __all__ = ["LinkMeasurement", "measure_link", "serve_benchmark"]
 
@@ -81,7 +89,7 @@ def measure_link(
 ) -> Protocol[LinkMeasurement]:
     """The measuring peer's side (see the module docstring); the connection's first
     frame is its first request."""
-    started = time.perf_counter()
+    started = yield ReadClock()
     # Small frames: even the first, smallest transfer spans several, so its rate can be
     # read from the arrival of the first frame to the last.
     frame_bytes = min(MEASURE_FRAME_BYTES, frame_bytes)
@@ -92,7 +100,7 @@ def measure_link(
         """Ask for ``nbytes``; the time the request left, the first frame arrived and
         the last one did, and the first frame's size."""
         nonlocal moved
-        sent = time.perf_counter()
+        sent = yield ReadClock()
         yield Send(BenchmarkRequest(protocol_version=PROTOCOL_VERSION, peer_id=peer_id,
                                     nbytes=nbytes, frame_bytes=frame_bytes))
         got = 0
@@ -106,10 +114,10 @@ def measure_link(
                 )
             yield ReceiveInto(sink[:size].data)
             if not got:
-                first_at, first_size = time.perf_counter(), size
+                first_at, first_size = (yield ReadClock()), size
             got += size
         moved += nbytes
-        return sent, first_at, time.perf_counter(), first_size
+        return sent, first_at, (yield ReadClock()), first_size
 
     round_trips = []
     for _ in range(3):
@@ -117,18 +125,18 @@ def measure_link(
         round_trips.append(done - sent)
     latency = min(round_trips) / 2
     nbytes = 256 << 10
-    rate = 0.0
     while True:
         _sent, first, done, first_size = yield from receive(nbytes)
-        span = done - first
-        if span > 0:
-            rate = (nbytes - first_size) / span
-        elapsed = time.perf_counter() - started
+        # A transfer the clock cannot resolve (virtual time, unshaped) is as fast as
+        # one nanosecond allows.
+        span = max(done - first, 1e-9)
+        rate = (nbytes - first_size) / span
+        elapsed = (yield ReadClock()) - started
         if span >= min_seconds or nbytes * 4 > min(max_bytes, MAX_BENCHMARK_BYTES):
             break
         if elapsed + 4 * max(span, 1e-3) > budget_seconds:
             break
         nbytes *= 4
     return LinkMeasurement(
-        bandwidth=rate, latency=latency, nbytes=moved, seconds=time.perf_counter() - started
+        bandwidth=rate, latency=latency, nbytes=moved, seconds=(yield ReadClock()) - started
     )

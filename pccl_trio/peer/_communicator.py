@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import enum
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -53,6 +54,8 @@ from .._core.messages import (
     CollectiveVerdict,
     Heartbeat,
     Kick,
+    LinkMeasured,
+    MeasureLink,
     Message,
     P2PEstablished,
     P2PEstablishResult,
@@ -67,7 +70,9 @@ from .._core.messages import (
     SharedStatePlan,
     SharedStateRequest,
     SharedStateVote,
+    TopologyOptimized,
     VoteEstablish,
+    VoteOptimizeTopology,
     VotePeersPending,
     Welcome,
     WorldSizes,
@@ -82,6 +87,7 @@ from .._errors import (
     PCCLError,
     SharedStateSyncFailed,
     TooFewPeers,
+    TopologyOptimizationFailed,
     UpdateTopologyFailed,
 )
 from .._types import (
@@ -94,6 +100,7 @@ from .._types import (
     ReduceOp,
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
+    TopologyInfo,
 )
 from ..ops import Codec, as_array, check_quantization, from_numpy_dtype
 from ..transport import (
@@ -117,6 +124,32 @@ log = logging.getLogger("pccl_trio.peer")
 _W = TypeVar("_W")
 _M = TypeVar("_M", bound=Message)
 U32_MAX = (1 << 32) - 1
+
+
+def _topology_info(message: TopologyOptimized) -> TopologyInfo:
+    """The master's report as the public record (matrices of NaN if it left them out)."""
+    n = len(message.peers)
+    bandwidth = np.full((n, n), np.nan)
+    latency = np.full((n, n), np.nan)
+    if message.bandwidth:
+        bandwidth = np.array(message.bandwidth, dtype=np.float64).reshape(n, n)
+        latency = np.array(message.latency, dtype=np.float64).reshape(n, n)
+        latency[bandwidth == 0] = np.nan
+        bandwidth[bandwidth == 0] = np.nan
+        bandwidth.flat[list(message.unreachable)] = 0.0
+        np.fill_diagonal(bandwidth, np.nan)
+        np.fill_diagonal(latency, np.nan)
+    return TopologyInfo(
+        peers=message.peers,
+        bandwidth=bandwidth,
+        latency=latency,
+        ring=message.ring,
+        predicted_seconds=(
+            message.predicted_seconds if message.predicted_seconds >= 0 else math.inf
+        ),
+        reference_bytes=message.reference_bytes,
+        optimal=message.optimal,
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -245,6 +278,7 @@ class Communicator:
         self._peer_id: int | None = None
         self._world: WorldSizes | None = None
         self._ring: tuple[int, ...] = ()
+        self._topology: TopologyInfo | None = None
         self._link: FramedStream | None = None
         self._inbox: list[Message] = []
         self._inbox_lot = trio.lowlevel.ParkingLot()
@@ -285,6 +319,12 @@ class Communicator:
     def ring(self) -> tuple[int, ...]:
         """This peer group's ring order, as of the last successful topology update."""
         return self._ring
+
+    @property
+    def topology(self) -> TopologyInfo | None:
+        """What the last ``optimize_topology`` measured and installed for this peer's
+        group (None before the first)."""
+        return self._topology
 
     def statistics(self) -> CommunicatorStatistics:
         """What this peer currently knows and holds open."""
@@ -377,6 +417,84 @@ class Communicator:
                 f"the ring could not be established in {self._config.establish_attempts} "
                 "rounds (peers kept failing or leaving); call update_topology() again"
             )
+
+    async def optimize_topology(self) -> None:
+        """Collective: measure the links not measured yet, then install the fastest ring.
+
+        Every accepted peer, in every peer group, must call it. The master asks each peer
+        to measure some links from other peers to itself (a fraction of a second each;
+        links that share no peer are measured at once), then orders each group's ring
+        so that its slowest hop is as fast as possible, and installs it with an
+        establishment round that admits no new peers; the next all-reduce uses it.
+        Measurements are kept for later calls, which measure only links new peers
+        brought. ``topology`` then shows the links and the ring. When the ring found
+        first is not provably optimal (large groups), the master keeps searching, and
+        the next ``update_topology`` installs a better ring if the group's members are
+        unchanged. Alone in the run, it returns at once.
+
+        Raises:
+            TopologyOptimizationFailed: the new ring could not be established; calling
+                again is safe.
+            InvalidUsage: all-reduces are in flight, or other peers made another call
+                meanwhile (the message says which).
+            MasterConnectionError, Kicked: the run is over for this peer.
+        """
+        self._check_connected()
+        if self._tags_in_flight:
+            raise InvalidUsage(
+                f"optimize_topology() while all-reduces are in flight (tags "
+                f"{sorted(self._tags_in_flight)}); await them first"
+            )
+        await self._ensure_ring()  # see update_topology
+        if self._world is not None and self._world.global_world_size < 2:
+            return
+        with self._operation("optimize_topology"):
+            await self._vote(VoteOptimizeTopology())
+            while not isinstance(
+                message := await self._wait_for((MeasureLink, TopologyOptimized)),
+                TopologyOptimized,
+            ):
+                assert isinstance(message, MeasureLink)
+                await self._send(await self._report_link(message))
+            if message.error:
+                raise InvalidUsage(message.error)
+            self._topology = _topology_info(message)
+            for attempt in range(self._config.establish_attempts):
+                if attempt:
+                    await self._vote(VoteEstablish(accept_new_peers=False))
+                if await self._establish_round():
+                    self._ring_stale = False
+                    return
+            self._ring_stale = True
+            raise TopologyOptimizationFailed(
+                f"the optimized ring could not be established in "
+                f"{self._config.establish_attempts} rounds (peers kept failing or leaving); "
+                "call optimize_topology() again"
+            )
+
+    async def _report_link(self, request: MeasureLink) -> LinkMeasured:
+        """Measure the link the master asked for; a failure is reported, not raised."""
+        source = request.source
+        try:
+            with trio.fail_after(self._config.connect_timeout + 2 * self._idle_timeout()):
+                result = await self._measure_link(source)
+        except (OSError, trio.TooSlowError, trio.BrokenResourceError,
+                trio.ClosedResourceError, RemoteProtocolError) as exc:
+            log.warning(
+                "peer %s: cannot measure the link from peer %d: %s",
+                self._peer_id, source.peer_id, exc or type(exc).__name__,
+            )
+            return LinkMeasured(
+                optimization=request.optimization,
+                sender=source.peer_id,
+                error=f"{type(exc).__name__}: {exc}"[:1000],
+            )
+        return LinkMeasured(
+            optimization=request.optimization,
+            sender=source.peer_id,
+            bandwidth=result.bandwidth,
+            latency=result.latency,
+        )
 
     async def sync_shared_state(
         self,

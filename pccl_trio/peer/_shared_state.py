@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
+import time
 from collections.abc import Generator, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -202,7 +203,13 @@ class ReceiveInto:
     view: memoryview
 
 
-Operation = Send | SendData | ReceiveMessage | ReceiveHeader | ReceiveInto
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReadClock:
+    """Answered with the driver's clock, in seconds: trio's (virtual under a mock clock)
+    in trio tasks, the monotonic performance counter in a worker thread."""
+
+
+Operation = Send | SendData | ReceiveMessage | ReceiveHeader | ReceiveInto | ReadClock
 Protocol = Generator[Operation, Any, T]
 
 
@@ -221,6 +228,9 @@ async def drive(protocol: Protocol[T], framed: FramedStream, *, idle_timeout: fl
             except StopIteration as stop:
                 return stop.value  # type: ignore[no-any-return]
             answer = None
+            if isinstance(operation, ReadClock):
+                answer = trio.current_time()
+                continue
             with trio.fail_after(idle_timeout):
                 answer = await _perform(operation, framed)
     finally:
@@ -269,6 +279,8 @@ def drive_blocking(protocol: Protocol[T], link: SocketLink, *, idle_timeout: flo
                     answer = link.receive_data_header()
                 case ReceiveInto(view=view):
                     link.receive_into(view)
+                case ReadClock():
+                    answer = time.perf_counter()
     finally:
         protocol.close()
 

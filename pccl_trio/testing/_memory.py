@@ -16,25 +16,70 @@ Failure hooks, all per host:
 * ``partition(host)``: the host silently vanished (cable pulled). Bytes to and from
   it are dropped without any error, and connecting to or from it hangs, exactly the
   case that only liveness timeouts can detect. ``heal(host)`` ends it.
+
+Link shaping, per directed host pair:
+
+* ``shape(source, destination, rate=..., latency=...)`` puts one emulated wire
+  between the two hosts in that direction, shared by every connection between them
+  (existing or future). The wire carries ``rate`` bytes per second (``None``:
+  unlimited) and delays each byte by ``latency`` seconds one way. The other
+  direction is independent; ``shape(source, destination)`` with the defaults removes
+  the wire again, and unshaped pairs work exactly as described above.
+* A ``send_all`` of ``n`` bytes occupies the wire from ``start = max(now, free_at)``
+  (after whatever any connection queued before it) to ``done = start + n / rate``;
+  the sender is paced by the wire and returns at ``done``. The bytes travel on,
+  time-stamped, and become readable at ``done + latency``, in send order per
+  connection. A receiver only sees bytes whose arrival time has passed, and end of
+  stream only after all bytes in flight have been delivered.
+* Bytes already on the wire still arrive if a partition starts or the sender's host
+  dies (they left before), while bytes sent during a partition vanish as before.
+  Closing or killing either end wakes blocked senders and receivers at once, as
+  without shaping: a paced sender then raises like a blocked TCP send would.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import math
 
 import trio
 
 __all__ = ["MemoryHost", "MemoryListener", "MemoryNetwork", "MemoryStream"]
 
 
+class _Link:
+    """The emulated wire of one shaped directed host pair (see ``MemoryNetwork.shape``)."""
+
+    def __init__(self, rate: float | None, latency: float) -> None:
+        self.rate = rate  # bytes per second; None: unlimited
+        self.latency = latency  # seconds, one way
+        self.free_at = -math.inf  # when the wire has sent everything queued on it
+
+
 class _Pipe:
     """One direction of a connection."""
 
     def __init__(self) -> None:
-        self.buffer = bytearray()
+        self.buffer = bytearray()  # arrived bytes, readable now
+        # Bytes on a shaped wire: (arrival time, chunk), arrival times non-decreasing.
+        self.in_flight: collections.deque[tuple[float, bytes]] = collections.deque()
         self.eof = False  # the writer closed (or died): reader sees b"" after the data
         self.reader_gone = False  # the reader closed: writes fail like after an RST
         self.lot = trio.lowlevel.ParkingLot()
+
+    def transmit(self, data: bytes, arrival: float) -> None:
+        """Put ``data`` on the wire to arrive at ``arrival`` (never before earlier bytes)."""
+        if self.in_flight:
+            arrival = max(arrival, self.in_flight[-1][0])
+        self.in_flight.append((arrival, data))
+        self.lot.unpark_all()  # a parked reader learns the new arrival time
+
+    def land(self) -> None:
+        """Move the bytes whose arrival time has passed into the readable buffer."""
+        now = trio.current_time()
+        while self.in_flight and self.in_flight[0][0] <= now:
+            self.buffer += self.in_flight.popleft()[1]
 
 
 class MemoryStream(trio.abc.Stream):
@@ -78,10 +123,37 @@ class MemoryStream(trio.abc.Stream):
                 return  # the bytes (and any reset they would provoke) vanish on the wire
             if self._outgoing.reader_gone:
                 raise trio.BrokenResourceError("connection reset by peer")
-            self._outgoing.buffer += data
-            self._outgoing.lot.unpark_all()
+            link = self.network._links.get((self.local_host, self.remote_host))
+            if link is None and not self._outgoing.in_flight:
+                self._outgoing.buffer += data
+                self._outgoing.lot.unpark_all()
+            elif data:
+                await self._send_on_wire(link, bytes(data))
         finally:
             self._send_conflict = False
+
+    async def _send_on_wire(self, link: _Link | None, data: bytes) -> None:
+        """Queue ``data`` on the shaped wire and return once the wire has sent it.
+
+        With ``link`` None (shaping removed while bytes were still in flight) the
+        bytes go out at once but still arrive behind those in flight."""
+        now = trio.current_time()
+        if link is None:
+            self._outgoing.transmit(data, now)
+            return
+        start = max(now, link.free_at)
+        done = start if link.rate is None else start + len(data) / link.rate
+        link.free_at = done
+        self._outgoing.transmit(data, done + link.latency)
+        while trio.current_time() < done:  # paced by the wire
+            with trio.move_on_at(done):
+                await self._outgoing.lot.park()  # or woken early by a close or death
+            if self._closed:
+                raise trio.ClosedResourceError("stream was closed")
+            if self._broken:
+                raise trio.BrokenResourceError("connection reset")
+            if self._outgoing.reader_gone:
+                raise trio.BrokenResourceError("connection reset by peer")
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -98,11 +170,17 @@ class MemoryStream(trio.abc.Stream):
                 if self._broken:
                     raise trio.BrokenResourceError("connection reset")
                 pipe = self._incoming
+                if pipe.in_flight:
+                    pipe.land()
                 if pipe.buffer:
                     size = len(pipe.buffer) if max_bytes is None else min(max_bytes, len(pipe.buffer))
                     chunk = bytes(pipe.buffer[:size])
                     del pipe.buffer[:size]
                     return chunk
+                if pipe.in_flight:  # wait for the next arrival (or an earlier wake-up)
+                    with trio.move_on_at(pipe.in_flight[0][0]):
+                        await pipe.lot.park()
+                    continue
                 if pipe.eof:
                     return b""
                 await pipe.lot.park()
@@ -124,7 +202,8 @@ class MemoryStream(trio.abc.Stream):
         self._close()
 
     def ended_by_peer(self) -> bool:
-        """Whether the other side closed or died (an end of stream is waiting)."""
+        """Whether the other side closed or died (an end of stream is waiting, maybe
+        behind bytes still in flight on a shaped wire)."""
         return self._incoming.eof or self._outgoing.reader_gone
 
     def _close(self) -> None:
@@ -134,6 +213,7 @@ class MemoryStream(trio.abc.Stream):
         self._send_fin()
         self._incoming.reader_gone = True
         self._incoming.lot.unpark_all()  # wake our own blocked receive
+        self._outgoing.lot.unpark_all()  # and our own send paced by a shaped wire
         self.network._forget(self)
 
     def _die(self) -> None:
@@ -142,6 +222,7 @@ class MemoryStream(trio.abc.Stream):
         self._send_fin()
         self._incoming.reader_gone = True
         self._incoming.lot.unpark_all()
+        self._outgoing.lot.unpark_all()  # a send paced by a shaped wire
 
     def _send_fin(self) -> None:
         """End of stream for the other side, unless a partition swallows it (then it
@@ -210,6 +291,7 @@ class MemoryNetwork:
         self._partitioned: set[str] = set()
         self._heal_lot = trio.lowlevel.ParkingLot()
         self._lost_fins: list[tuple[MemoryStream, _Pipe]] = []
+        self._links: dict[tuple[str, str], _Link] = {}
         self._ports = itertools.count(40000)
 
     def host(self, name: str) -> MemoryHost:
@@ -243,6 +325,31 @@ class MemoryNetwork:
             else:
                 pipe.eof = True
                 pipe.lot.unpark_all()
+
+    def shape(
+        self, source: str, destination: str, *, rate: float | None = None, latency: float = 0.0
+    ) -> None:
+        """Emulate the link from host ``source`` to host ``destination``.
+
+        Every connection between the two hosts sends in this direction over one wire
+        of ``rate`` bytes per second (``None``: unlimited) with ``latency`` seconds of
+        one-way delay; the reverse direction is not affected. It applies to existing
+        and future connections. ``rate=None, latency=0`` removes the shaping (bytes
+        already in flight still arrive at their time, and later ones behind them).
+        """
+        if rate is not None and not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"rate must be a positive finite number of bytes/s or None, not {rate!r}")
+        if not (math.isfinite(latency) and latency >= 0):
+            raise ValueError(f"latency must be a finite number of seconds >= 0, not {latency!r}")
+        key = (source, destination)
+        if rate is None and latency == 0:
+            self._links.pop(key, None)
+            return
+        link = self._links.get(key)
+        if link is None:
+            self._links[key] = _Link(rate, latency)
+        else:  # keep what is already queued on the wire
+            link.rate, link.latency = rate, latency
 
     def is_partitioned(self, name: str) -> bool:
         return name in self._partitioned

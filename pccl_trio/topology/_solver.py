@@ -131,12 +131,16 @@ def solve(
     *,
     iterations: int = 200_000,
     seed: int = 0,
+    start: Sequence[int] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> Ring:
-    """The exact optimum up to ``EXACT_LIMIT`` peers, the heuristic's best beyond."""
+    """The exact optimum up to ``EXACT_LIMIT`` peers, the heuristic's best beyond
+    (improving on ``start``, if given)."""
     if len(cost) <= EXACT_LIMIT:
         return solve_exact(cost)
-    return solve_heuristic(cost, iterations=iterations, seed=seed, should_stop=should_stop)
+    return solve_heuristic(
+        cost, iterations=iterations, seed=seed, start=start, should_stop=should_stop
+    )
 
 
 def solve_exact(cost: Matrix) -> Ring:
