@@ -52,9 +52,10 @@ def shape(namespace: str, device: str, rate: str) -> None:
 
 
 class Topology:
-    """The hub, the master's namespace and ``world`` peer namespaces."""
+    """The hub, the master's namespace and ``world`` peer namespaces; ``rate`` None
+    leaves the links unshaped (for callers that shape them otherwise)."""
 
-    def __init__(self, world: int, rate: str, prefix: str) -> None:
+    def __init__(self, world: int, rate: str | None, prefix: str) -> None:
         self.world = world
         self.rate = rate
         self.prefix = prefix
@@ -71,7 +72,7 @@ class Topology:
             netns(self.hub, "ip", "link", "set", "lo", "up")
             self._attach(self.master, "m", MASTER_IP, shaped=False)
             for index, name in enumerate(self.peers):
-                self._attach(name, str(index), self.peer_ip(index), shaped=True)
+                self._attach(name, str(index), self.peer_ip(index), shaped=self.rate is not None)
         except BaseException:
             self.remove()
             raise
@@ -84,6 +85,10 @@ class Topology:
     def peer_ip(index: int) -> str:
         return f"{SUBNET}.{index + 1}"
 
+    def device(self, index: int) -> str:
+        """Peer ``index``'s end of its veth pair (in its namespace)."""
+        return f"wan{index}"
+
     def _attach(self, namespace: str, label: str, address: str, *, shaped: bool) -> None:
         inner, outer = f"wan{label}", f"hub{label}"
         sh("ip", "netns", "add", namespace)
@@ -95,6 +100,7 @@ class Topology:
         netns(self.hub, "ip", "link", "set", outer, "master", "br0")
         netns(self.hub, "ip", "link", "set", outer, "up")
         if shaped:
+            assert self.rate is not None
             shape(namespace, inner, self.rate)  # upload
             shape(self.hub, outer, self.rate)  # download
 

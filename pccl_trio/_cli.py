@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import trio
 
+from ._bench import parse_size
 from ._config import Config
 from .master import serve_master
 from .transport import TcpNetwork, format_address, listener_address, parse_address
@@ -53,6 +54,30 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
         help="a peer silent this long is removed from the run "
         f"(default {defaults.liveness_timeout})",
     )
+    parser.add_argument(
+        "--topology-solve-seconds",
+        type=float,
+        default=defaults.topology_solve_seconds,
+        metavar="SECONDS",
+        help="time for optimize_topology's first ring search "
+        f"(default {defaults.topology_solve_seconds})",
+    )
+    parser.add_argument(
+        "--topology-search-seconds",
+        type=float,
+        default=defaults.topology_search_seconds,
+        metavar="SECONDS",
+        help="time for the background search after a ring not provably optimal; 0: none "
+        f"(default {defaults.topology_search_seconds})",
+    )
+    parser.add_argument(
+        "--topology-reference-size",
+        type=parse_size,
+        default=defaults.topology_reference_bytes,
+        metavar="BYTES",
+        help="all-reduce size rings are optimized for, K/M/G suffixes allowed "
+        f"(default {defaults.topology_reference_bytes >> 20}M)",
+    )
     return parser
 
 
@@ -79,7 +104,11 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
     try:
         host, port = parse_address(args.listen)
         config = Config(
-            heartbeat_interval=args.heartbeat_interval, liveness_timeout=args.liveness_timeout
+            heartbeat_interval=args.heartbeat_interval,
+            liveness_timeout=args.liveness_timeout,
+            topology_solve_seconds=args.topology_solve_seconds,
+            topology_search_seconds=args.topology_search_seconds,
+            topology_reference_bytes=args.topology_reference_size,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -1450,7 +1450,7 @@ class MasterCore:
         index = {p: i for i, p in enumerate(search.peers)}
         found = ring_cost(search.cost, [index[p] for p in order])
         before = ring_cost(search.cost, [index[p] for p in installed])
-        if found < before:
+        if found[0] * (1 + KEEP_MARGIN) < before[0]:
             self._candidates[search.group] = _Candidate(
                 members=frozenset(members), ring=order, cost=search.cost, peers=search.peers
             )

@@ -78,6 +78,10 @@ class _MasterServer:
         self.ids = itertools.count(1)
         self.solves: dict[int, threading.Event] = {}  # running solver jobs' stop switches
         self.nursery: trio.Nursery | None = None
+        # Ring searches run in worker threads on real sockets; inline otherwise (the
+        # in-memory network runs in virtual time, which would race past a thread).
+        self.threads = True
+        self.ready: list[Event] = []  # results of inline searches, for the core
 
     async def accept_loop(self, listener: trio.abc.Listener[Any], nursery: trio.Nursery) -> None:
         async with listener:
@@ -133,6 +137,10 @@ class _MasterServer:
     def execute(self, actions: Sequence[Action]) -> None:
         for action in actions:
             match action:
+                case Solve() if not self.threads:
+                    # At once, before any later event (reproducible under virtual time).
+                    self.ready.append(_search_event(action, threading.Event(), timed=False))
+                    continue
                 case Solve():
                     stop = threading.Event()
                     self.solves[action.job] = stop
@@ -162,29 +170,35 @@ class _MasterServer:
                     )
 
     async def solve(self, job: Solve, stop: threading.Event) -> None:
-        """Run one ring search in a worker thread; a cancelled search stops at its next
-        poll of ``stop`` (the thread is abandoned at once)."""
+        """Run one ring search in a worker thread, then hand its result to the core
+        (unless cancelled: it stops at its next poll of ``stop``, and the thread is
+        abandoned at once)."""
         try:
-            ring = await trio.to_thread.run_sync(_search, job, stop, abandon_on_cancel=True)
-            result = SolveFinished(job=job.job, order=ring.order, optimal=ring.optimal)
-        except Exception as exc:  # a solver bug must cost this search, not the master
-            log.exception("ring search %d for peer group %d failed", job.job, job.group)
-            result = SolveFinished(job=job.job, error=f"{type(exc).__name__}: {exc}")
+            result = await trio.to_thread.run_sync(
+                _search_event, job, stop, abandon_on_cancel=True
+            )
         finally:
             stop.set()
         if self.solves.pop(job.job, None) is not None:
             await self.events_send.send(result)
+
+    def feed(self, event: Event) -> None:
+        """Hand ``event`` to the core, carry out its actions, then do the same for the
+        results of searches that ran inline meanwhile."""
+        self.execute(self.core.handle(event, trio.current_time()))
+        while self.ready:
+            self.execute(self.core.handle(self.ready.pop(0), trio.current_time()))
 
     async def run_core(self) -> NoReturn:
         while True:
             event: Event
             with trio.move_on_at(self.core.next_deadline()):
                 event = await self.events_receive.receive()
-                self.execute(self.core.handle(event, trio.current_time()))
+                self.feed(event)
             # Deadlines are checked even when events never stop coming.
             if trio.current_time() >= self.core.next_deadline():
                 await self.drain_arrivals()
-                self.execute(self.core.handle(Tick(), trio.current_time()))
+                self.feed(Tick())
 
     async def drain_arrivals(self) -> None:
         """Handle what already reached our sockets before judging anyone silent.
@@ -196,7 +210,7 @@ class _MasterServer:
         with trio.move_on_after(min(0.05, self.config.heartbeat_interval / 2)):
             while True:
                 event = await self.events_receive.receive()
-                self.execute(self.core.handle(event, trio.current_time()))
+                self.feed(event)
 
 
 async def serve_master(
@@ -215,6 +229,7 @@ async def serve_master(
     server = _MasterServer(config or Config())
     async with trio.open_nursery() as nursery:
         server.nursery = nursery
+        server.threads = all(getattr(listener, "socket", None) is not None for listener in listeners)
         for listener in listeners:
             nursery.start_soon(server.accept_loop, listener, nursery)
         task_status.started([listener_address(listener) for listener in listeners])
@@ -222,28 +237,42 @@ async def serve_master(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _search(job: Solve, stop: threading.Event) -> topology.Ring:
-    """The best ring for ``job`` within its time budget (in a worker thread)."""
+#: Moves of the heuristic counted as one second of budget where the search is not
+#: timed (inline, under virtual time), so that its result is reproducible.
+MOVES_PER_SECOND = 100_000
+
+
+def _search(job: Solve, stop: threading.Event, *, timed: bool = True) -> topology.Ring:
+    """The best ring for ``job`` within its budget: ``job.seconds`` of wall time, or
+    (not ``timed``) as many moves as that many seconds are counted for."""
     deadline = time.monotonic() + job.seconds
 
     def should_stop() -> bool:
-        return stop.is_set() or time.monotonic() >= deadline
+        return stop.is_set() or (timed and time.monotonic() >= deadline)
 
+    moves = 1 << 60 if timed else max(1, int(job.seconds * MOVES_PER_SECOND))
     started = time.monotonic()
-    if job.background:
-        ring = topology.solve_heuristic(
-            job.cost, iterations=1 << 60, seed=job.job, start=job.start, should_stop=should_stop
-        )
-    else:
-        ring = topology.solve(
-            job.cost, iterations=1 << 60, seed=job.job, start=job.start, should_stop=should_stop
-        )
+    solver = topology.solve_heuristic if job.background else topology.solve
+    ring = solver(
+        job.cost, iterations=moves, seed=job.job, start=job.start, should_stop=should_stop
+    )
     log.debug(
         "ring search %d (peer group %d, %d peers%s): %.3f s, optimal: %s",
         job.job, job.group, len(job.peers), ", background" if job.background else "",
         time.monotonic() - started, ring.optimal,
     )
     return ring
+
+
+def _search_event(job: Solve, stop: threading.Event, *, timed: bool = True) -> SolveFinished:
+    """``_search``'s outcome as the core's event; a failure is reported, not raised (a
+    solver bug must cost this search, not the master)."""
+    try:
+        ring = _search(job, stop, timed=timed)
+    except Exception as exc:
+        log.exception("ring search %d for peer group %d failed", job.job, job.group)
+        return SolveFinished(job=job.job, error=f"{type(exc).__name__}: {exc}")
+    return SolveFinished(job=job.job, order=ring.order, optimal=ring.optimal)
 
 
 async def serve_master_tcp(

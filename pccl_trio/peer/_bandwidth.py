@@ -85,7 +85,7 @@ def measure_link(
     frame_bytes: int,
     min_seconds: float = 0.15,
     budget_seconds: float = 0.8,
-    max_bytes: int = 256 << 20,
+    max_bytes: int = 64 << 20,
 ) -> Protocol[LinkMeasurement]:
     """The measuring peer's side (see the module docstring); the connection's first
     frame is its first request."""
@@ -127,9 +127,12 @@ def measure_link(
     nbytes = 256 << 10
     while True:
         _sent, first, done, first_size = yield from receive(nbytes)
-        # A transfer the clock cannot resolve (virtual time, unshaped) is as fast as
-        # one nanosecond allows.
-        span = max(done - first, 1e-9)
+        span = done - first
+        if span <= 0:
+            # A transfer the clock cannot resolve (virtual time, an unshaped link): as
+            # fast as a nanosecond allows, and larger ones would read the same.
+            rate = (nbytes - first_size) / 1e-9
+            break
         rate = (nbytes - first_size) / span
         elapsed = (yield ReadClock()) - started
         if span >= min_seconds or nbytes * 4 > min(max_bytes, MAX_BENCHMARK_BYTES):

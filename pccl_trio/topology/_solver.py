@@ -107,6 +107,14 @@ def hop_costs(bandwidth: Matrix, latency: Matrix | None, *, nbytes: int) -> Matr
     return cost
 
 
+def _square(cost: Matrix) -> Matrix:
+    """``cost`` as a float64 array, checked square."""
+    cost = numpy.asarray(cost, dtype=numpy.float64)
+    if cost.ndim != 2 or cost.shape[0] != cost.shape[1]:
+        raise ValueError(f"the cost matrix must be square, got shape {cost.shape}")
+    return cost
+
+
 def predicted_seconds(cost: Matrix, order: Sequence[int]) -> float:
     """Predicted all-reduce time of the ring ``order`` (see the module docstring)."""
     world = len(order)
@@ -145,7 +153,7 @@ def solve(
 
 def solve_exact(cost: Matrix) -> Ring:
     """The ring with the smallest ``(bottleneck, total)`` (see the module docstring)."""
-    cost = numpy.asarray(cost, dtype=numpy.float64)
+    cost = _square(cost)
     n = len(cost)
     if n <= 3:  # one ring (two for three peers, compared directly)
         candidates = [ring_of(cost, range(n))]
@@ -215,7 +223,7 @@ def solve_heuristic(
         start: a ring to start from (e.g. the installed one); a greedy ring otherwise.
         should_stop: polled every few hundred moves; True ends the search early.
     """
-    cost = numpy.asarray(cost, dtype=numpy.float64)
+    cost = _square(cost)
     n = len(cost)
     if n <= 3:
         return solve_exact(cost)

@@ -9,16 +9,26 @@ only for a tag the peer initiated and that is not running for it; a ``Collective
 only for the attempt running there, at most once, and never after the peer completed it;
 at most one ``CollectiveVerdict`` per initiate (seq 0 if it never ran, else the attempt's
 seq); and commence seqs that only grow.
+
+For topology optimizations it plays the shell's solver too: ``solves`` holds every
+``Solve`` by job, ``cancelled`` the jobs a ``CancelSolve`` stopped, and
+``finish_solves`` runs the jobs still pending and delivers their ``SolveFinished``. It
+checks that a ``CancelSolve`` names a job that was emitted and is neither answered nor
+cancelled yet, that a receiver is never asked for a second link while one is
+unanswered, that nobody is asked to measure a link from itself, and that each peer gets
+at most one report (``TopologyOptimized``) per optimization.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from pccl_trio import topology
 from pccl_trio._core.master import (
     Action,
+    CancelSolve,
     Close,
     ConnectionBroken,
     ConnectionClosed,
@@ -30,6 +40,8 @@ from pccl_trio._core.master import (
     PeerState,
     PeerView,
     Send,
+    Solve,
+    SolveFinished,
     Tick,
 )
 from pccl_trio._core.messages import (
@@ -41,12 +53,16 @@ from pccl_trio._core.messages import (
     CollectiveVerdict,
     Heartbeat,
     Kick,
+    LinkMeasured,
+    MeasureLink,
     Message,
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
     Register,
+    TopologyOptimized,
     VoteEstablish,
+    VoteOptimizeTopology,
     VotePeersPending,
     Welcome,
 )
@@ -56,6 +72,9 @@ LIVENESS_TIMEOUT = 5.0
 
 #: Descriptor defaults for ``MasterHarness.initiate``: 16 FLOAT values summed, unquantized.
 COUNT, FLOAT, SUM = 16, 10, 0
+
+#: Moves the default solver spends on a background search (kept small: tests are quick).
+BACKGROUND_ITERATIONS = 2_000
 
 M = TypeVar("M", bound=Message)
 
@@ -68,9 +87,18 @@ class MasterHarness:
         *,
         heartbeat_interval: float = HEARTBEAT_INTERVAL,
         liveness_timeout: float = LIVENESS_TIMEOUT,
+        round_timeout: float = 30.0,
+        solve_seconds: float = 1.0,
+        search_seconds: float = 60.0,
+        reference_bytes: int = 64 << 20,
     ) -> None:
         self.core = MasterCore(
-            heartbeat_interval=heartbeat_interval, liveness_timeout=liveness_timeout
+            heartbeat_interval=heartbeat_interval,
+            liveness_timeout=liveness_timeout,
+            round_timeout=round_timeout,
+            solve_seconds=solve_seconds,
+            search_seconds=search_seconds,
+            reference_bytes=reference_bytes,
         )
         self.now = 0.0
         self.sent: dict[int, list[Message]] = collections.defaultdict(list)
@@ -86,18 +114,40 @@ class MasterHarness:
         self._aborted: set[tuple[int, int]] = set()  # (conn, seq)
         self._completed: set[tuple[int, int]] = set()  # (conn, seq)
         self.seqs: list[int] = []  # every commenced seq, in order (once per attempt)
+        # Topology optimization: solver jobs (every Solve, by job), those cancelled and
+        # those answered; per connection the MeasureLink not answered yet; and the
+        # optimizations each connection got a report for.
+        self.solves: dict[int, Solve] = {}
+        self.cancelled: set[int] = set()
+        self.answered: set[int] = set()
+        self.unanswered: dict[int, MeasureLink] = {}
+        self._reports: set[tuple[int, int]] = set()  # (conn, optimization)
 
     # --- events ------------------------------------------------------------------------
 
     def handle(self, event: Event) -> list[Action]:
+        if isinstance(event, SolveFinished):
+            self.answered.add(event.job)
         actions = self.core.handle(event, self.now)
         for action in actions:
+            match action:
+                case Solve(job=job):
+                    assert job not in self.solves, f"job {job} emitted twice"
+                    self.solves[job] = action
+                    continue
+                case CancelSolve(job=job):
+                    assert job in self.solves, f"cancel of job {job}, never emitted"
+                    assert job not in self.cancelled, f"job {job} cancelled twice"
+                    assert job not in self.answered, f"cancel of job {job} after its answer"
+                    self.cancelled.add(job)
+                    continue
             assert action.conn not in self.closed, f"{action} after conn {action.conn} closed"
             match action:
                 case Send(conn=conn, message=message):
                     self._record(conn, message)
                 case Close(conn=conn, reason=reason):
                     self.closed[conn] = reason
+                    self.unanswered.pop(conn, None)
         return actions
 
     def _record(self, conn: int, message: Message) -> None:
@@ -130,6 +180,13 @@ class MasterHarness:
                 tags = self.in_flight[conn]
                 assert tag in tags, f"verdict for tag {tag}, not in flight on conn {conn}"
                 assert tags.pop(tag) == seq, f"verdict {message} for attempt {seq}"
+            case MeasureLink(source=source):
+                assert conn not in self.unanswered, f"second MeasureLink on conn {conn}"
+                assert source.peer_id != self.peer_ids.get(conn), "a link from itself"
+                self.unanswered[conn] = message
+            case TopologyOptimized(optimization=number) if number:
+                assert (conn, number) not in self._reports, f"two reports of {number}"
+                self._reports.add((conn, number))
 
     def open(self, conn: int, host: str = "127.0.0.1") -> list[Action]:
         return self.handle(ConnectionOpened(conn=conn, host=host))
@@ -141,6 +198,8 @@ class MasterHarness:
                 self.in_flight[conn].setdefault(tag, 0)
             case CollectiveComplete(seq=seq):
                 self._completed.add((conn, seq))
+            case LinkMeasured():
+                self.unanswered.pop(conn, None)
         return self.handle(MessageReceived(conn=conn, message=message))
 
     def register(
@@ -211,6 +270,59 @@ class MasterHarness:
     def pending(self, conn: int) -> list[Action]:
         return self.send(conn, VotePeersPending())
 
+    def optimize(self, conn: int) -> list[Action]:
+        return self.send(conn, VoteOptimizeTopology())
+
+    def measure(
+        self, conn: int, bandwidth: float = 1e9, latency: float = 1e-4, error: str = ""
+    ) -> list[Action]:
+        """Answer the last ``MeasureLink`` ``conn`` got: the link's rate (bytes per
+        second) and latency (seconds), or ``error``."""
+        asked = self.last(conn, MeasureLink)
+        return self.send(
+            conn,
+            LinkMeasured(
+                optimization=asked.optimization,
+                sender=asked.source.peer_id,
+                bandwidth=0.0 if error else bandwidth,
+                latency=0.0 if error else latency,
+                error=error,
+            ),
+        )
+
+    def pending_solves(self, background: bool | None = None) -> list[Solve]:
+        """Jobs emitted and neither answered nor cancelled (only first searches, or
+        only background ones, if ``background`` says so), by job."""
+        return [
+            job for number, job in sorted(self.solves.items())
+            if number not in self.answered and number not in self.cancelled
+            and (background is None or job.background is background)
+        ]
+
+    def answer(
+        self, job: int, order: Sequence[int] = (), optimal: bool = False, error: str = ""
+    ) -> list[Action]:
+        """Deliver ``SolveFinished`` for ``job`` as given."""
+        return self.handle(
+            SolveFinished(job=job, order=tuple(order), optimal=optimal, error=error)
+        )
+
+    def finish_solves(
+        self,
+        solver: Callable[[Solve], SolveFinished] | None = None,
+        *,
+        background: bool | None = None,
+    ) -> list[Action]:
+        """Run the jobs pending now (see ``pending_solves``) with ``solver`` (default:
+        ``default_solver``), in job order, and deliver each ``SolveFinished``. Jobs the
+        deliveries emit (a background search) stay pending for the next call."""
+        actions: list[Action] = []
+        for job in self.pending_solves(background):
+            if job.job in self.cancelled:  # cancelled by an earlier delivery
+                continue
+            actions += self.handle((solver or default_solver)(job))
+        return actions
+
     def heartbeat(self, conn: int) -> list[Action]:
         return self.send(conn, Heartbeat())
 
@@ -256,6 +368,11 @@ class MasterHarness:
         """The number of the latest round any peer was told of (0: none yet)."""
         return max((number for (_conn, number) in self._infos), default=0)
 
+    @property
+    def latest_optimization(self) -> int:
+        """The number of the latest optimization any peer got a report of (0: none)."""
+        return max((number for (_conn, number) in self._reports), default=0)
+
     def kick_reason(self, conn: int) -> str | None:
         kicks = self.received(conn, Kick)
         return kicks[-1].reason if kicks else None
@@ -270,8 +387,26 @@ class MasterHarness:
         return None if view is None else (view.phase, view.state)
 
 
+def default_solver(job: Solve) -> SolveFinished:
+    """What the master's shell does, deterministically: the exact optimum (or the
+    heuristic's best beyond ``EXACT_LIMIT``) for a first search, a short heuristic run
+    from ``job.start`` for a background one."""
+    if job.background:
+        ring = topology.solve_heuristic(
+            job.cost, iterations=BACKGROUND_ITERATIONS, seed=0, start=job.start
+        )
+    else:
+        ring = topology.solve(job.cost, seed=0, start=job.start)
+    return SolveFinished(job=job.job, order=ring.order, optimal=ring.optimal)
+
+
 def only(actions: Sequence[Action], conn: int) -> list[Action]:
-    return [a for a in actions if a.conn == conn]
+    """The actions on connection ``conn`` (solver actions have none)."""
+    return [a for a in actions if isinstance(a, Send | Close) and a.conn == conn]
+
+
+def solver_actions(actions: Sequence[Action]) -> list[Solve | CancelSolve]:
+    return [a for a in actions if isinstance(a, Solve | CancelSolve)]
 
 
 def was_kicked(actions: Sequence[Action], conn: int) -> bool:

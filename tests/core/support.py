@@ -19,6 +19,8 @@ from pccl_trio._core.messages import (
     CollectiveVerdict,
     Heartbeat,
     Kick,
+    LinkMeasured,
+    MeasureLink,
     Message,
     P2PEstablished,
     P2PEstablishResult,
@@ -37,7 +39,9 @@ from pccl_trio._core.messages import (
     SharedStateRequest,
     SharedStateResponse,
     SharedStateVote,
+    TopologyOptimized,
     VoteEstablish,
+    VoteOptimizeTopology,
     VotePeersPending,
     Welcome,
     WorldSizes,
@@ -115,6 +119,23 @@ SAMPLES: dict[type[Message], Message] = {
     SharedStateResponse: SharedStateResponse(error="not distributing"),
     BenchmarkRequest: BenchmarkRequest(
         protocol_version=PROTOCOL_VERSION, peer_id=3, nbytes=1 << 20, frame_bytes=65536
+    ),
+    VoteOptimizeTopology: VoteOptimizeTopology(),
+    LinkMeasured: LinkMeasured(
+        optimization=2, sender=5, bandwidth=1.25e9, latency=2.5e-4, error="refused: ✗"
+    ),
+    MeasureLink: MeasureLink(optimization=2, source=NEIGHBOURS[1]),
+    TopologyOptimized: TopologyOptimized(
+        optimization=2,
+        error="refused",
+        peers=(1, 2, 5),
+        bandwidth=(0.0, 1.25e9, 5e6, 1e9, 0.0, 0.0, 2.5e7, 1, 0.0),
+        latency=(0.0, 1e-4, 2e-3, 1e-4, 0.0, 0.0, 5e-4, 0.25, 0.0),
+        unreachable=(5,),
+        ring=(2, 1, 5),
+        predicted_seconds=0.75,
+        reference_bytes=64 << 20,
+        optimal=True,
     ),
 }
 

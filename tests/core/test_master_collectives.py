@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pccl_trio._core.master import Action, Close, PeerPhase, PeerState, Send
+from pccl_trio._core.master import Action, CancelSolve, Close, PeerPhase, PeerState, Send, Solve
 from pccl_trio._core.messages import (
     ABORTED,
     REJECTED,
@@ -53,6 +53,8 @@ from .test_master_transitions import (
     accepted_failed_after_round,
     accepted_failed_mid_round,
     accepted_idle,
+    accepted_optimize_voted,
+    accepted_optimizing,
     accepted_voted,
     accepted_waiting,
     joiner_connecting,
@@ -754,6 +756,8 @@ INITIATE_BY_STATE: list[tuple[Setup, str | None]] = [
     (accepted_waiting, "not allowed in state WAITING"),
     (accepted_failed_mid_round, None),
     (accepted_failed_after_round, None),
+    (accepted_optimize_voted, "not allowed in state VOTE_OPTIMIZE"),
+    (accepted_optimizing, "not allowed in state OPTIMIZING"),
 ]
 
 
@@ -1134,6 +1138,8 @@ class CollectiveSimulation:
         touched: list[Epoch] = []
         results: set[bool] = set()
         for action in actions:
+            # Nobody here optimizes the topology, so no ring search may start or stop.
+            assert not isinstance(action, Solve | CancelSolve), action
             if isinstance(action, Close):
                 self.on_close(action.conn)
                 continue

@@ -29,7 +29,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pccl_trio._core.master import Action, Close, PeerPhase, PeerState, Send
+from pccl_trio._core.master import Action, CancelSolve, Close, PeerPhase, PeerState, Send, Solve
 from pccl_trio._core.messages import (
     Kick,
     P2PEstablishResult,
@@ -204,6 +204,8 @@ class Simulation:
         # (and decided whether waiting peers join) before the removal.
         unplaceable: list[SimPeer] = []
         for action in actions:
+            # Nobody here optimizes the topology, so no ring search may start or stop.
+            assert not isinstance(action, Solve | CancelSolve), action
             if isinstance(action, Close):
                 self.on_close(action.conn)
                 continue

@@ -19,6 +19,8 @@ from pccl_trio._core.master import (
 from pccl_trio._core.messages import (
     PROTOCOL_VERSION,
     Heartbeat,
+    LinkMeasured,
+    MeasureLink,
     Message,
     P2PEstablished,
     Register,
@@ -27,6 +29,7 @@ from pccl_trio._core.messages import (
     SharedStatePlan,
     SharedStateVote,
     VoteEstablish,
+    VoteOptimizeTopology,
     VotePeersPending,
 )
 
@@ -52,7 +55,7 @@ def test_transition(state: PeerState, event: PeerEvent) -> None:
 def test_remote_events_are_the_ones_peers_cause() -> None:
     assert REMOTE_EVENTS == {
         PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED,
-        PeerEvent.VOTE_SYNC, PeerEvent.REPORT_SYNCED,
+        PeerEvent.VOTE_SYNC, PeerEvent.REPORT_SYNCED, PeerEvent.VOTE_OPTIMIZE,
     }
 
 
@@ -169,6 +172,22 @@ def accepted_sync_done(h: MasterHarness) -> tuple[int, int]:
     return 1, 2
 
 
+def accepted_optimize_voted(h: MasterHarness) -> tuple[int, int]:
+    accepted_idle(h)
+    h.optimize(1)
+    return 1, 2
+
+
+def accepted_optimizing(h: MasterHarness) -> tuple[int, int]:
+    # Both voted: the optimization runs. Its first step measures the link 1 -> 2 (at
+    # peer 2), so the subject has nothing to measure yet.
+    accepted_optimize_voted(h)
+    h.optimize(2)
+    assert h.core.optimization_in_progress
+    assert 1 not in h.unanswered and 2 in h.unanswered
+    return 1, 2
+
+
 def sync_vote() -> SharedStateVote:
     entry = SharedStateEntry(key="w", hash=7, dtype=10, count=4, allow_content_inequality=False)
     return SharedStateVote(revision=0, strategy=0, entries=(entry,))
@@ -185,35 +204,48 @@ IDLE, VOTED, CONN, WAIT, FAIL = (
     PeerState.CONNECT_FAILED,
 )
 SVOTED, SYNCING, SDONE = PeerState.VOTE_SYNC, PeerState.SYNCING, PeerState.SYNC_DONE
+OVOTED, OPTIMIZING = PeerState.VOTE_OPTIMIZE, PeerState.OPTIMIZING
 KICK = None
 MESSAGES = ("register", "heartbeat", "vote", "report_ok", "report_failed", "report_stale",
-            "pending", "sync_vote", "sync_done")
+            "pending", "sync_vote", "sync_done", "optimize", "link_measured")
 K2 = (KICK, KICK)  # sync_vote and sync_done where neither is allowed
+# optimize and link_measured where neither is allowed (a link is measured only when the
+# master asked this peer for it, which no setup but accepted_optimizing could have done)
+KO = (KICK, KICK)
 
 #: setup -> (where the subject starts, its fate after each message in MESSAGES)
 TABLE: dict[Setup, tuple[tuple[PeerPhase, PeerState], tuple[tuple[PeerPhase, PeerState] | None, ...]]] = {  # noqa: E501
-    registered_waiting: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK, *K2)),
-    registered_mid_round: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK, *K2)),
+    registered_waiting: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK, *K2, *KO)),
+    registered_mid_round: ((REG, IDLE), (KICK, (REG, IDLE), KICK, KICK, KICK, KICK, KICK, *K2,
+                                         *KO)),
     joiner_connecting: ((REG, CONN), (KICK, (REG, CONN), KICK, (REG, WAIT), (REG, FAIL), KICK,
-                                      KICK, *K2)),
-    joiner_waiting: ((REG, WAIT), (KICK, (REG, WAIT), KICK, KICK, KICK, KICK, KICK, *K2)),
-    joiner_failed: ((REG, FAIL), (KICK, (REG, FAIL), KICK, KICK, KICK, KICK, KICK, *K2)),
+                                      KICK, *K2, *KO)),
+    joiner_waiting: ((REG, WAIT), (KICK, (REG, WAIT), KICK, KICK, KICK, KICK, KICK, *K2, *KO)),
+    joiner_failed: ((REG, FAIL), (KICK, (REG, FAIL), KICK, KICK, KICK, KICK, KICK, *K2, *KO)),
     accepted_idle: ((ACC, IDLE), (KICK, (ACC, IDLE), (ACC, VOTED), KICK, KICK, KICK,
-                                  (ACC, IDLE), (ACC, SVOTED), KICK)),
-    accepted_voted: ((ACC, VOTED), (KICK, (ACC, VOTED), KICK, KICK, KICK, KICK, KICK, *K2)),
+                                  (ACC, IDLE), (ACC, SVOTED), KICK, (ACC, OVOTED), KICK)),
+    accepted_voted: ((ACC, VOTED), (KICK, (ACC, VOTED), KICK, KICK, KICK, KICK, KICK, *K2, *KO)),
     accepted_connecting: ((ACC, CONN), (KICK, (ACC, CONN), KICK, (ACC, WAIT), (ACC, FAIL), KICK,
-                                        KICK, *K2)),
-    accepted_waiting: ((ACC, WAIT), (KICK, (ACC, WAIT), KICK, KICK, KICK, KICK, KICK, *K2)),
+                                        KICK, *K2, *KO)),
+    accepted_waiting: ((ACC, WAIT), (KICK, (ACC, WAIT), KICK, KICK, KICK, KICK, KICK, *K2, *KO)),
     # Voting again before the round's verdict would stall the round: kicked.
     accepted_failed_mid_round: ((ACC, FAIL), (KICK, (ACC, FAIL), KICK, KICK, KICK, KICK,
-                                              (ACC, FAIL), *K2)),
+                                              (ACC, FAIL), *K2, *KO)),
+    # After a failed round a peer must re-establish the ring before optimizing it.
     accepted_failed_after_round: ((ACC, FAIL), (KICK, (ACC, FAIL), (ACC, VOTED), KICK, KICK, KICK,
-                                                (ACC, FAIL), *K2)),
+                                                (ACC, FAIL), *K2, *KO)),
     accepted_sync_voted: ((ACC, SVOTED), (KICK, (ACC, SVOTED), KICK, KICK, KICK, KICK, KICK,
-                                          *K2)),
+                                          *K2, *KO)),
     accepted_syncing: ((ACC, SYNCING), (KICK, (ACC, SYNCING), KICK, KICK, KICK, KICK, KICK, KICK,
-                                        (ACC, SDONE))),
-    accepted_sync_done: ((ACC, SDONE), (KICK, (ACC, SDONE), KICK, KICK, KICK, KICK, KICK, *K2)),
+                                        (ACC, SDONE), *KO)),
+    accepted_sync_done: ((ACC, SDONE), (KICK, (ACC, SDONE), KICK, KICK, KICK, KICK, KICK, *K2,
+                                        *KO)),
+    # Blocked in the vote: no other call, no second vote, nothing to measure.
+    accepted_optimize_voted: ((ACC, OVOTED), (KICK, (ACC, OVOTED), KICK, KICK, KICK, KICK, KICK,
+                                              *K2, *KO)),
+    # Optimizing: only the measurements it is asked for (none yet, see the setup).
+    accepted_optimizing: ((ACC, OPTIMIZING), (KICK, (ACC, OPTIMIZING), KICK, KICK, KICK, KICK,
+                                              KICK, *K2, *KO)),
 }
 
 CASES = [
@@ -244,14 +276,28 @@ def message(name: str, h: MasterHarness, subject: int) -> Message:
             return sync_vote()
         case "sync_done":
             return sync_done(h, subject)
+        case "optimize":
+            return VoteOptimizeTopology()
+        case "link_measured":
+            # The link the subject was last asked for, else one from the other peer in
+            # the first optimization.
+            asked = h.received(subject, MeasureLink)
+            if asked:
+                optimization, sender = asked[-1].optimization, asked[-1].source.peer_id
+            else:
+                optimization = 1
+                sender = next(p for c, p in h.peer_ids.items() if c != subject)
+            return LinkMeasured(
+                optimization=optimization, sender=sender, bandwidth=1e9, latency=1e-4
+            )
     raise AssertionError(name)  # pragma: no cover
 
 
 def test_table_covers_every_reachable_combination() -> None:
     starts = {start for start, _fates in TABLE.values()}
-    # A REGISTERED peer never votes or syncs, so it is never VOTE_ESTABLISH or in a sync;
-    # every other pair occurs.
-    never = {(REG, state) for state in (VOTED, SVOTED, SYNCING, SDONE)}
+    # A REGISTERED peer never votes, syncs or optimizes, so it is never VOTE_ESTABLISH,
+    # in a sync or in an optimization; every other pair occurs.
+    never = {(REG, state) for state in (VOTED, SVOTED, SYNCING, SDONE, OVOTED, OPTIMIZING)}
     assert starts == set(itertools.product(PeerPhase, PeerState)) - never
 
 

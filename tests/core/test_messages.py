@@ -33,6 +33,8 @@ from pccl_trio._core.messages import (
     CollectiveVerdict,
     Heartbeat,
     Kick,
+    LinkMeasured,
+    MeasureLink,
     Message,
     P2PEstablished,
     P2PEstablishResult,
@@ -46,7 +48,9 @@ from pccl_trio._core.messages import (
     SharedStateRange,
     SharedStateRequest,
     SharedStateVote,
+    TopologyOptimized,
     VoteEstablish,
+    VoteOptimizeTopology,
     Welcome,
     WorldSizes,
     decode_message,
@@ -123,6 +127,49 @@ INVALID_RECORDS: list[tuple[type[Any], dict[str, Any], str]] = [
     (P2PEstablishResult, {"round": 1, "success": 1, "ring": (), "world": WORLD},
      "P2PEstablishResult.success"),
     (PeersPendingResult, {"pending": "yes"}, "PeersPendingResult.pending"),
+    # A measurement without an error needs a positive rate and a non-negative latency.
+    (LinkMeasured, {"optimization": 1, "sender": 2}, "LinkMeasured: bandwidth 0"),
+    (LinkMeasured, {"optimization": 1, "sender": 2, "bandwidth": 0.0, "latency": 1e-3},
+     "LinkMeasured: bandwidth 0"),
+    (LinkMeasured, {"optimization": 1, "sender": 2, "bandwidth": -5e6, "latency": 1e-3},
+     "LinkMeasured: bandwidth -5000000"),
+    (LinkMeasured, {"optimization": 1, "sender": 2, "bandwidth": 5e6, "latency": -1e-3},
+     "LinkMeasured: bandwidth .* latency -0.001"),
+    (LinkMeasured, {"optimization": 1, "sender": 2, "bandwidth": math.inf}, "LinkMeasured.bandwidth"),
+    (LinkMeasured, {"optimization": 1, "sender": 2, "bandwidth": math.nan}, "LinkMeasured.bandwidth"),
+    (LinkMeasured, {"optimization": 1, "sender": 2, "bandwidth": 1.0, "latency": math.inf},
+     "LinkMeasured.latency"),
+    (LinkMeasured, {"optimization": 1, "sender": -2, "bandwidth": 1.0}, "LinkMeasured.sender"),
+    (LinkMeasured, {"optimization": 1, "sender": 2, "error": None}, "LinkMeasured.error"),
+    (MeasureLink, {"optimization": 1, "source": (2, "h", 1)}, "MeasureLink.source"),
+    (MeasureLink, {"optimization": True, "source": NEIGHBOURS[0]}, "MeasureLink.optimization"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2), "bandwidth": (0.0, 1.0, 1.0)},
+     "TopologyOptimized.bandwidth: 3 values for 2 peers"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2), "latency": (0.0,) * 5},
+     "TopologyOptimized.latency: 5 values for 2 peers"),
+    (TopologyOptimized, {"optimization": 1, "peers": (), "bandwidth": (0.0,)},
+     "TopologyOptimized.bandwidth: 1 values for 0 peers"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2), "bandwidth": (0.0, 1.0, -1.0, 0.0)},
+     "TopologyOptimized.bandwidth: a negative value"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2), "latency": (0.0, -1e-3, 0.0, 0.0)},
+     "TopologyOptimized.latency: a negative value"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2, 1)},
+     "TopologyOptimized.peers: a peer appears twice"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2, 3), "ring": (1, 2)},
+     "TopologyOptimized.ring: not an order of the peers"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2, 3), "ring": (1, 2, 2)},
+     "TopologyOptimized.ring: not an order of the peers"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2, 3), "ring": (1, 2, 4)},
+     "TopologyOptimized.ring: not an order of the peers"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2, 3), "ring": (1, 2, 3, 1)},
+     "TopologyOptimized.ring: not an order of the peers"),
+    (TopologyOptimized, {"optimization": 1, "peers": (1, 2), "unreachable": (1, 4)},
+     "TopologyOptimized.unreachable: index out of range"),
+    (TopologyOptimized, {"optimization": 1, "unreachable": (0,)},
+     "TopologyOptimized.unreachable: index out of range"),
+    (TopologyOptimized, {"optimization": 1, "predicted_seconds": math.nan},
+     "TopologyOptimized.predicted_seconds"),
+    (TopologyOptimized, {"optimization": 1, "optimal": 1}, "TopologyOptimized.optimal"),
 ]
 
 
@@ -143,9 +190,20 @@ def test_invalid_record_cannot_be_built(cls: type[Any], kwargs: dict[str, Any], 
         Welcome(peer_id=0, heartbeat_interval=1, liveness_timeout=2.5),  # an int is a float
         PeerEndpoint(peer_id=0, host="", port=1),
         P2PInfo(round=0, ring=(), neighbours=(), world=WORLD),
+        # An error needs no measurement; a latency of 0 is one.
+        LinkMeasured(optimization=1, sender=2, error="unreachable"),
+        LinkMeasured(optimization=1, sender=2, bandwidth=5e-324, latency=0.0),
+        LinkMeasured(optimization=1, sender=2, bandwidth=1, latency=0),  # ints are floats
+        # The refusal of a vote: nothing but the error.
+        TopologyOptimized(optimization=0, error="refused"),
+        # A group too large for the matrices: peers and ring only.
+        TopologyOptimized(optimization=3, peers=(4, 2, 9), ring=(9, 4, 2), predicted_seconds=-1.0),
+        TopologyOptimized(optimization=3, peers=(4, 2), bandwidth=(0.0,) * 4, latency=(0.0,) * 4,
+                          unreachable=(3, 1), ring=(2, 4)),
     ],
     ids=["max-ints-and-sequence", "max-string", "max-port-and-group", "min-port", "int-as-float",
-         "empty-host", "empty-ring"],
+         "empty-host", "empty-ring", "measurement-error", "tiny-rate", "int-rate",
+         "refused-optimization", "report-without-matrices", "report-with-matrices"],
 )
 def test_boundary_values_are_valid_and_round_trip(record: Any) -> None:
     if isinstance(record, Message):
@@ -221,6 +279,32 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     (P2PInfo, replaced(SAMPLES[P2PInfo], (3, 3), -3), "WorldSizes.largest_peer_group_world_size"),
     (P2PEstablishResult, replaced(SAMPLES[P2PEstablishResult], (3,), None),
      "P2PEstablishResult.world: expected 4 fields, got NoneType"),
+    # topology optimization
+    (LinkMeasured, [1, 2, 0.0, 0.0, ""], "LinkMeasured: bandwidth 0"),
+    (LinkMeasured, [1, 2, -1.0, 0.0, ""], "LinkMeasured: bandwidth -1"),
+    (LinkMeasured, [1, 2, 1e6, -1.0, ""], "LinkMeasured: bandwidth .* latency -1"),
+    (LinkMeasured, replaced(SAMPLES[LinkMeasured], (2,), math.inf), "LinkMeasured.bandwidth"),
+    (LinkMeasured, replaced(SAMPLES[LinkMeasured], (1,), "5"), "LinkMeasured.sender"),
+    (LinkMeasured, wire_fields(SAMPLES[LinkMeasured])[:-1], "LinkMeasured: expected 5 fields, got 4"),
+    (MeasureLink, replaced(SAMPLES[MeasureLink], (1, 2), 0), "PeerEndpoint.port"),
+    (MeasureLink, replaced(SAMPLES[MeasureLink], (1,), None),
+     "MeasureLink.source: expected 3 fields, got NoneType"),
+    (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (2,), [1, 2, 2]),
+     "TopologyOptimized.peers: a peer appears twice"),
+    (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (3,), [0.0] * 8),
+     "TopologyOptimized.bandwidth: 8 values for 3 peers"),
+    (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (4,), [0.0] * 10),
+     "TopologyOptimized.latency: 10 values for 3 peers"),
+    (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (4, 1), -0.5),
+     "TopologyOptimized.latency: a negative value"),
+    (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (5,), [9]),
+     "TopologyOptimized.unreachable: index out of range"),
+    (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (6,), [2, 1]),
+     "TopologyOptimized.ring: not an order of the peers"),
+    (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (6,), [2, 1, 7]),
+     "TopologyOptimized.ring: not an order of the peers"),
+    (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (7,), math.inf),
+     "TopologyOptimized.predicted_seconds"),
 ]
 
 
@@ -282,6 +366,52 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
 }
 
 
+@st.composite
+def link_measurements(draw: st.DrawFn) -> LinkMeasured:
+    """A measurement (positive rate, non-negative latency) or an error (any numbers)."""
+    error = draw(st.text(max_size=30), label="error")
+    finite = st.floats(allow_nan=False, allow_infinity=False)
+    if error:
+        bandwidth, latency = draw(finite), draw(finite)
+    else:
+        bandwidth = draw(st.floats(min_value=0.0, exclude_min=True, allow_infinity=False)
+                         | st.integers(1, 1 << 40))
+        latency = draw(st.floats(min_value=0.0, allow_infinity=False) | st.integers(0, 1000))
+    return LinkMeasured(
+        optimization=draw(valid(int)), sender=draw(valid(int)), bandwidth=bandwidth,
+        latency=latency, error=error,
+    )
+
+
+@st.composite
+def topology_reports(draw: st.DrawFn) -> TopologyOptimized:
+    """Distinct peers; matrices of n * n non-negative values or none; unreachable flat
+    indices in range; a ring that orders the peers, or none."""
+    peers = draw(st.lists(st.integers(0, U64_MAX), unique=True, max_size=4), label="peers")
+    n = len(peers)
+    matrix = st.lists(st.floats(min_value=0.0, allow_infinity=False) | st.integers(0, 1 << 40),
+                      min_size=n * n, max_size=n * n).map(tuple)
+    return TopologyOptimized(
+        optimization=draw(valid(int)),
+        error=draw(valid(str)),
+        peers=tuple(peers),
+        bandwidth=draw(st.just(()) | matrix),
+        latency=draw(st.just(()) | matrix),
+        unreachable=tuple(draw(st.lists(st.integers(0, n * n - 1), max_size=4)) if n else ()),
+        ring=draw(st.just(()) | st.permutations(peers).map(tuple)),
+        predicted_seconds=draw(valid(float)),
+        reference_bytes=draw(valid(int)),
+        optimal=draw(valid(bool)),
+    )
+
+
+#: Messages whose fields constrain each other: built whole.
+JOINT: dict[type[Any], st.SearchStrategy[Any]] = {
+    LinkMeasured: link_measurements(),
+    TopologyOptimized: topology_reports(),
+}
+
+
 def valid(hint: Any) -> st.SearchStrategy[Any]:
     """Any value valid for a field of type ``hint``."""
     if hint is bool:
@@ -298,6 +428,8 @@ def valid(hint: Any) -> st.SearchStrategy[Any]:
 
 
 def records(cls: type[Any]) -> st.SearchStrategy[Any]:
+    if cls in JOINT:
+        return JOINT[cls]
     return st.builds(
         cls,
         **{
@@ -321,6 +453,12 @@ def test_every_valid_message_round_trips(message: Message) -> None:
 @DETERMINISTIC
 @given(message=any_message, data=st.data())
 def test_a_mutated_field_decodes_or_names_the_message(message: Message, data: st.DataObject) -> None:
+    check_mutation(message, data)
+
+
+def check_mutation(message: Message, data: st.DataObject) -> None:
+    """One field of ``message`` replaced by anything: it decodes to the same fields, or
+    the error names the message (or a nested record)."""
     fields = wire_fields(message)
     if fields:
         index = data.draw(st.integers(0, len(fields) - 1), label="field")
@@ -331,7 +469,7 @@ def test_a_mutated_field_decodes_or_names_the_message(message: Message, data: st
             label="value",
         )
     else:
-        fields.append(data.draw(st.integers(), label="extra"))
+        fields.append(data.draw(st.integers(-(1 << 63), U64_MAX), label="extra"))
     try:
         decoded = decode(type(message), fields)
     except RemoteProtocolError as exc:
@@ -352,6 +490,27 @@ def test_arbitrary_payload_decodes_or_raises_remote_protocol_error(
     except RemoteProtocolError:
         return
     assert type(message) is message_kinds()[kind]
+
+
+topology_messages = st.sampled_from(
+    [VoteOptimizeTopology, LinkMeasured, MeasureLink, TopologyOptimized]
+).flatmap(records)
+
+
+@DETERMINISTIC
+@given(topology_messages)
+def test_every_valid_topology_message_round_trips(message: Message) -> None:
+    # The generic property above spreads its examples over every kind; these have
+    # fields that constrain each other, so they get examples of their own.
+    assert decode_message(message.KIND, encode_message(message)) == message
+
+
+@DETERMINISTIC
+@given(message=topology_messages, data=st.data())
+def test_a_mutated_topology_message_decodes_or_names_the_message(
+    message: Message, data: st.DataObject
+) -> None:
+    check_mutation(message, data)
 
 
 def test_samples_use_non_default_nested_values() -> None:
