@@ -1480,23 +1480,29 @@ class MasterCore:
         participants = [self._peers[p] for p in sorted(current.participants)]
         reports: dict[int, TopologyOptimized] = {}
         for group, members in sorted(self._groups(participants).items()):
-            solved, optimal = current.solved.get(group, ((), False))
+            solved, proven = current.solved.get(group, ((), False))
             ring = [p for p in solved if p in members]
             cost = self._cost(group, members)
             index = {p: i for i, p in enumerate(members)}
-            installed = [p for p in self._rings.get(group, ()) if p in index]
-            installed += [p for p in members if p not in installed]
-            new = ring_cost(cost, [index[p] for p in ring])[0] if len(ring) == len(members) else math.inf
-            old = ring_cost(cost, [index[p] for p in installed])[0]
-            if math.isfinite(new) and new * (1 + KEEP_MARGIN) < old:
-                self._rings[group] = ring
-                self._candidates.pop(group, None)
-            else:
+            # What the round would install otherwise: a better ring the background search
+            # found for these members, else the installed ring (newcomers appended).
+            kept = self._best_known(group, members)
+            if kept is None:
+                kept = [p for p in self._rings.get(group, ()) if p in index]
+                kept += [p for p in members if p not in kept]
+            self._candidates.pop(group, None)
+            new = math.inf
+            if len(ring) == len(members):
+                new = ring_cost(cost, [index[p] for p in ring])[0]
+            old = ring_cost(cost, [index[p] for p in kept])[0]
+            optimal = proven
+            if not (math.isfinite(new) and new * (1 + KEEP_MARGIN) < old):
                 # Not clearly faster (measurement noise): keep the connections we have.
-                optimal = optimal and old <= new
-                ring = installed
+                optimal = proven and old <= new
+                ring = kept
+            self._rings[group] = ring
             reports[group] = self._report(current.number, group, members, ring, optimal)
-            if not optimal and len(members) >= 3 and self._search_seconds > 0:
+            if not proven and len(members) >= 3 and self._search_seconds > 0:
                 self._searches[group] = self._solve(group, members, background=True, start=ring)
         for peer in participants:
             self._send(peer, reports[peer.peer_group])

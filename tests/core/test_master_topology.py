@@ -406,6 +406,25 @@ def test_predicted_seconds_are_unknown_while_the_ring_uses_a_link_not_measured()
 # --- peers leaving -------------------------------------------------------------------
 
 
+def test_after_a_departure_without_a_round_the_solver_starts_afresh() -> None:
+    # The installed ring still names the departed peer: nothing to improve on.
+    h = MasterHarness(reference_bytes=REFERENCE)
+    form(h, group0(1, 2, 3, 4))
+    h.close(4)
+    optimize_all(h, (1, 2, 3))
+    measure_all(h)
+    (job,) = h.pending_solves()
+    assert job.peers == (1, 2, 3) and job.start is None
+    h.finish_solves()
+    assert set(h.last(1, P2PInfo).ring) == {1, 2, 3}
+
+
+def test_the_topology_of_an_empty_group() -> None:
+    view = MasterHarness().core.topology(5)
+    assert view.peers == () and view.ring == () and view.bandwidth.shape == (0, 0)
+    assert view.predicted_seconds == 0.0
+
+
 def test_a_departed_peers_links_are_forgotten_and_the_others_kept() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
@@ -491,6 +510,23 @@ def test_a_peer_dying_while_the_solver_runs() -> None:
         assert report.peers == survivors and set(report.ring) == set(survivors)
         assert h.last(conn, P2PInfo).ring == report.ring
     finish_round(h, survivors)
+
+
+def test_a_whole_group_leaving_while_the_solvers_run() -> None:
+    h = MasterHarness(reference_bytes=REFERENCE)
+    groups = {1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1}
+    form(h, groups)
+    optimize_all(h, groups)
+    measure_all(h)
+    assert len(h.pending_solves()) == 2
+    for conn in (4, 5, 6):
+        h.close(conn)
+    h.finish_solves()
+    assert h.last(1, TopologyOptimized).peers == (1, 2, 3)
+    assert reports(h, 4) == []
+    info = h.last(1, P2PInfo)
+    assert set(info.ring) == {1, 2, 3} and info.world.num_distinct_peer_groups == 1
+    finish_round(h, (1, 2, 3))
 
 
 @pytest.mark.parametrize("when", ["measuring", "solving"])
