@@ -62,6 +62,9 @@ class Peer:
                 say(self.name, f"step {step:4d}  world {world}  loss {record['loss']:.4f}  "
                                f"weights {record['weights']}")
             self.step, self.world = step, world
+        elif event == "optimized" and record["ring"] and record["ring"][0] == self.peer_id:
+            say(self.name, f"optimize_topology: ring {record['ring']}, predicted "
+                           f"{record['predicted_ms']} ms per gradient all-reduce")
         elif event == "aborted":
             say(self.name, f"step {record['step']} aborted for every peer, retrying: "
                            f"{record['reason']}...")

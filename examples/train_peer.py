@@ -1,5 +1,6 @@
 """One peer of the demo's training run: a small softmax classifier on synthetic data,
-data-parallel, gradients averaged with ``all_reduce`` every step.
+data-parallel, gradients averaged with ``all_reduce`` every step; the ring is re-ordered
+by ``optimize_topology`` whenever peers were admitted.
 
 The weights and the step counter are the run's shared state. Every step begins with a
 shared-state sync: a peer that joins mid-run (with zeroed weights) receives the current
@@ -62,8 +63,15 @@ async def train(master: str, seed: int, steps: int, step_seconds: float) -> None
         # first call is the one that follows it, not another pending query.
         just_joined = True
         while step[0] < steps:
-            if not just_joined and await comm.are_peers_pending():
-                await comm.update_topology()
+            if just_joined or await comm.are_peers_pending():
+                if not just_joined:
+                    await comm.update_topology()
+                # Every peer re-orders the ring after admitting someone (a joiner's first
+                # call): only the newcomers' links are measured.
+                await comm.optimize_topology()
+                if comm.topology is not None:
+                    emit(event="optimized", peer=comm.peer_id, ring=list(comm.ring),
+                         predicted_ms=round(comm.topology.predict(4 * WEIGHTS) * 1e3, 3))
             just_joined = False
             world = comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
             if world < 2:
