@@ -145,13 +145,16 @@ class TopologyInfo:
             bytes per second; NaN where not measured (and on the diagonal), 0 where the
             link could not be measured (unreachable).
         latency: one-way seconds from ``peers[i]`` to ``peers[j]``; NaN where unknown.
-        ring: the ring order the optimization installed (a peer sends to the next).
+        ring: the installed ring order (a peer sends to the next): the optimization's,
+            or a better order of the same peers a later round installed.
         predicted_seconds: the ring's predicted time for an all-reduce of
             ``reference_bytes`` (infinity when some link of it is unknown).
         reference_bytes: the all-reduce size the ring was optimized for.
-        optimal: whether no ring is predicted faster; when False, the master keeps
-            searching and a better ring is installed at the next ``update_topology``
-            (``Communicator.ring`` then shows it).
+        optimal: whether the ring is proven the fastest predicted. False when a faster
+            ring exists but was within 5% (not worth new connections), when the search
+            could not prove it (large groups: the master then keeps searching, and the
+            next ``update_topology`` installs a better ring if it finds one), or when
+            the ring has a link of unknown speed.
     """
 
     peers: tuple[int, ...]

@@ -329,7 +329,8 @@ class TopologyView:
     """What the master knows of one peer group's links and ring (for logs and tools).
 
     ``bandwidth[i, j]`` (bytes per second; NaN: not measured, 0: unreachable) and
-    ``latency[i, j]`` (seconds) describe the link from ``peers[i]`` to ``peers[j]``;
+    ``latency[i, j]`` (seconds; NaN: unknown) describe the link from ``peers[i]`` to
+    ``peers[j]``;
     ``predicted_seconds`` is the installed ring's predicted all-reduce time for
     ``reference_bytes`` (infinity while some link of it is unknown).
     """
@@ -622,14 +623,17 @@ class MasterCore:
         bandwidth, latency, unreachable = store.matrices(members)
         n = len(members)
         rates = numpy.array(bandwidth, dtype=numpy.float64).reshape(n, n)
+        delays = numpy.array(latency, dtype=numpy.float64).reshape(n, n)
+        delays[rates == 0] = math.nan
         rates[rates == 0] = math.nan
-        rates.flat[unreachable] = 0.0
+        rates.flat[[*unreachable, *self._blocked_indices(members)]] = 0.0
         numpy.fill_diagonal(rates, math.nan)
+        numpy.fill_diagonal(delays, math.nan)
         ring = tuple(p for p in self._rings.get(peer_group, ()) if p in members)
         return TopologyView(
             peers=members,
             bandwidth=rates,
-            latency=numpy.array(latency, dtype=numpy.float64).reshape(n, n),
+            latency=delays,
             ring=ring,
             predicted_seconds=self._predicted(peer_group, members, ring),
             reference_bytes=self._reference_bytes,
@@ -1288,20 +1292,27 @@ class MasterCore:
         voters = [p for p in accepted if p.state is PeerState.VOTE_OPTIMIZE]
         if not voters:
             return
-        blocker = next((p for p in accepted if p.state is PeerState.VOTE_ESTABLISH), None)
-        if blocker is not None:
-            # Both votes span every group and neither can complete: refuse this one.
+        establishing = [p for p in accepted if p.state is PeerState.VOTE_ESTABLISH]
+        if establishing:
+            # Both votes span every group and neither can complete: refuse this one. Peers
+            # that only re-establish their ring (after an aborted all-reduce, before their
+            # own optimize_topology) are joined, not fought: the voters take part in that
+            # round, then vote again.
+            blocker = establishing[0]
+            rejoin = not any(p.accept_new_peers for p in establishing)
+            if rejoin:
+                error = (
+                    f"peer {blocker.peer_id} re-establishes the ring (after an aborted "
+                    "all-reduce): join that round, then vote again"
+                )
+            else:
+                error = (
+                    f"peer {blocker.peer_id} called update_topology while this peer called "
+                    "optimize_topology; every peer must make the same calls in the same order"
+                )
             for peer in voters:
                 self._apply(peer, PeerEvent.OPTIMIZE_REFUSED)
-                self._send(
-                    peer,
-                    TopologyOptimized(
-                        optimization=0,
-                        error=f"peer {blocker.peer_id} called update_topology while this peer "
-                        "called optimize_topology; every peer must make the same calls in the "
-                        "same order",
-                    ),
-                )
+                self._send(peer, TopologyOptimized(optimization=0, error=error, rejoin=rejoin))
             return
         if len(voters) == len(accepted) and self._round is None:
             self._start_optimization(voters)
@@ -1479,6 +1490,7 @@ class MasterCore:
         self._optimization = None
         participants = [self._peers[p] for p in sorted(current.participants)]
         reports: dict[int, TopologyOptimized] = {}
+        searches: list[tuple[int, list[int], list[int]]] = []
         for group, members in sorted(self._groups(participants).items()):
             solved, proven = current.solved.get(group, ((), False))
             ring = [p for p in solved if p in members]
@@ -1495,17 +1507,19 @@ class MasterCore:
             if len(ring) == len(members):
                 new = ring_cost(cost, [index[p] for p in ring])[0]
             old = ring_cost(cost, [index[p] for p in kept])[0]
-            optimal = proven
+            optimal = proven and math.isfinite(new)
             if not (math.isfinite(new) and new * (1 + KEEP_MARGIN) < old):
                 # Not clearly faster (measurement noise): keep the connections we have.
-                optimal = proven and old <= new
+                optimal = optimal and old <= new
                 ring = kept
             self._rings[group] = ring
             reports[group] = self._report(current.number, group, members, ring, optimal)
             if not proven and len(members) >= 3 and self._search_seconds > 0:
-                self._searches[group] = self._solve(group, members, background=True, start=ring)
+                searches.append((group, members, ring))
         for peer in participants:
             self._send(peer, reports[peer.peer_group])
+        for group, members, ring in searches:
+            self._searches[group] = self._solve(group, members, background=True, start=ring)
         self._start_round(accept_new=False)
 
     def _report(
@@ -1526,6 +1540,7 @@ class MasterCore:
         unreachable: list[int] = []
         if len(members) <= MATRIX_LIMIT:
             bandwidth, latency, unreachable = store.matrices(members)
+            unreachable = sorted(set(unreachable) | set(self._blocked_indices(members)))
         return TopologyOptimized(
             optimization=number,
             peers=tuple(members),
@@ -1537,6 +1552,14 @@ class MasterCore:
             reference_bytes=self._reference_bytes,
             optimal=optimal,
         )
+
+    def _blocked_indices(self, members: Sequence[int]) -> list[int]:
+        """Flat matrix indices of the links among ``members`` a round found unreachable."""
+        index = {p: i for i, p in enumerate(members)}
+        return [
+            index[a] * len(members) + index[b]
+            for a, b in self._unreachable if a in index and b in index
+        ]
 
     def _cost(self, group: int, members: Sequence[int]) -> numpy.ndarray:
         """Seconds per chunk of a reference all-reduce over each link among ``members``;
@@ -1570,6 +1593,17 @@ class MasterCore:
         candidate = self._candidates.pop(group, None)
         if candidate is None or candidate.members != members:
             return
+        # Judge it on what is known now: a round may have found one of its links
+        # unreachable since the search began.
+        peers = sorted(members)
+        index = {p: i for i, p in enumerate(peers)}
+        cost = self._cost(group, peers)
+        installed = [p for p in self._rings.get(group, ()) if p in index]
+        found = ring_cost(cost, [index[p] for p in candidate.ring])[0]
+        if len(installed) == len(peers):
+            before = ring_cost(cost, [index[p] for p in installed])[0]
+            if not (math.isfinite(found) and found * (1 + KEEP_MARGIN) < before):
+                return
         log.info(
             "peer group %d: installing the ring %s found by the background search",
             group, list(candidate.ring),

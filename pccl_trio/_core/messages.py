@@ -571,7 +571,9 @@ class TopologyOptimized(Message):
     flat indices of links that could not be measured; the matrices are left empty for
     groups larger than ``MATRIX_LIMIT``. ``ring`` is the solved ring, ``predicted_seconds``
     its predicted time for an all-reduce of ``reference_bytes`` (negative: unknown, some
-    link of it unmeasured), and ``optimal`` whether no ring is predicted faster.
+    link of it unmeasured), and ``optimal`` whether no ring is predicted faster. A refusal
+    with ``rejoin`` means other peers re-establish the ring (after an aborted all-reduce):
+    the peer joins that round, then votes again.
     """
 
     optimization: int
@@ -584,6 +586,7 @@ class TopologyOptimized(Message):
     predicted_seconds: float = -1.0
     reference_bytes: int = 0
     optimal: bool = False
+    rejoin: bool = False  # refused because peers re-establish the ring: join, then vote again
 
     def _validate(self) -> None:
         n = len(self.peers)

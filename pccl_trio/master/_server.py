@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import trio
+import trio.testing
 
 from .. import topology
 from .._config import Config
@@ -78,8 +79,8 @@ class _MasterServer:
         self.ids = itertools.count(1)
         self.solves: dict[int, threading.Event] = {}  # running solver jobs' stop switches
         self.nursery: trio.Nursery | None = None
-        # Ring searches run in worker threads on real sockets; inline otherwise (the
-        # in-memory network runs in virtual time, which would race past a thread).
+        # Ring searches run in worker threads; inline under a mock clock, whose virtual
+        # time would race past a thread (budgets then count moves: reproducible).
         self.threads = True
         self.ready: list[Event] = []  # results of inline searches, for the core
 
@@ -229,7 +230,7 @@ async def serve_master(
     server = _MasterServer(config or Config())
     async with trio.open_nursery() as nursery:
         server.nursery = nursery
-        server.threads = all(getattr(listener, "socket", None) is not None for listener in listeners)
+        server.threads = not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
         for listener in listeners:
             nursery.start_soon(server.accept_loop, listener, nursery)
         task_status.started([listener_address(listener) for listener in listeners])

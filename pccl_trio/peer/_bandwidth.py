@@ -41,6 +41,9 @@ __all__ = ["LinkMeasurement", "measure_link", "serve_benchmark"]
 
 #: Largest data frame a benchmark server sends.
 FRAME_BYTES = 1 << 20
+#: Seconds a measurement aims to stay within (a link slower than about 4 Mbit/s takes
+#: longer: its first 256 KiB transfer alone does).
+BUDGET_SECONDS = 0.8
 #: Frame size a measuring peer asks for.
 MEASURE_FRAME_BYTES = 64 << 10
 _ZEROS = memoryview(bytes(FRAME_BYTES))
@@ -84,7 +87,7 @@ def measure_link(
     peer_id: int,
     frame_bytes: int,
     min_seconds: float = 0.15,
-    budget_seconds: float = 0.8,
+    budget_seconds: float = BUDGET_SECONDS,
     max_bytes: int = 64 << 20,
 ) -> Protocol[LinkMeasurement]:
     """The measuring peer's side (see the module docstring); the connection's first

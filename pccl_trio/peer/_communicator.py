@@ -449,13 +449,26 @@ class Communicator:
         if self._world is not None and self._world.global_world_size < 2:
             return
         with self._operation("optimize_topology"):
-            await self._vote(VoteOptimizeTopology())
-            while not isinstance(
-                message := await self._wait_for((MeasureLink, TopologyOptimized)),
-                TopologyOptimized,
-            ):
-                assert isinstance(message, MeasureLink)
-                await self._send(await self._report_link(message))
+            while True:
+                await self._vote(VoteOptimizeTopology())
+                while not isinstance(
+                    message := await self._wait_for((MeasureLink, TopologyOptimized)),
+                    TopologyOptimized,
+                ):
+                    assert isinstance(message, MeasureLink)
+                    await self._send(await self._report_link(message))
+                if not message.rejoin:
+                    break
+                # Peers of another group re-establish their ring after an aborted
+                # all-reduce (as their own optimize_topology does first): take part in
+                # that round, then vote again.
+                await self._vote(VoteEstablish(accept_new_peers=False))
+                if not await self._establish_round():
+                    self._ring_stale = True
+                    raise TopologyOptimizationFailed(
+                        "a re-establishment round other peers needed failed; call "
+                        "optimize_topology() again"
+                    )
             if message.error:
                 raise InvalidUsage(message.error)
             self._topology = _topology_info(message)
@@ -475,8 +488,12 @@ class Communicator:
     async def _report_link(self, request: MeasureLink) -> LinkMeasured:
         """Measure the link the master asked for; a failure is reported, not raised."""
         source = request.source
+        # Connecting, the measurement's own budget, and one liveness timeout of silence
+        # from a sender that stalls: the report then names the link, well within the
+        # master's step deadline (Config.round_timeout).
+        bound = self._config.connect_timeout + bandwidth.BUDGET_SECONDS + self._liveness_timeout
         try:
-            with trio.fail_after(self._config.connect_timeout + 2 * self._idle_timeout()):
+            with trio.fail_after(bound):
                 result = await self._measure_link(source)
         except (OSError, trio.TooSlowError, trio.BrokenResourceError,
                 trio.ClosedResourceError, RemoteProtocolError) as exc:
@@ -825,7 +842,7 @@ class Communicator:
         ``InvalidUsage``); everything else is raised by ``await handle.wait()``.
         """
         self._check_connected()
-        if self._busy in ("update_topology", "sync_shared_state"):
+        if self._busy in ("update_topology", "sync_shared_state", "optimize_topology"):
             raise InvalidUsage(f"all_reduce() while {self._busy}() runs on this communicator")
         xp, send_array, result = self._check_reduce_arguments(
             send, recv, op, tag, quantization, distribution_hint
@@ -1798,12 +1815,26 @@ class Communicator:
         if result.success:
             self._ring = result.ring
             self._world = result.world
+            self._follow_ring(result.ring)
             self._expected_senders = {predecessor} if predecessor is not None else set()
             log.info(
                 "peer %d: round %d done, ring %s, world %d",
                 self._peer_id, result.round, list(result.ring), result.world.global_world_size,
             )
         return result.success
+
+    def _follow_ring(self, ring: tuple[int, ...]) -> None:
+        """Keep ``topology`` about the installed ring: a round may install another order
+        of the same peers (a better ring the master's background search found)."""
+        info = self._topology
+        if info is None or ring == info.ring or sorted(ring) != sorted(info.peers):
+            return
+        self._topology = dataclasses.replace(
+            info,
+            ring=ring,
+            predicted_seconds=info.predict(info.reference_bytes, ring),
+            optimal=False,
+        )
 
     # --- shutdown ------------------------------------------------------------------
 

@@ -145,14 +145,27 @@ def solve(
     """The exact optimum up to ``EXACT_LIMIT`` peers, the heuristic's best beyond
     (improving on ``start``, if given)."""
     if len(cost) <= EXACT_LIMIT:
-        return solve_exact(cost)
+        return solve_exact(cost, start=start, should_stop=should_stop)
     return solve_heuristic(
         cost, iterations=iterations, seed=seed, start=start, should_stop=should_stop
     )
 
 
-def solve_exact(cost: Matrix) -> Ring:
-    """The ring with the smallest ``(bottleneck, total)`` (see the module docstring)."""
+class _Stopped(Exception):
+    """The caller's ``should_stop`` said stop."""
+
+
+def solve_exact(
+    cost: Matrix,
+    *,
+    start: Sequence[int] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> Ring:
+    """The ring with the smallest ``(bottleneck, total)`` (see the module docstring).
+
+    ``should_stop`` is polled every 256 subsets; True returns ``start`` (or the
+    identity order) at once, not marked optimal.
+    """
     cost = _square(cost)
     n = len(cost)
     if n <= 3:  # one ring (two for three peers, compared directly)
@@ -160,18 +173,29 @@ def solve_exact(cost: Matrix) -> Ring:
         if n == 3:
             candidates.append(ring_of(cost, (0, 2, 1)))
         return dataclasses.replace(min(candidates, key=Ring.key), optimal=True)
-    bottleneck, bottleneck_order = _held_karp(cost, numpy.maximum)
-    allowed = numpy.where(cost <= bottleneck, cost, math.inf)
-    total, order = _held_karp(allowed, numpy.add)
+    try:
+        bottleneck, bottleneck_order = _held_karp(cost, numpy.maximum, should_stop)
+        allowed = numpy.where(cost <= bottleneck, cost, math.inf)
+        total, order = _held_karp(allowed, numpy.add, should_stop)
+    except _Stopped:
+        return ring_of(cost, range(n) if start is None else start)
     if not math.isfinite(total):
         # Every ring uses an unusable link: keep the bottleneck order found first.
         order = bottleneck_order
     return dataclasses.replace(ring_of(cost, order), optimal=True)
 
 
-def _held_karp(cost: Matrix, combine: Callable[[Matrix, Matrix], Matrix]) -> tuple[float, list[int]]:
+def _held_karp(
+    cost: Matrix,
+    combine: Callable[[Matrix, Matrix], Matrix],
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[float, list[int]]:
     """The best Hamiltonian cycle through node 0 under ``combine`` (``maximum`` for the
-    bottleneck, ``add`` for the total); returns its value and order."""
+    bottleneck, ``add`` for the total); returns its value and order.
+
+    Raises:
+        _Stopped: ``should_stop`` returned True.
+    """
     n = len(cost)
     size = 1 << (n - 1)  # subsets of the nodes 1..n-1
     best = numpy.full((size, n), math.inf)
@@ -180,6 +204,8 @@ def _held_karp(cost: Matrix, combine: Callable[[Matrix, Matrix], Matrix]) -> tup
         best[1 << (j - 1), j] = cost[0, j]
     nodes = numpy.arange(n)
     for mask in range(1, size):
+        if should_stop is not None and mask % 256 == 0 and should_stop():
+            raise _Stopped
         members = [j for j in range(1, n) if mask >> (j - 1) & 1]
         if len(members) < 2:
             continue

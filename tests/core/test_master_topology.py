@@ -697,13 +697,59 @@ def test_optimize_is_refused_when_another_peer_updates_the_topology() -> None:
         (refusal,) = [a.message for a in only(actions, conn)]  # type: ignore[union-attr]
         assert isinstance(refusal, TopologyOptimized) and refusal.optimization == 0
         assert "peer 3 called update_topology" in refusal.error
-        assert "optimize_topology" in refusal.error
+        assert "optimize_topology" in refusal.error and not refusal.rejoin
         assert h.where(conn) == (ACC, IDLE)
     assert h.where(3) == (ACC, VOTED) and only(actions, 3) == []
     # The refused peers follow the other call: the round runs.
     h.vote(1)
     h.vote(2)
     assert h.core.round_in_progress
+
+
+def test_optimize_joins_a_round_that_only_re_establishes_the_ring() -> None:
+    """Group 1 re-establishes its ring after an aborted all-reduce (as its own
+    optimize_topology does first) while group 0 votes to optimize: group 0 is told to
+    join that round (``rejoin``), and afterwards everyone optimizes together."""
+    h = MasterHarness()
+    form(h, {1: 0, 2: 0, 3: 1, 4: 1})
+    h.vote(3, accept=False)
+    actions = h.optimize(1) + h.optimize(2)
+    for conn in (1, 2):
+        (refusal,) = [a.message for a in only(actions, conn)]  # type: ignore[union-attr]
+        assert isinstance(refusal, TopologyOptimized) and refusal.rejoin
+        assert "re-establishes the ring" in refusal.error
+        h.vote(conn, accept=False)
+    h.vote(4, accept=False)
+    finish_round(h, (1, 2, 3, 4))
+    optimize_all(h, (1, 2, 3, 4))
+    assert h.core.optimization_in_progress
+
+
+def test_a_background_ring_using_a_link_found_unreachable_since_is_dropped() -> None:
+    """The background search judges its ring on the links as measured when it began; the
+    optimization's round then found one of that ring's links unreachable: the better
+    ring it reports is not installed, the working ring stays."""
+    h = MasterHarness(reference_bytes=REFERENCE)
+    conns = (1, 2, 3, 4)
+    form(h, group0(*conns))
+    optimize_all(h, conns)
+    measure_all(h, two_rings_rate())
+    (job,) = h.pending_solves()
+    (search,) = solver_actions(
+        h.answer(job.job, order=indices(job.peers, FAST_RING), optimal=False)
+    )
+    assert isinstance(search, Solve)
+    # The round on FAST_RING fails: peer 1 reports peer 4 unreachable (1 -> 4 is
+    # REVERSE_RING's first hop); a retry round goes through.
+    for conn in conns:
+        h.report(conn, ok=conn != 1, failed=(4,) if conn == 1 else ())
+    for conn in conns:
+        h.vote(conn, accept=False)
+    assert finish_round(h, conns).ring == FAST_RING
+    h.answer(search.job, order=indices(search.peers, REVERSE_RING), optimal=True)
+    for conn in conns:
+        h.vote(conn)
+    assert h.last(1, P2PInfo).ring == FAST_RING
 
 
 def test_optimize_after_update_topology_is_refused_at_once() -> None:

@@ -336,7 +336,74 @@ async def test_a_background_search_improves_the_ring_at_the_next_update(
         assert info.predict(info.reference_bytes, second) < info.predict(
             info.reference_bytes, first
         )
+        # What the communicators show follows the ring installed.
+        for comm in comms:
+            now = comm.topology
+            assert now is not None and now.ring == second and not now.optimal
+            assert now.predicted_seconds == pytest.approx(
+                info.predict(info.reference_bytes, second)
+            )
         await timed_all_reduce(comms)
         for comm in comms:
             await comm.aclose()
     scope.cancel()
+
+
+async def test_an_all_reduce_during_optimize_topology_is_refused(
+    cluster: Cluster, clock: object
+) -> None:
+    """Starting an all-reduce while this communicator optimizes is a usage error for
+    this call alone; the optimization goes on."""
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        voted = trio.Event()
+        vote = comms[0]._vote
+
+        async def vote_and_tell(message: object) -> None:
+            await vote(message)  # type: ignore[arg-type]
+            voted.set()
+
+        comms[0]._vote = vote_and_tell  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            for comm in comms:
+                nursery.start_soon(comm.optimize_topology)
+            await voted.wait()
+            with pytest.raises(pccl.InvalidUsage, match="optimize_topology"):
+                comms[0].all_reduce_async(np.ones(4, dtype=np.float32))
+        await timed_all_reduce(comms)
+        for comm in comms:
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_groups_optimize_together_after_one_lost_a_peer(
+    cluster: Cluster, clock: object
+) -> None:
+    """A peer of group 0 dies, so group 0's all-reduce aborts and its ring must be
+    re-established (a round, which spans every group) before its optimize_topology
+    votes; group 1's peers vote to optimize meanwhile. They join that round, then all
+    optimize together."""
+    with trio.fail_after(300):
+        comms = await form_run(
+            [], [cluster.communicator(f"p{i}", peer_group=0 if i < 3 else 1) for i in range(5)]
+        )
+        await cluster.kill("p2", comms[2])
+        group0, group1 = comms[:2], comms[3:]
+
+        async def reduce_then_optimize(comm: pccl.Communicator) -> None:
+            with pytest.raises(pccl.CollectiveAborted):
+                await comm.all_reduce(np.ones(4, dtype=np.float32))
+            await comm.optimize_topology()
+
+        async with trio.open_nursery() as nursery:
+            for comm in group0:
+                nursery.start_soon(reduce_then_optimize, comm)
+            for comm in group1:
+                nursery.start_soon(comm.optimize_topology)
+        for group in (group0, group1):
+            ids = sorted(c.peer_id for c in group)
+            assert all(sorted(c.ring) == ids for c in group)
+            assert all(c.topology is not None and sorted(c.topology.peers) == ids for c in group)
+            await timed_all_reduce(group)
+        for comm in [*group0, *group1]:
+            await comm.aclose()

@@ -158,3 +158,18 @@ def test_the_lower_bound_is_a_lower_bound(n: int) -> None:
     for seed in range(4):
         cost = random_costs(n, seed, holes=0.2)
         assert bottleneck_lower_bound(cost) <= solve_exact(cost).bottleneck
+
+
+def test_the_exact_solver_stops_when_told() -> None:
+    cost = numpy.random.default_rng(11).uniform(1, 100, size=(12, 12))
+    numpy.fill_diagonal(cost, numpy.inf)
+    polls = []
+
+    def should_stop() -> bool:
+        polls.append(1)
+        return True
+
+    stopped = solve_exact(cost, start=list(range(11, -1, -1)), should_stop=should_stop)
+    assert polls == [1] and not stopped.optimal
+    assert stopped == ring_of(cost, list(range(11, -1, -1)))
+    assert solve_exact(cost, should_stop=lambda: False) == solve_exact(cost)
