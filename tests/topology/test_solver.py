@@ -64,6 +64,47 @@ def test_exact_solver_matches_brute_force(n: int, holes: float) -> None:
         assert ring.key() == brute_force(cost), (n, seed)
 
 
+def smallest_total_within(cost: numpy.ndarray, threshold: float) -> float:
+    """The smallest total of a ring whose every hop costs at most ``threshold`` (inf if
+    none): depth-first over the links allowed, pruned by the best total so far."""
+    n = len(cost)
+    best = math.inf
+    path, used = [0], [True] + [False] * (n - 1)
+
+    def extend(total: float) -> None:
+        nonlocal best
+        if total >= best:
+            return
+        last = path[-1]
+        if len(path) == n:
+            if cost[last, 0] <= threshold:
+                best = min(best, total + cost[last, 0])
+            return
+        for nxt in range(1, n):
+            if not used[nxt] and cost[last, nxt] <= threshold:
+                used[nxt] = True
+                path.append(nxt)
+                extend(total + cost[last, nxt])
+                path.pop()
+                used[nxt] = False
+
+    extend(0.0)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("holes", [0.0, 0.3], ids=["dense", "holes"])
+def test_exact_solver_is_optimal_for_ten_peers(seed: int, holes: float) -> None:
+    """Ten peers (brute force over 9! orders is too slow here): no ring avoids every
+    link above the solver's slowest hop, and none within it has a smaller total."""
+    cost = random_costs(10, seed, holes=holes)
+    ring = solve_exact(cost)
+    assert sorted(ring.order) == list(range(10)) and ring.optimal
+    below = numpy.nextafter(ring.bottleneck, -math.inf)
+    assert smallest_total_within(cost, below) == math.inf
+    assert smallest_total_within(cost, ring.bottleneck) == pytest.approx(ring.total)
+
+
 def test_exact_solver_is_fast_enough_for_twelve_peers() -> None:
     ring = solve_exact(random_costs(12, 0))
     assert sorted(ring.order) == list(range(12))
