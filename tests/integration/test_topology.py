@@ -407,3 +407,45 @@ async def test_groups_optimize_together_after_one_lost_a_peer(
             await timed_all_reduce(group)
         for comm in [*group0, *group1]:
             await comm.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_a_peer_going_silent_while_measured(cluster: Cluster, clock: object) -> None:
+    """A peer's cable is pulled while another measures the link from it: the master
+    removes it at its liveness timeout, the measuring peer gives up on it, and the
+    others' call installs a ring of the survivors."""
+    assert cluster.memory is not None
+    memory = cluster.memory
+    with trio.fail_after(300):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(4)])
+        silent = comms[1]
+        measure = comms[0]._measure_link
+
+        async def pull_the_cable(endpoint: object) -> object:
+            if getattr(endpoint, "peer_id", None) == silent.peer_id:
+                memory.partition("p1")
+            return await measure(endpoint)  # type: ignore[arg-type]
+
+        comms[0]._measure_link = pull_the_cable  # type: ignore[method-assign]
+        survivors = [c for c in comms if c is not silent]
+
+        async def optimize(comm: pccl.Communicator) -> None:
+            try:
+                await comm.optimize_topology()
+            except pccl.TopologyOptimizationFailed:
+                await comm.optimize_topology()
+
+        async with trio.open_nursery() as nursery:
+            for comm in survivors:
+                nursery.start_soon(optimize, comm)
+
+            async def silent_peer() -> None:
+                with pytest.raises(pccl.PCCLError):
+                    await silent.optimize_topology()
+
+            nursery.start_soon(silent_peer)
+        ids = sorted(c.peer_id for c in survivors)
+        assert all(sorted(c.ring) == ids for c in survivors)
+        await timed_all_reduce(survivors)
+        for comm in comms:
+            await comm.aclose()
