@@ -446,6 +446,24 @@ class _Collective:
 COLLECTIVE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
 
 
+def _check_member_vote(peer: _Peer, vote: Message) -> None:
+    """A vote that changes the peer's state: only from a member with no collective in
+    flight (it would stall the collective's other peers)."""
+    name = type(vote).__name__
+    if peer.phase is not PeerPhase.ACCEPTED:
+        raise RemoteProtocolError(f"{name} before being accepted into the run")
+    if peer.collectives:
+        raise RemoteProtocolError(
+            f"{name} with collectives in flight (tags {sorted(peer.collectives)})"
+        )
+
+
+def _clearly_faster(new: float, old: float) -> bool:
+    """Whether a ring whose slowest hop costs ``new`` is worth replacing one at ``old``
+    (``KEEP_MARGIN``)."""
+    return math.isfinite(new) and new * (1 + KEEP_MARGIN) < old
+
+
 def _format_links(members: Sequence[int], store: BandwidthStore) -> str:
     """A table of the measured rates (Mbit/s) among ``members``: ``-`` unknown, ``x``
     unreachable."""
@@ -657,19 +675,12 @@ class MasterCore:
                 case Register():
                     raise RemoteProtocolError("Register on a connection already registered")
                 case VoteEstablish(accept_new_peers=accept):
-                    if peer.phase is not PeerPhase.ACCEPTED:
-                        raise RemoteProtocolError(
-                            "VoteEstablish before being accepted into the run"
-                        )
+                    _check_member_vote(peer, message)
                     if self._round is not None and peer.peer_id in self._round.participants:
                         # CONNECT_FAILED allows a vote, but only once the verdict is out:
                         # a participant leaving CONNECT_FAILED early would stall the round.
                         raise RemoteProtocolError(
                             "VoteEstablish before the result of its establishment round"
-                        )
-                    if peer.collectives:
-                        raise RemoteProtocolError(
-                            f"VoteEstablish with collectives in flight (tags {sorted(peer.collectives)})"
                         )
                     self._apply(peer, PeerEvent.VOTE_ESTABLISH)
                     peer.accept_new_peers = accept
@@ -696,15 +707,7 @@ class MasterCore:
                 case SharedStateDone(sync=number, success=success, reason=reason):
                     self._on_sync_done(peer, number, success, reason)
                 case VoteOptimizeTopology():
-                    if peer.phase is not PeerPhase.ACCEPTED:
-                        raise RemoteProtocolError(
-                            "VoteOptimizeTopology before being accepted into the run"
-                        )
-                    if peer.collectives:
-                        raise RemoteProtocolError(
-                            "VoteOptimizeTopology with collectives in flight (tags "
-                            f"{sorted(peer.collectives)})"
-                        )
+                    _check_member_vote(peer, message)
                     self._apply(peer, PeerEvent.VOTE_OPTIMIZE)
                 case LinkMeasured():
                     self._on_link_measured(peer, message)
@@ -1163,12 +1166,7 @@ class MasterCore:
     # --- shared state ----------------------------------------------------------------
 
     def _on_sync_vote(self, conn: _Conn, peer: _Peer, message: SharedStateVote) -> None:
-        if peer.phase is not PeerPhase.ACCEPTED:
-            raise RemoteProtocolError("SharedStateVote before being accepted into the run")
-        if peer.collectives:
-            raise RemoteProtocolError(
-                f"SharedStateVote with collectives in flight (tags {sorted(peer.collectives)})"
-            )
+        _check_member_vote(peer, message)
         self._apply(peer, PeerEvent.VOTE_SYNC)
         expected = self._expected_revision.get(peer.peer_group)
         if expected is not None and message.revision > expected:
@@ -1461,7 +1459,7 @@ class MasterCore:
         index = {p: i for i, p in enumerate(search.peers)}
         found = ring_cost(search.cost, [index[p] for p in order])
         before = ring_cost(search.cost, [index[p] for p in installed])
-        if found[0] * (1 + KEEP_MARGIN) < before[0]:
+        if _clearly_faster(found[0], before[0]):
             self._candidates[search.group] = _Candidate(
                 members=frozenset(members), ring=order, cost=search.cost, peers=search.peers
             )
@@ -1508,7 +1506,7 @@ class MasterCore:
                 new = ring_cost(cost, [index[p] for p in ring])[0]
             old = ring_cost(cost, [index[p] for p in kept])[0]
             optimal = proven and math.isfinite(new)
-            if not (math.isfinite(new) and new * (1 + KEEP_MARGIN) < old):
+            if not _clearly_faster(new, old):
                 # Not clearly faster (measurement noise): keep the connections we have.
                 optimal = optimal and old <= new
                 ring = kept
@@ -1602,7 +1600,7 @@ class MasterCore:
         found = ring_cost(cost, [index[p] for p in candidate.ring])[0]
         if len(installed) == len(peers):
             before = ring_cost(cost, [index[p] for p in installed])[0]
-            if not (math.isfinite(found) and found * (1 + KEEP_MARGIN) < before):
+            if not _clearly_faster(found, before):
                 return
         log.info(
             "peer group %d: installing the ring %s found by the background search",

@@ -394,25 +394,14 @@ class Communicator:
                 again is safe.
             MasterConnectionError, Kicked: the run is over for this peer.
         """
-        self._check_connected()
-        if self._tags_in_flight:
-            raise InvalidUsage(
-                f"update_topology() while all-reduces are in flight (tags "
-                f"{sorted(self._tags_in_flight)}); await them first"
-            )
+        self._check_idle("update_topology")
         # Bring a ring left stale by an abort up to date first, as every survivor does
         # before its next collective call (some did it already, at the end of the abort):
         # the peers then vote in the same rounds, whatever the timing.
         await self._ensure_ring()
         with self._operation("update_topology"):
-            for _attempt in range(self._config.establish_attempts):
-                await self._vote(VoteEstablish(accept_new_peers=True))
-                if await self._establish_round():
-                    self._ring_stale = False
-                    return
-            # The master holds this peer as CONNECT_FAILED: only a topology vote is
-            # allowed next, so every other collective call re-establishes first.
-            self._ring_stale = True
+            if await self._establish_rounds(accept_new_peers=True):
+                return
             raise UpdateTopologyFailed(
                 f"the ring could not be established in {self._config.establish_attempts} "
                 "rounds (peers kept failing or leaving); call update_topology() again"
@@ -439,12 +428,7 @@ class Communicator:
                 meanwhile (the message says which).
             MasterConnectionError, Kicked: the run is over for this peer.
         """
-        self._check_connected()
-        if self._tags_in_flight:
-            raise InvalidUsage(
-                f"optimize_topology() while all-reduces are in flight (tags "
-                f"{sorted(self._tags_in_flight)}); await them first"
-            )
+        self._check_idle("optimize_topology")
         await self._ensure_ring()  # see update_topology
         if self._world is not None and self._world.global_world_size < 2:
             return
@@ -472,13 +456,9 @@ class Communicator:
             if message.error:
                 raise InvalidUsage(message.error)
             self._topology = _topology_info(message)
-            for attempt in range(self._config.establish_attempts):
-                if attempt:
-                    await self._vote(VoteEstablish(accept_new_peers=False))
-                if await self._establish_round():
-                    self._ring_stale = False
-                    return
-            self._ring_stale = True
+            # The master starts the first round itself, right after its report.
+            if await self._establish_rounds(accept_new_peers=False, voted=True):
+                return
             raise TopologyOptimizationFailed(
                 f"the optimized ring could not be established in "
                 f"{self._config.establish_attempts} rounds (peers kept failing or leaving); "
@@ -544,11 +524,7 @@ class Communicator:
             raise InvalidArgument(
                 f"strategy must be a pccl_trio.SharedStateSyncStrategy, got {strategy!r}"
             )
-        if self._tags_in_flight:
-            raise InvalidUsage(
-                f"sync_shared_state() while all-reduces are in flight (tags "
-                f"{sorted(self._tags_in_flight)}); await them first"
-            )
+        self._check_idle("sync_shared_state")
         tensors = sharing.prepare_state(state)
         await self._ensure_ring()  # see update_topology
         with self._operation("sync_shared_state"):
@@ -1253,15 +1229,29 @@ class Communicator:
                 await self._ring_lot.park()
                 continue
             with self._operation("re-establishing the ring"):
-                for _attempt in range(self._config.establish_attempts):
-                    await self._vote(VoteEstablish(accept_new_peers=False))
-                    if await self._establish_round():
-                        self._ring_stale = False
-                        return
+                if await self._establish_rounds(accept_new_peers=False):
+                    return
             raise UpdateTopologyFailed(
                 "the ring could not be re-established after an aborted collective; "
                 "call update_topology()"
             )
+
+    async def _establish_rounds(self, *, accept_new_peers: bool, voted: bool = False) -> bool:
+        """Vote and take part in establishment rounds until one succeeds, at most
+        ``Config.establish_attempts`` of them (``voted``: the first needs no vote).
+
+        On failure the ring stays stale: the master holds this peer as CONNECT_FAILED,
+        where only a topology vote is allowed, so every other collective call
+        re-establishes first.
+        """
+        for attempt in range(self._config.establish_attempts):
+            if attempt or not voted:
+                await self._vote(VoteEstablish(accept_new_peers=accept_new_peers))
+            if await self._establish_round():
+                self._ring_stale = False
+                return True
+        self._ring_stale = True
+        return False
 
     def get_attribute(self, attribute: Attribute) -> int:
         """A world-size attribute, as of the last successful topology update."""
@@ -1316,6 +1306,15 @@ class Communicator:
         if self._status is not _Status.CONNECTED:
             raise InvalidUsage(
                 f"the communicator is {self._status.name.lower()}; call connect() first"
+            )
+
+    def _check_idle(self, name: str) -> None:
+        """Connected, with no all-reduce in flight (``name`` is the call asking)."""
+        self._check_connected()
+        if self._tags_in_flight:
+            raise InvalidUsage(
+                f"{name}() while all-reduces are in flight (tags "
+                f"{sorted(self._tags_in_flight)}); await them first"
             )
 
     @contextmanager
@@ -1559,37 +1558,20 @@ class Communicator:
         try:
             with trio.fail_after(self._config.connect_timeout):
                 hello = await framed.receive_message_exact()
-                if isinstance(hello, BenchmarkRequest):
-                    if hello.protocol_version != PROTOCOL_VERSION:
-                        raise RemoteProtocolError(
-                            f"peer {hello.peer_id} speaks protocol {hello.protocol_version}, "
-                            f"this peer {PROTOCOL_VERSION}"
-                        )
-                    benchmark = hello
-                else:
-                    benchmark = None
-            if benchmark is not None:
-                await self._run_protocol(framed, bandwidth.serve_benchmark(benchmark))
+            if not isinstance(hello, P2PHello | SharedStateRequest | BenchmarkRequest):
+                raise RemoteProtocolError(f"expected P2PHello, got {type(hello).__name__}")
+            if hello.protocol_version != PROTOCOL_VERSION:
+                raise RemoteProtocolError(
+                    f"peer {hello.peer_id} speaks protocol {hello.protocol_version}, "
+                    f"this peer {PROTOCOL_VERSION}"
+                )
+            if isinstance(hello, BenchmarkRequest):
+                await self._run_protocol(framed, bandwidth.serve_benchmark(hello))
                 return
-            serve_request = None
             if isinstance(hello, SharedStateRequest):
-                if hello.protocol_version != PROTOCOL_VERSION:
-                    raise RemoteProtocolError(
-                        f"peer {hello.peer_id} speaks protocol {hello.protocol_version}, "
-                        f"this peer {PROTOCOL_VERSION}"
-                    )
-                serve_request = hello
-            if serve_request is not None:
-                await self._serve_shared_state(framed, serve_request)
+                await self._serve_shared_state(framed, hello)
                 return
             with trio.fail_after(self._config.connect_timeout):
-                if not isinstance(hello, P2PHello):
-                    raise RemoteProtocolError(f"expected P2PHello, got {type(hello).__name__}")
-                if hello.protocol_version != PROTOCOL_VERSION:
-                    raise RemoteProtocolError(
-                        f"peer {hello.peer_id} speaks protocol {hello.protocol_version}, "
-                        f"this peer {PROTOCOL_VERSION}"
-                    )
                 if hello.slot >= 1024:
                     raise RemoteProtocolError(f"pool slot {hello.slot} out of range")
                 # Only a predecessor the master named may connect; its round's info may
