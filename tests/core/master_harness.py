@@ -17,13 +17,22 @@ checks that a ``CancelSolve`` names a job that was emitted and is neither answer
 cancelled yet, that a receiver is never asked for a second link while one is
 unanswered, that nobody is asked to measure a link from itself, and that each peer gets
 at most one report (``TopologyOptimized``) per optimization.
+
+Every event it delivers, with the time and the actions that came back, is folded into
+``trace`` (a SHA-256 over a canonical text of each record, see ``canonical``): two
+runs with equal digests saw the core do exactly the same things in the same order.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import enum
+import hashlib
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
+
+import numpy
 
 from pccl_trio import topology
 from pccl_trio._core.master import (
@@ -122,6 +131,7 @@ class MasterHarness:
         self.answered: set[int] = set()
         self.unanswered: dict[int, MeasureLink] = {}
         self._reports: set[tuple[int, int]] = set()  # (conn, optimization)
+        self.trace = hashlib.sha256()
 
     # --- events ------------------------------------------------------------------------
 
@@ -129,6 +139,7 @@ class MasterHarness:
         if isinstance(event, SolveFinished):
             self.answered.add(event.job)
         actions = self.core.handle(event, self.now)
+        self.trace.update(f"{canonical(event)}@{self.now!r}->{canonical(actions)}\n".encode())
         for action in actions:
             match action:
                 case Solve(job=job):
@@ -385,6 +396,36 @@ class MasterHarness:
     def where(self, conn: int) -> tuple[PeerPhase, PeerState] | None:
         view = self.view(conn)
         return None if view is None else (view.phase, view.state)
+
+
+def canonical(value: Any) -> str:
+    """A text for ``value`` that depends only on what it holds: records by class name
+    and fields, integers (``IntEnum`` members too) by value, other enums by name, arrays
+    by dtype, shape and values."""
+    match value:
+        case bool():
+            return repr(value)
+        case enum.Enum() if not isinstance(value, int):
+            return f"{type(value).__name__}.{value.name}"
+        case int():
+            return str(int(value))
+        case float() | str() | None:
+            return repr(value)
+        case numpy.ndarray():
+            return f"array({value.dtype},{value.shape},{canonical(value.ravel().tolist())})"
+        case list() | tuple() | set() | frozenset():
+            items = sorted(map(canonical, value)) if isinstance(value, set | frozenset) else map(
+                canonical, value
+            )
+            return "[" + ",".join(items) + "]"
+        case dict():
+            return "{" + ",".join(f"{canonical(k)}:{canonical(v)}" for k, v in value.items()) + "}"
+        case _ if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = ",".join(
+                f"{f.name}={canonical(getattr(value, f.name))}" for f in dataclasses.fields(value)
+            )
+            return f"{type(value).__name__}({fields})"
+    raise TypeError(f"no canonical text for {value!r}")
 
 
 def default_solver(job: Solve) -> SolveFinished:
