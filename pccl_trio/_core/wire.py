@@ -40,6 +40,7 @@ __all__ = [
     "encode_control",
     "encode_data",
     "encode_data_header",
+    "max_payload",
     "parse_data_header",
 ]
 
@@ -84,6 +85,11 @@ def encode_data_header(*, tag: int, seq: int, offset: int, nbytes: int) -> bytes
     if nbytes < 0 or nbytes > 0xFFFFFFFF - _DATA_BODY_HEADER:
         raise LocalProtocolError(f"data payload of {nbytes} bytes does not fit in one frame")
     return DATA_HEADER.pack(_DATA_BODY_HEADER + nbytes, FrameType.DATA, tag, seq, offset, nbytes)
+
+
+def max_payload(max_data_frame: int) -> int:
+    """The largest payload a data frame may carry under a ``max_data_frame`` limit."""
+    return max_data_frame - _DATA_BODY_HEADER
 
 
 def encode_data(*, tag: int, seq: int, offset: int, payload: bytes | memoryview) -> bytes:

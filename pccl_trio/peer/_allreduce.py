@@ -13,7 +13,8 @@ peer votes, so that data frames can be accepted the moment the master commences 
   into the result buffer if the attempt is still live.
 * The **send side** is ``send_all``: one sender per pool connection, each sending its
   share of the slices in stream order, every slice as soon as the slice it forwards
-  has arrived (see ``RingSchedule``).
+  has arrived (see ``RingSchedule``). A sender is a protocol of ``_protocol``, so the
+  same code runs in a trio task or a worker thread.
 
 Readers and senders are trio tasks on streams without a socket of their own (the
 in-memory network), and worker threads blocking on ``SocketLink``s over TCP. The
@@ -48,9 +49,11 @@ from .._core.errors import RemoteProtocolError
 from .._core.ring import RingSchedule, Segment
 from .._types import ReduceInfo, ReduceOp
 from ..ops import Codec, NonFiniteData, combine_into, copy_into, finalize_average, reduce_into
-from ..transport import FramedStream, SocketLink, run_in_thread
+from ..transport import Connection, SocketLink
+from ._protocol import Protocol as IOProtocol
+from ._protocol import SendData, Wait, run_protocol
 
-__all__ = ["AllReduceAttempt", "AsyncReduceHandle", "BufferPool", "LocalFailure"]
+__all__ = ["AllReduceAttempt", "AsyncReduceHandle", "BufferPool", "LocalFailure", "ReduceResult"]
 
 
 class BufferPool:
@@ -109,7 +112,7 @@ class AllReduceAttempt:
         result: where the result goes (``send`` itself for in place).
         op: the reduction.
         tag: the user's tag.
-        world: ring size; rank: this peer's position in the ring.
+        ring: the peer group's ring (peer ids); rank: this peer's position in it.
         slice_bytes: the size of one slice in the buffer (unquantized, the payload of
             one data frame).
         codec: how slices are encoded on the wire; None sends the buffer's bytes.
@@ -123,7 +126,7 @@ class AllReduceAttempt:
         result: Any,
         op: ReduceOp,
         tag: int,
-        world: int,
+        ring: tuple[int, ...],
         rank: int,
         slice_bytes: int,
         buffers: BufferPool,
@@ -134,9 +137,10 @@ class AllReduceAttempt:
         self.buffers = buffers
         self.tag = tag
         self.op = op
-        self.seq = 0
-        self.ring: tuple[int, ...] = ()
-        self.predecessor: int | None = None
+        self.seq = 0  # the master's number for it, once it commences
+        self.ring = ring
+        self.predecessor = ring[rank - 1]
+        world = len(ring)
         self.send_array = send
         self.result = result
         self.in_place = send is result
@@ -178,7 +182,7 @@ class AllReduceAttempt:
         # Connections receiving a slice straight into the result buffer right now,
         # and (threads) connections a sender is writing a frame of ours on.
         self._direct_readers: set[_Cuttable] = set()
-        self._active_links: set[SocketLink] = set()
+        self._active_links: set[_Cuttable] = set()
         # Whether the data moved in worker threads (TCP), so restoring may too; on the
         # in-memory network everything stays in trio tasks (virtual time).
         self.uses_threads = False
@@ -472,54 +476,46 @@ class AllReduceAttempt:
             await self._lot.park()
         return True
 
-    async def _send_task(self, connection: FramedStream, slices: list[tuple[Segment, int]]) -> None:
-        scratch = self._scratch()
-        for segment, index in slices:
-            if segment.index and not await self._arrived(segment.index - 1, index):
-                return
-            try:
-                offset, payload = self._frame(segment, index, scratch)
-            except NonFiniteData as exc:
-                self.reject(exc)
-                return
-            try:
-                await connection.send_data(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                self.fail(f"sending to the next peer failed ({exc})")
-                return
-            self.tx_bytes += len(payload)
+    def _arrived_blocking(self, segment_index: int, slice_index: int) -> bool:
+        """``_arrived`` from a worker thread."""
+        done = self._progress.done[segment_index]
+        with self._lock:
+            while not done[slice_index] and self.failure is None and self.live:
+                self._changed.wait()
+            return self.failure is None and self.live
 
-    def _send_thread(self, link: SocketLink, slices: list[tuple[Segment, int]]) -> None:
+    def _send_slices(self, connection: Connection, slices: list[tuple[Segment, int]]) -> IOProtocol[None]:
+        """One sender: ``slices`` in order on ``connection``, each once it is ready."""
         scratch = self._scratch()
         for segment, index in slices:
-            with self._lock:
-                if segment.index:
-                    done = self._progress.done[segment.index - 1]
-                    while not done[index] and self.failure is None and self.live:
-                        self._changed.wait()
-                if self.failure is not None or not self.live:
-                    return
+            if segment.index and not (yield Wait(
+                partial(self._arrived, segment.index - 1, index),
+                partial(self._arrived_blocking, segment.index - 1, index),
+            )):
+                return
             try:
                 offset, payload = self._frame(segment, index, scratch)
             except NonFiniteData as exc:
                 self.reject(exc)
                 return
             with self._lock:
+                # Checked and registered under the lock: ``stop`` either sees this
+                # connection (and cuts it) or this sender sees the attempt over.
                 if self.failure is not None or not self.live:
                     return
-                self._active_links.add(link)
+                self._active_links.add(connection)
             try:
-                link.send_data(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
+                yield SendData(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                 self.fail(f"sending to the next peer failed ({exc})")
                 return
             finally:
                 with self._lock:
-                    self._active_links.discard(link)
+                    self._active_links.discard(connection)
             with self._lock:
                 self.tx_bytes += len(payload)
 
-    async def send_all(self, connections: Sequence[FramedStream | SocketLink]) -> None:
+    async def send_all(self, connections: Sequence[Connection]) -> None:
         """Send this peer's whole stream, striped over ``connections``, then wait for
         every slice of the incoming stream.
 
@@ -532,21 +528,49 @@ class AllReduceAttempt:
         self.uses_threads = any(isinstance(c, SocketLink) for c in connections)
         async with trio.open_nursery() as nursery:
             for connection, slices in zip(connections, self._plan(len(connections)), strict=True):
-                if not slices:
-                    continue
-                if isinstance(connection, SocketLink):
-                    nursery.start_soon(
-                        partial(run_in_thread, partial(self._send_thread, connection, slices),
-                                interrupt=self.stop)
-                    )
-                else:
-                    nursery.start_soon(self._send_task, connection, slices)
+                if slices:
+                    nursery.start_soon(partial(
+                        run_protocol, self._send_slices(connection, slices), connection,
+                        interrupt=self.stop,
+                    ))
         while self._progress.remaining and self.failure is None and self.live:
             await self._lot.park()
         if self.failure is not None:
             raise LocalFailure(self.failure)
         if not self.live:
             raise LocalFailure("the attempt was stopped")
+
+
+class ReduceResult:
+    """How one all-reduce ended, set once by the task that runs it."""
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._info: ReduceInfo | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def finish(self, info: ReduceInfo | None, error: BaseException | None) -> None:
+        self._info, self._error = info, error
+        self._done.set()
+
+    async def settled(self) -> None:
+        """Wait until it ended, whatever the outcome."""
+        await self._done.wait()
+
+    async def get(self) -> ReduceInfo:
+        """Wait until it ended; its ``ReduceInfo``, or raise its error."""
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def __repr__(self) -> str:
+        return "running" if not self.done else ("failed" if self._error else "done")
 
 
 class AsyncReduceHandle:
@@ -557,27 +581,18 @@ class AsyncReduceHandle:
     does not cancel the all-reduce, which goes on in the communicator.
     """
 
-    def __init__(self, tag: int) -> None:
+    def __init__(self, tag: int, result: ReduceResult) -> None:
         self.tag = tag
-        self._done = trio.Event()
-        self._info: ReduceInfo | None = None
-        self._error: BaseException | None = None
+        self._result = result
 
     @property
     def done(self) -> bool:
-        return self._done.is_set()
-
-    def _finish(self, info: ReduceInfo | None, error: BaseException | None) -> None:
-        self._info, self._error = info, error
-        self._done.set()
+        """Whether the all-reduce has ended (``wait`` then returns at once)."""
+        return self._result.done
 
     async def wait(self) -> ReduceInfo:
-        await self._done.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._info is not None
-        return self._info
+        """Wait for the all-reduce to end; its ``ReduceInfo``, or raise its error."""
+        return await self._result.get()
 
     def __repr__(self) -> str:
-        state = "running" if not self.done else ("failed" if self._error else "done")
-        return f"<AsyncReduceHandle tag={self.tag} {state}>"
+        return f"<AsyncReduceHandle tag={self.tag} {self._result!r}>"

@@ -5,8 +5,8 @@ Theory of operation
 A peer measures the link *from* another peer *to* itself by opening a benchmark
 connection to that peer's p2p listener and asking (``BenchmarkRequest``) for a number of
 bytes, which come back as data frames. Both sides are written once as generators of IO
-operations (``_shared_state.drive`` runs them in trio tasks, ``drive_blocking`` in a worker
-thread over a blocking socket), reading the clock as an operation too: in the thread that
+operations (``_protocol``: trio tasks or a worker thread over a blocking socket),
+reading the clock as an operation too: in the thread that
 moves the bytes, and in virtual time under trio's mock clock.
 
 1. **Latency.** Three requests for a single byte; the smallest round trip, halved, is
@@ -27,7 +27,7 @@ import numpy
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import MAX_BENCHMARK_BYTES, PROTOCOL_VERSION, BenchmarkRequest
-from ._shared_state import (
+from ._protocol import (
     Protocol,
     ReadClock,
     ReceiveHeader,

@@ -21,11 +21,8 @@ received tensor does not hash to the value the master announced, the copies are 
 back, and the state and revision stay what they were. Only a complete, verified state
 is reported as synced.
 
-The protocol on one connection is written once, as generators that yield the IO they
-need (:class:`Send`, :class:`SendData`, :class:`ReceiveMessage`, :class:`ReceiveHeader`,
-:class:`ReceiveInto`), and driven either by trio tasks (:func:`drive`, streams without a
-socket of their own, e.g. the in-memory network) or by a worker thread with blocking
-sockets (:func:`drive_blocking`), the same way the all-reduce data path runs.
+The protocol on one connection is written once, as generators of IO operations
+(``_protocol``), run by trio tasks or by a worker thread like every p2p protocol.
 """
 
 from __future__ import annotations
@@ -33,12 +30,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-import time
-from collections.abc import Generator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
 
 import numpy
-import trio
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
@@ -46,7 +40,6 @@ from .._core.messages import (
     MAX_SEQUENCE,
     PROTOCOL_VERSION,
     U64_MAX,
-    Message,
     SharedStateEntry,
     SharedStateRange,
     SharedStateRequest,
@@ -55,7 +48,7 @@ from .._core.messages import (
 from .._errors import InvalidArgument
 from .._types import SharedState, TensorInfo
 from ..ops import Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash
-from ..transport import FramedStream, SocketLink
+from ._protocol import Protocol, ReceiveHeader, ReceiveInto, ReceiveMessage, Send, SendData
 
 __all__ = [
     "PIECE_BYTES",
@@ -64,8 +57,6 @@ __all__ = [
     "Piece",
     "Serving",
     "Tensor",
-    "drive",
-    "drive_blocking",
     "prepare_state",
     "request_pieces",
     "serve_requests",
@@ -75,8 +66,6 @@ __all__ = [
 PIECE_BYTES = 64 << 20
 #: Largest data frame a distributor sends.
 FRAME_BYTES = 8 << 20
-
-T = TypeVar("T")
 
 
 # --- the tensors ---------------------------------------------------------------------
@@ -170,119 +159,6 @@ def prepare_state(state: object) -> list[Tensor]:
             )
         )
     return tensors
-
-
-# --- protocol operations -------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Send:
-    message: Message
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SendData:
-    tag: int
-    seq: int
-    offset: int
-    payload: memoryview
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReceiveMessage:
-    """Answered with the next control message (nothing past it is read)."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReceiveHeader:
-    """Answered with the next data frame's ``(tag, seq, offset, nbytes)``."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReceiveInto:
-    view: memoryview
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ReadClock:
-    """Answered with the driver's clock, in seconds: trio's (virtual under a mock clock)
-    in trio tasks, the monotonic performance counter in a worker thread."""
-
-
-Operation = Send | SendData | ReceiveMessage | ReceiveHeader | ReceiveInto | ReadClock
-Protocol = Generator[Operation, Any, T]
-
-
-async def drive(protocol: Protocol[T], framed: FramedStream, *, idle_timeout: float) -> T:
-    """Run ``protocol`` on a trio stream.
-
-    Raises:
-        trio.TooSlowError: one operation made no progress for ``idle_timeout`` seconds
-            (the other side went silent without closing the connection).
-    """
-    answer: Any = None
-    try:
-        while True:
-            try:
-                operation = protocol.send(answer)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            answer = None
-            if isinstance(operation, ReadClock):
-                answer = trio.current_time()
-                continue
-            with trio.fail_after(idle_timeout):
-                answer = await _perform(operation, framed)
-    finally:
-        protocol.close()
-
-
-async def _perform(operation: Operation, framed: FramedStream) -> Any:
-    match operation:
-        case Send(message=message):
-            await framed.send_message(message)
-        case SendData(tag=tag, seq=seq, offset=offset, payload=payload):
-            await framed.send_data(tag=tag, seq=seq, offset=offset, payload=payload)
-        case ReceiveMessage():
-            return await framed.receive_message_exact()
-        case ReceiveHeader():
-            return await framed.receive_data_header()
-        case ReceiveInto(view=view):
-            await framed.receive_into(view)
-    return None
-
-
-def drive_blocking(protocol: Protocol[T], link: SocketLink, *, idle_timeout: float) -> T:
-    """Run ``protocol`` on a blocking socket (in a worker thread).
-
-    Raises:
-        trio.BrokenResourceError: among others, when the socket made no progress for
-            ``idle_timeout`` seconds (the other side went silent).
-    """
-    link.set_idle_timeout(idle_timeout)
-    answer: Any = None
-    try:
-        while True:
-            try:
-                operation = protocol.send(answer)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            answer = None
-            match operation:
-                case Send(message=message):
-                    link.send_message(message)
-                case SendData(tag=tag, seq=seq, offset=offset, payload=payload):
-                    link.send_data(tag=tag, seq=seq, offset=offset, payload=payload)
-                case ReceiveMessage():
-                    answer = link.receive_message()
-                case ReceiveHeader():
-                    answer = link.receive_data_header()
-                case ReceiveInto(view=view):
-                    link.receive_into(view)
-                case ReadClock():
-                    answer = time.perf_counter()
-    finally:
-        protocol.close()
 
 
 # --- serving ---------------------------------------------------------------------------

@@ -1,10 +1,12 @@
-"""Public test helpers: an in-memory network with failure hooks.
+"""Public test helpers: an in-memory network with failure hooks, and the test seam of
+a communicator (``PeerSeam``).
 
 Not imported by ``import pccl_trio``; import it explicitly::
 
     from pccl_trio.testing import MemoryNetwork
 """
 
+from ..peer._seam import PeerSeam as PeerSeam
 from ._memory import MemoryHost as MemoryHost
 from ._memory import MemoryListener as MemoryListener
 from ._memory import MemoryNetwork as MemoryNetwork

@@ -6,11 +6,16 @@ Everything above this package gets its streams from a ``Network`` (``listen`` an
 """
 
 from ._blocking import SocketLink as SocketLink
-from ._blocking import run_in_thread as run_in_thread
+from ._framed import Connection as Connection
 from ._framed import FramedStream as FramedStream
+from ._network import InMemoryStream as InMemoryStream
 from ._network import Network as Network
 from ._network import TcpNetwork as TcpNetwork
 from ._network import format_address as format_address
 from ._network import listener_address as listener_address
 from ._network import parse_address as parse_address
 from ._network import remote_host as remote_host
+from ._threads import hash_threads as hash_threads
+from ._threads import run_in_thread as run_in_thread
+from ._threads import run_off_loop as run_off_loop
+from ._threads import threads_allowed as threads_allowed

@@ -1,4 +1,4 @@
-"""TCP data connections driven by worker threads: ``SocketLink`` and ``run_in_thread``.
+"""TCP data connections driven by worker threads: ``SocketLink``.
 
 Why threads
 -----------
@@ -22,11 +22,9 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TypeVar
 
-import outcome
 import trio
 
 from .._core.messages import Message
@@ -39,45 +37,9 @@ from .._core.wire import (
     parse_control_length,
     parse_data_header,
 )
-from ._framed import FramedStream, readable_now
+from ._framed import FramedStream, drop_sent, readable_now
 
-__all__ = ["SocketLink", "run_in_thread"]
-
-T = TypeVar("T")
-
-async def run_in_thread(fn: Callable[[], T], *, interrupt: Callable[[], None]) -> T:
-    """Run blocking ``fn`` in a worker thread and return (or raise) what it does.
-
-    If the calling task is cancelled, ``interrupt()`` is called (from the trio thread)
-    to make ``fn`` return soon, e.g. by cutting the connection it blocks on, and the
-    cancellation is delivered only once ``fn`` has returned: nothing the thread does
-    outlives the call. The thread comes from trio's cache but takes none of
-    ``trio.to_thread``'s tokens (data-path threads block for as long as their
-    connection lives).
-    """
-    token = trio.lowlevel.current_trio_token()
-    finished = trio.Event()
-    results: list[outcome.Outcome[T]] = []
-
-    def deliver(result: outcome.Outcome[T]) -> None:
-        results.append(result)
-        try:
-            token.run_sync_soon(finished.set)
-        except trio.RunFinishedError:  # pragma: no cover - the run is gone anyway
-            pass
-
-    await trio.lowlevel.checkpoint_if_cancelled()
-    trio.lowlevel.start_thread_soon(fn, deliver, name=f"pccl_trio {getattr(fn, '__name__', 'worker')}")
-    try:
-        await finished.wait()
-    except BaseException:
-        try:
-            interrupt()
-        finally:
-            with trio.CancelScope(shield=True):
-                await finished.wait()
-        raise
-    return results[0].unwrap()
+__all__ = ["SocketLink"]
 
 
 class SocketLink:
@@ -199,12 +161,7 @@ class SocketLink:
         with self.send_lock, self._use() as sock:
             try:
                 while buffers:
-                    sent = sock.sendmsg(buffers)
-                    while buffers and sent >= len(buffers[0]):
-                        sent -= len(buffers[0])
-                        buffers.pop(0)
-                    if buffers and sent:
-                        buffers[0] = buffers[0][sent:]
+                    drop_sent(buffers, sock.sendmsg(buffers))
             except OSError as exc:
                 error = self._error("send failed", exc)
                 self.cut()

@@ -1,9 +1,18 @@
-"""A trio stream that speaks frames: the shell around ``_core.wire``."""
+"""A trio stream that speaks frames: the shell around ``_core.wire``.
+
+A ``FramedStream`` wraps either a TCP ``trio.SocketStream`` (zero-copy receives with
+``recv_into`` on its socket, one ``sendmsg`` per data frame) or a stream without a
+socket of its own that offers the ``InMemoryStream`` capabilities; nothing else is
+probed for. ``Connection`` names the two forms a p2p connection takes once its
+handshake is over: this one, driven by trio tasks, and ``SocketLink``, driven by
+worker threads.
+"""
 
 from __future__ import annotations
 
 import select
 import socket
+from typing import TYPE_CHECKING, TypeAlias
 
 import trio
 
@@ -21,8 +30,12 @@ from .._core.wire import (
     parse_control_length,
     parse_data_header,
 )
+from ._network import InMemoryStream
 
-__all__ = ["FramedStream", "readable_now"]
+if TYPE_CHECKING:
+    from ._blocking import SocketLink
+
+__all__ = ["Connection", "FramedStream", "drop_sent", "readable_now"]
 
 RECEIVE_SIZE = 1 << 16
 
@@ -37,6 +50,15 @@ def readable_now(sock: socket.socket | trio.socket.SocketType) -> bool:
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
+
+
+def drop_sent(buffers: list[memoryview], sent: int) -> None:
+    """Remove the first ``sent`` bytes from ``buffers`` after a partial ``sendmsg``."""
+    while buffers and sent >= len(buffers[0]):
+        sent -= len(buffers[0])
+        buffers.pop(0)
+    if buffers and sent:
+        buffers[0] = buffers[0][sent:]
 
 
 class FramedStream:
@@ -54,7 +76,9 @@ class FramedStream:
         self._max_data_frame = max_data_frame
         self._max_control_frame = max_control_frame
         # Zero-copy paths: a trio socket (TCP) or the memory network's receive_into.
-        self._socket = getattr(stream, "socket", None)
+        self._socket: trio.socket.SocketType | None = (
+            stream.socket if isinstance(stream, trio.SocketStream) else None
+        )
         self._header = bytearray(DATA_HEADER.size)
         self._decoder = FrameDecoder(
             max_control_frame=max_control_frame, max_data_frame=max_data_frame
@@ -113,12 +137,7 @@ class FramedStream:
                     return
                 buffers = [memoryview(header), payload]
                 while buffers:
-                    sent = await self._socket.sendmsg(buffers)
-                    while buffers and sent >= len(buffers[0]):
-                        sent -= len(buffers[0])
-                        buffers.pop(0)
-                    if buffers and sent:
-                        buffers[0] = buffers[0][sent:]
+                    drop_sent(buffers, await self._socket.sendmsg(buffers))
             except OSError as exc:
                 await self.aclose()
                 raise trio.BrokenResourceError(f"send failed: {exc}") from exc
@@ -146,7 +165,7 @@ class FramedStream:
             try:
                 if self._socket is not None:
                     n = await self._socket.recv_into(view[received:])
-                elif hasattr(self.stream, "receive_into"):
+                elif isinstance(self.stream, InMemoryStream):
                     n = await self.stream.receive_into(view[received:])
                 else:  # pragma: no cover - any other stream: one copy
                     data = await self.stream.receive_some(total - received)
@@ -208,11 +227,10 @@ class FramedStream:
         self._closed = True
         if self._socket is not None:
             self._socket.close()
-        else:
-            closer = getattr(self.stream, "close_now", None)
-            if closer is None:  # pragma: no cover - only our two stream kinds exist
-                raise TypeError(f"cannot close {self.stream!r} synchronously")
-            closer()
+        elif isinstance(self.stream, InMemoryStream):
+            self.stream.close_now()
+        else:  # pragma: no cover - only our two stream kinds exist
+            raise TypeError(f"cannot close {self.stream!r} synchronously")
 
     def closed_by_peer(self) -> bool:
         """Whether the other side closed a connection we only send on (it would be
@@ -221,5 +239,11 @@ class FramedStream:
             return True
         if self._socket is not None:
             return readable_now(self._socket)
-        ended = getattr(self.stream, "ended_by_peer", None)
-        return bool(ended()) if ended is not None else False
+        if isinstance(self.stream, InMemoryStream):
+            return self.stream.ended_by_peer()
+        return False  # pragma: no cover - only our two stream kinds exist
+
+
+#: A p2p connection once its handshake is over: trio tasks drive a ``FramedStream``,
+#: worker threads a ``SocketLink``.
+Connection: TypeAlias = "FramedStream | SocketLink"

@@ -10,11 +10,13 @@ nowhere else: ``connect`` raises ``OSError`` subclasses only for "could not conn
 from __future__ import annotations
 
 import socket
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 
 __all__ = [
+    "InMemoryListener",
+    "InMemoryStream",
     "Network",
     "TcpNetwork",
     "format_address",
@@ -36,6 +38,27 @@ class Network(Protocol):
 
     async def listen(self, host: str, port: int) -> trio.abc.Listener[Any]:
         """Listen on ``host:port`` (port 0: any free port); see ``listener_address``."""
+        ...
+
+
+@runtime_checkable
+class InMemoryStream(Protocol):
+    """What a stream without a socket of its own (``pccl_trio.testing.MemoryStream``)
+    offers beyond ``trio.abc.Stream``, so that frames are received without copies and
+    connections can be cut and judged synchronously, as with a socket."""
+
+    remote_host: str
+
+    async def receive_into(self, view: memoryview) -> int:
+        """Fill a prefix of ``view``, like ``socket.recv_into``; 0 means end of stream."""
+        ...
+
+    def close_now(self) -> None:
+        """Close synchronously; a blocked receive wakes with ``ClosedResourceError``."""
+        ...
+
+    def ended_by_peer(self) -> bool:
+        """Whether the other side closed or died."""
         ...
 
 
@@ -78,27 +101,34 @@ class _TunedListener(trio.abc.Listener[trio.SocketStream]):
         await self.inner.aclose()
 
 
+@runtime_checkable
+class InMemoryListener(Protocol):
+    """A listener without a socket of its own names its address."""
+
+    host: str
+    port: int
+
+
 def listener_address(listener: trio.abc.Listener[Any]) -> tuple[str, int]:
     """The ``(host, port)`` a listener is bound to (the real port when 0 was asked)."""
-    sock = getattr(listener, "socket", None)
-    if sock is not None:
-        host, port = sock.getsockname()[:2]
+    if isinstance(listener, _TunedListener | trio.SocketListener):
+        host, port = listener.socket.getsockname()[:2]
         return str(host), int(port)
-    host, port = getattr(listener, "host", None), getattr(listener, "port", None)
-    if host is None or port is None:
-        raise TypeError(f"cannot tell the address of listener {listener!r}")
-    return str(host), int(port)
+    if isinstance(listener, InMemoryListener):
+        return listener.host, listener.port
+    raise TypeError(f"cannot tell the address of listener {listener!r}")
 
 
 def remote_host(stream: trio.abc.Stream) -> str:
     """The address of the other end of ``stream``, as this side sees it."""
-    sock = getattr(stream, "socket", None)
-    if sock is not None:
+    if isinstance(stream, trio.SocketStream):
         try:
-            return str(sock.getpeername()[0])
+            return str(stream.socket.getpeername()[0])
         except OSError:
             return "unknown"
-    return str(getattr(stream, "remote_host", "unknown"))
+    if isinstance(stream, InMemoryStream):
+        return stream.remote_host
+    return "unknown"
 
 
 def parse_address(address: str, *, default_port: int | None = None) -> tuple[str, int]:

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 import pccl_trio as pccl
+from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, form_run
 
@@ -212,8 +213,7 @@ async def test_both_data_path_drivers(cluster: Cluster, clock: object, threaded:
                                              threaded_data_path=threaded)
         comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(3)])
         link_types = {type(stream).__name__ for c in comms
-                      for pools in (c._tx, c._rx) for pool in pools.values()
-                      for stream in pool.slots.values()}
+                      for stream in PeerSeam(c).connections()}
         on_threads = threaded and cluster.memory is None
         assert link_types == ({"SocketLink"} if on_threads else {"FramedStream"})
         arrays = [[np.arange(20_000 + tag, dtype=np.float64) * (rank + 1) for tag in range(4)]

@@ -8,6 +8,7 @@ import trio
 import trio.testing
 
 import pccl_trio as pccl
+from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, form_run
 from .test_all_reduce import run_all
@@ -19,7 +20,7 @@ async def started(comm: pccl.Communicator, tag: int) -> None:
     """Until this peer's attempt of ``tag`` has received data (it is mid-operation)."""
     launched = False
     while True:
-        attempt = comm._attempts_by_tag.get(tag)
+        attempt = PeerSeam(comm).attempt(tag)
         if attempt is not None:
             launched = True
             if attempt.rx_bytes > 0:
@@ -189,9 +190,8 @@ async def test_no_open_connection_to_the_successor_aborts_cleanly(
     with trio.fail_after(60):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
         # Every connection this peer sends on is gone (as after torn sends).
-        for pool in comms[0]._tx.values():
-            for stream in pool.slots.values():
-                await stream.aclose()
+        for stream in PeerSeam(comms[0]).sending_connections():
+            await stream.aclose()
         arrays = [np.full(1000, i + 1, dtype=np.int32) for i in range(3)]
         results = await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
         assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results

@@ -9,22 +9,20 @@ import trio
 
 import pccl_trio as pccl
 from pccl_trio._core.messages import PeerEndpoint
-from pccl_trio.transport import listener_address
+from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, form_run
 
 
 def endpoint_of(comm: pccl.Communicator) -> PeerEndpoint:
-    assert comm._p2p_listener is not None and comm.peer_id is not None
-    host, port = listener_address(comm._p2p_listener)
-    return PeerEndpoint(peer_id=comm.peer_id, host=host, port=port)
+    return PeerSeam(comm).endpoint
 
 
 async def test_a_peer_measures_the_link_from_another(cluster: Cluster, clock: object) -> None:
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         for measurer, measured in ((0, 1), (1, 0)):
-            result = await comms[measurer]._measure_link(endpoint_of(comms[measured]))
+            result = await PeerSeam(comms[measurer]).measure_link(endpoint_of(comms[measured]))
             assert math.isfinite(result.bandwidth) and result.bandwidth > 0, result
             assert result.latency >= 0 and result.nbytes >= (256 << 10) + 3
             assert result.seconds >= 0
@@ -48,6 +46,6 @@ async def test_a_measured_peer_dying_fails_only_the_measurement(
         target = endpoint_of(comms[2])
         await cluster.kill("p2", comms[2])
         with pytest.raises((OSError, trio.TooSlowError, trio.BrokenResourceError)):
-            await comms[0]._measure_link(target)
+            await PeerSeam(comms[0]).measure_link(target)
         for comm in comms[:2]:
             await comm.aclose()

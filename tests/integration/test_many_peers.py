@@ -53,7 +53,7 @@ async def test_many_peers_churn(seed: int, autojump_clock: trio.testing.MockCloc
 
             groups: dict[int, list[pccl.Communicator]] = {}
             for comm in survivors:
-                groups.setdefault(comm._peer_group, []).append(comm)
+                groups.setdefault(comm.peer_group, []).append(comm)
             for group, group_members in groups.items():
                 ring = group_members[0].ring
                 assert sorted(ring) == sorted(c.peer_id for c in group_members), group

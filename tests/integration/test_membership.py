@@ -10,6 +10,7 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio._core.messages import Kick, Message
 from pccl_trio._core.wire import FrameDecoder
+from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, all_do, form_run
 
@@ -281,7 +282,7 @@ async def test_interrupted_vote_leaves_the_run_instead_of_stalling_it(
             with trio.CancelScope() as scope:
                 # Cancelled while waiting for the round it voted for.
                 async def cancel_once_voted() -> None:
-                    while not quitter._voted:
+                    while not PeerSeam(quitter).voted:
                         await trio.lowlevel.checkpoint()
                     scope.cancel()
 
@@ -348,8 +349,7 @@ async def test_p2p_port_refuses_peers_the_master_did_not_name(
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         target = comms[0]
         host = "127.0.0.1" if cluster.memory is None else "p0"
-        port = target._p2p_listener.socket.getsockname()[1] if cluster.memory is None \
-            else target._p2p_listener.port  # type: ignore[union-attr]
+        port = PeerSeam(target).p2p_address[1]
         stranger = FramedStream(await cluster.network("stranger").connect(host, port),
                                 max_control_frame=1 << 20)
         await stranger.send_message(P2PHello(protocol_version=PROTOCOL_VERSION, peer_id=1000,

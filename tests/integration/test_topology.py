@@ -16,7 +16,10 @@ import pytest
 import trio
 
 import pccl_trio as pccl
-from pccl_trio.testing import MemoryNetwork
+from pccl_trio._core.messages import Message, PeerEndpoint
+from pccl_trio.peer._bandwidth import LinkMeasurement
+from pccl_trio.peer._seam import MeasureLink
+from pccl_trio.testing import MemoryNetwork, PeerSeam
 
 from .conftest import Cluster, all_do, form_run
 
@@ -86,7 +89,11 @@ async def test_five_hosts_one_fast_ring(
     hosts = [f"h{i}" for i in range(5)]
     shape_one_fast_ring(cluster.memory, hosts, fast)
     with trio.fail_after(600):
-        comms = await form_run([], [cluster.communicator(host) for host in hosts])
+        # One at a time: peer ids (and so the first ring) follow the hosts' order,
+        # whatever the scheduling of concurrent registrations.
+        comms: list[pccl.Communicator] = []
+        for host in hosts:
+            comms = await form_run(comms, [cluster.communicator(host)])
         before = await timed_all_reduce(comms)
         started = trio.current_time()
         await all_do(comms, "optimize_topology")
@@ -134,24 +141,27 @@ async def test_a_second_call_measures_only_the_new_peers_links(
         await all_do(comms, "optimize_topology")
         measured: list[int] = []
         for comm in comms:
-            original = comm._measure_link
+            seam = PeerSeam(comm)
+            original = seam.measure_link
 
-            async def counting(endpoint: object, original: object = original) -> object:
+            async def counting(
+                endpoint: PeerEndpoint, original: MeasureLink = original
+            ) -> LinkMeasurement:
                 measured.append(1)
-                return await original(endpoint)  # type: ignore[operator]
+                return await original(endpoint)
 
-            comm._measure_link = counting  # type: ignore[method-assign]
+            seam.measure_link = counting
         # Nothing new: no link is measured again.
         await all_do(comms, "optimize_topology")
         assert measured == []
         comms = await form_run(comms, [cluster.communicator(hosts[3])])
-        original_new = comms[3]._measure_link
+        original_new = PeerSeam(comms[3]).measure_link
 
-        async def counting_new(endpoint: object) -> object:
+        async def counting_new(endpoint: PeerEndpoint) -> LinkMeasurement:
             measured.append(1)
-            return await original_new(endpoint)  # type: ignore[arg-type]
+            return await original_new(endpoint)
 
-        comms[3]._measure_link = counting_new  # type: ignore[method-assign]
+        PeerSeam(comms[3]).measure_link = counting_new
         await all_do(comms, "optimize_topology")
         assert len(measured) == 2 * 3  # to and from the joiner
         fast_ring = [c.peer_id for c in comms]
@@ -204,7 +214,7 @@ async def test_groups_are_optimized_together(cluster: Cluster, clock: object) ->
         for comm in comms:
             info = comm.topology
             assert info is not None
-            group = [c.peer_id for c in comms if c._peer_group == comm._peer_group]
+            group = [c.peer_id for c in comms if c.peer_group == comm.peer_group]
             assert sorted(info.peers) == sorted(group) and sorted(comm.ring) == sorted(group)
         for comm in comms:
             await comm.aclose()
@@ -246,11 +256,11 @@ async def test_a_peer_dying_while_measuring(cluster: Cluster, clock: object) -> 
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(4)])
         victim = comms[3]
 
-        async def die(_endpoint: object) -> object:
+        async def die(_endpoint: PeerEndpoint) -> LinkMeasurement:
             await cluster.kill("p3", victim)
             raise trio.BrokenResourceError("this peer died")
 
-        victim._measure_link = die  # type: ignore[method-assign]
+        PeerSeam(victim).measure_link = die
         survivors = comms[:3]
 
         async with trio.open_nursery() as nursery:
@@ -275,14 +285,14 @@ async def test_an_unmeasurable_link_is_avoided(cluster: Cluster, clock: object) 
     with trio.fail_after(300):
         comms = await form_run([], [cluster.communicator(host) for host in hosts])
         # Peer 1 cannot measure the link from peer 0, whatever the ring was before.
-        original = comms[1]._measure_link
+        original = PeerSeam(comms[1]).measure_link
 
-        async def refuse(endpoint: pccl.Communicator) -> object:
-            if getattr(endpoint, "peer_id", None) == comms[0].peer_id:
+        async def refuse(endpoint: PeerEndpoint) -> LinkMeasurement:
+            if endpoint.peer_id == comms[0].peer_id:
                 raise OSError("connection refused (firewall)")
-            return await original(endpoint)  # type: ignore[arg-type]
+            return await original(endpoint)
 
-        comms[1]._measure_link = refuse  # type: ignore[method-assign]
+        PeerSeam(comms[1]).measure_link = refuse
         await all_do(comms, "optimize_topology")
         info = comms[0].topology
         assert info is not None
@@ -359,13 +369,13 @@ async def test_an_all_reduce_during_optimize_topology_is_refused(
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
         voted = trio.Event()
-        vote = comms[0]._vote
+        vote = PeerSeam(comms[0]).vote
 
-        async def vote_and_tell(message: object) -> None:
-            await vote(message)  # type: ignore[arg-type]
+        async def vote_and_tell(message: Message) -> None:
+            await vote(message)
             voted.set()
 
-        comms[0]._vote = vote_and_tell  # type: ignore[method-assign]
+        PeerSeam(comms[0]).vote = vote_and_tell
         async with trio.open_nursery() as nursery:
             for comm in comms:
                 nursery.start_soon(comm.optimize_topology)
@@ -421,14 +431,14 @@ async def test_a_peer_going_silent_while_measured(cluster: Cluster, clock: objec
     with trio.fail_after(300):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(4)])
         silent = comms[1]
-        measure = comms[0]._measure_link
+        measure = PeerSeam(comms[0]).measure_link
 
-        async def pull_the_cable(endpoint: object) -> object:
-            if getattr(endpoint, "peer_id", None) == silent.peer_id:
+        async def pull_the_cable(endpoint: PeerEndpoint) -> LinkMeasurement:
+            if endpoint.peer_id == silent.peer_id:
                 memory.partition("p1")
-            return await measure(endpoint)  # type: ignore[arg-type]
+            return await measure(endpoint)
 
-        comms[0]._measure_link = pull_the_cable  # type: ignore[method-assign]
+        PeerSeam(comms[0]).measure_link = pull_the_cable
         survivors = [c for c in comms if c is not silent]
 
         async with trio.open_nursery() as nursery:

@@ -31,7 +31,7 @@ async def test_a_failed_backup_leaves_no_writer_behind() -> None:
     with trio.fail_after(10):
         data = np.arange(12, dtype=np.float32)
         attempt = AllReduceAttempt(xp=np, send=data, result=data, op=ReduceOp.SUM, tag=0,
-                                   world=3, rank=0, slice_bytes=64, buffers=_NoMemory())
+                                   ring=(1, 2, 3), rank=0, slice_bytes=64, buffers=_NoMemory())
         attempt.seq = 1
         # The all-gather segment carrying this rank's own chunk: its first write.
         segment = next(s for s in attempt.schedule.recv if not s.reduce and s.chunk == 0)

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import sys
-from functools import partial
 
 import trio
 
 from pccl_trio._core.messages import BenchmarkRequest
 from pccl_trio.peer import _bandwidth as bandwidth
-from pccl_trio.peer import _shared_state as sharing
-from pccl_trio.transport import FramedStream, SocketLink, TcpNetwork, run_in_thread
+from pccl_trio.peer._protocol import run_protocol
+from pccl_trio.transport import FramedStream, SocketLink, TcpNetwork
 
 PORT = 9911
 LIMITS = {"max_control_frame": 1 << 20, "max_data_frame": (64 << 20) + 64}
@@ -29,11 +28,7 @@ async def server(host: str) -> None:
     link = SocketLink.detach(framed, max_data_frame=LIMITS["max_data_frame"])
     assert link is not None
     try:
-        await run_in_thread(
-            partial(sharing.drive_blocking, bandwidth.serve_benchmark(request), link,
-                    idle_timeout=10.0),
-            interrupt=link.cut,
-        )
+        await run_protocol(bandwidth.serve_benchmark(request), link, idle_timeout=10.0)
     except trio.BrokenResourceError:
         pass  # the client is done
     finally:
@@ -45,11 +40,8 @@ async def client(host: str) -> None:
     link = SocketLink.detach(framed, max_data_frame=LIMITS["max_data_frame"])
     assert link is not None
     try:
-        result = await run_in_thread(
-            partial(sharing.drive_blocking,
-                    bandwidth.measure_link(peer_id=1, frame_bytes=64 << 20), link,
-                    idle_timeout=10.0),
-            interrupt=link.cut,
+        result = await run_protocol(
+            bandwidth.measure_link(peer_id=1, frame_bytes=64 << 20), link, idle_timeout=10.0
         )
     finally:
         link.cut()

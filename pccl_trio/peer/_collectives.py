@@ -1,0 +1,521 @@
+"""All-reduce calls: arguments, attempts, verdicts, and what follows an abort.
+
+Theory of operation
+-------------------
+``all_reduce_async`` checks its arguments into a ``ReduceRequest``, reserves the tag and
+runs the call in a task of the communicator (the handle's result is set by that task
+whatever happens). One call is one *attempt*:
+
+1. If an earlier abort left the ring stale, it is re-established first
+   (``Membership.ensure_ring``).
+2. The attempt is built (buffers, schedule, codec) and registered with the receive
+   path (``DataReceiver``) *before* the vote, so that frames arriving the moment the
+   master commences it have somewhere to go.
+3. The vote (``CollectiveInitiate``) carries the call's descriptor; the master answers
+   with ``CollectiveCommence`` once every peer of the group voted alike, or at once with
+   a verdict (the peers disagree, a peer votes for something else, the ring is stale).
+4. Commenced, this peer sends its part (``AllReduceAttempt.send_all``) while watching
+   for the master's ``CollectiveAbort``; it reports ``CollectiveComplete`` and waits for
+   the verdict, which is the same on every peer.
+5. The attempt ends: no more writes, no more frames routed to it. On an aborted
+   verdict the input is restored, the ring marked stale, and the last attempt of a
+   failed set re-establishes the ring at once so that a retry runs on the survivors.
+
+``all_reduce_multiple_with_retry`` launches the same indices in the same order on every
+peer and retries the aborted ones; every peer sees the same verdicts, so all retry alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+import trio
+
+from .._config import Config
+from .._core.messages import (
+    REJECTED,
+    SUCCESS,
+    CollectiveAbort,
+    CollectiveCommence,
+    CollectiveComplete,
+    CollectiveInitiate,
+    CollectiveVerdict,
+    Message,
+)
+from .._errors import (
+    CollectiveAborted,
+    InvalidArgument,
+    InvalidUsage,
+    PCCLError,
+    TooFewPeers,
+    UpdateTopologyFailed,
+)
+from .._types import (
+    DataType,
+    DistributionHint,
+    QuantizationAlgorithm,
+    QuantizationOptions,
+    ReduceInfo,
+    ReduceOp,
+)
+from ..ops import Array, ArrayModule, Codec, as_array, check_quantization, from_numpy_dtype
+from ..transport import run_in_thread
+from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure, ReduceResult
+from ._lifecycle import Lifecycle
+from ._membership import Membership
+from ._p2p import P2PConnections
+from ._receiver import DataReceiver
+from ._session import MasterSession
+
+__all__ = ["AllReduces", "ReduceRequest"]
+
+log = logging.getLogger("pccl_trio.peer")
+
+
+class _Rejected(InvalidArgument):
+    """The master rejected a collective for every peer of its group (the peers disagree
+    on its arguments, or a peer's data cannot be reduced): retrying would fail alike."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ReduceRequest:
+    """One all-reduce's checked arguments.
+
+    Attributes:
+        xp: the array module of the buffers.
+        send: the input, a flat array; result: where the result goes (``send`` itself
+            for in place).
+        quantization: None when the call is not quantized (``QuantizationAlgorithm.NONE``
+            included).
+    """
+
+    tag: int
+    xp: ArrayModule
+    send: Array
+    result: Array
+    op: ReduceOp
+    quantization: QuantizationOptions | None
+    hint: DistributionHint
+
+    def vote(self) -> CollectiveInitiate:
+        """The descriptor every peer of the group must vote alike."""
+        dtype = from_numpy_dtype(self.result.dtype)
+        quantization = self.quantization
+        return CollectiveInitiate(
+            tag=self.tag,
+            count=int(self.result.size),
+            dtype=dtype.value,
+            op=self.op.value,
+            quantized_dtype=(quantization.quantized_datatype if quantization else dtype).value,
+            quantization=(
+                quantization.algorithm if quantization else QuantizationAlgorithm.NONE
+            ).value,
+            distribution_hint=self.hint.value if quantization else 0,
+        )
+
+
+def check_reduce_arguments(
+    send: Any,
+    recv: Any,
+    *,
+    op: ReduceOp,
+    tag: int,
+    quantization: QuantizationOptions | None,
+    hint: DistributionHint,
+) -> ReduceRequest:
+    """The arguments of an all-reduce call, checked.
+
+    Raises:
+        InvalidArgument: which argument is wrong, and how.
+    """
+    if not isinstance(op, ReduceOp):
+        raise InvalidArgument(f"op must be a pccl_trio.ReduceOp, got {op!r}")
+    if not (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 1 << 64):
+        raise InvalidArgument(f"tag must be an integer in [0, 2**64), got {tag!r}")
+    if not isinstance(hint, DistributionHint):
+        raise InvalidArgument(
+            f"distribution_hint must be a pccl_trio.DistributionHint, got {hint!r}"
+        )
+    if quantization is not None:
+        if not isinstance(quantization, QuantizationOptions):
+            raise InvalidArgument(
+                f"quantization must be QuantizationOptions or None, got {quantization!r}"
+            )
+        if not isinstance(quantization.algorithm, QuantizationAlgorithm):
+            raise InvalidArgument(
+                "quantization.algorithm must be a pccl_trio.QuantizationAlgorithm, got "
+                f"{quantization.algorithm!r}"
+            )
+        if not isinstance(quantization.quantized_datatype, DataType):
+            raise InvalidArgument(
+                "quantization.quantized_datatype must be a pccl_trio.DataType, got "
+                f"{quantization.quantized_datatype!r}"
+            )
+        if quantization.algorithm is QuantizationAlgorithm.NONE:
+            quantization = None
+    xp, send_array = as_array(send, name="send")
+    if quantization is not None:
+        check_quantization(
+            quantization.algorithm, quantization.quantized_datatype, send_array.dtype, op
+        )
+    request = partial(ReduceRequest, tag=tag, xp=xp, send=send_array, op=op,
+                      quantization=quantization, hint=hint)
+    if recv is None or recv is send:
+        return request(result=send_array)
+    recv_xp, recv_array = as_array(recv, name="recv")
+    if recv_xp is not xp:
+        raise InvalidArgument("send and recv must live on the same device")
+    if recv_array.dtype != send_array.dtype or recv_array.size != send_array.size:
+        raise InvalidArgument(
+            f"recv ({recv_array.size} x {recv_array.dtype}) must match send "
+            f"({send_array.size} x {send_array.dtype}) in count and dtype"
+        )
+    if np.shares_memory(send_array, recv_array):
+        if send_array.ctypes.data == recv_array.ctypes.data:
+            return request(result=send_array)  # the same memory: in place
+        raise InvalidArgument("send and recv overlap without being the same buffer")
+    return request(result=recv_array)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _RetryOutcome:
+    """What ``all_reduce_multiple_with_retry`` gathered over its passes."""
+
+    tx: int = 0
+    rx: int = 0
+    clamped: int = 0
+    rejected: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
+class AllReduces:
+    """This peer's all-reduces (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        lifecycle: Lifecycle,
+        session: MasterSession,
+        p2p: P2PConnections,
+        receiver: DataReceiver,
+        membership: Membership,
+    ) -> None:
+        self._config = config
+        self._life = lifecycle
+        self._session = session
+        self._p2p = p2p
+        self._receiver = receiver
+        self._membership = membership
+        self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
+        self._buffers = BufferPool()
+
+    def check_idle(self, call: str) -> None:
+        """Connected, with no all-reduce in flight (``call`` is the call asking)."""
+        self._life.check_connected()
+        if self.tags_in_flight:
+            raise InvalidUsage(
+                f"{call}() while all-reduces are in flight (tags "
+                f"{sorted(self.tags_in_flight)}); await them first"
+            )
+
+    # --- calls ---------------------------------------------------------------------------
+
+    async def all_reduce(self, request: ReduceRequest) -> ReduceInfo:
+        """``Communicator.all_reduce`` with its arguments checked."""
+        result = self._start(request)
+        try:
+            return await result.get()
+        except trio.Cancelled:
+            # The other peers count on our part: stop it as a failure, which aborts the
+            # collective for everyone and restores our input, and wait (a bounded
+            # while) so the caller's buffer is settled when we return.
+            attempt = self._receiver.by_tag.get(request.tag)
+            if attempt is not None:
+                attempt.fail("the caller cancelled the all-reduce")
+            with trio.move_on_after(self._session.liveness_timeout) as cleanup:
+                cleanup.shield = True
+                await result.settled()
+            raise
+
+    def launch(self, request: ReduceRequest) -> AsyncReduceHandle:
+        """``Communicator.all_reduce_async`` with its arguments checked."""
+        return AsyncReduceHandle(request.tag, self._start(request))
+
+    def check_launch(self) -> None:
+        """An all-reduce may start now: connected, and no call holds this peer in a
+        vote that a collective cannot join."""
+        self._life.check_connected()
+        busy = self._life.busy
+        if busy is not None and busy.blocks_all_reduce:
+            raise InvalidUsage(f"all_reduce() while {busy.value} runs on this communicator")
+
+    def _start(self, request: ReduceRequest) -> ReduceResult:
+        """Reserve the tag and run the all-reduce in a task of the communicator."""
+        self.check_launch()
+        if request.tag in self.tags_in_flight:
+            raise InvalidUsage(
+                f"tag {request.tag} is already in flight; give concurrent all-reduces distinct tags"
+            )
+        self.tags_in_flight.add(request.tag)
+        result = ReduceResult()
+        self._life.spawn(self._run, request, result)
+        return result
+
+    async def reduce_each_with_retry(
+        self, requests: Sequence[ReduceRequest], max_in_flight: int
+    ) -> ReduceInfo:
+        """``Communicator.all_reduce_multiple_with_retry`` with its arguments checked."""
+        outcome = _RetryOutcome()
+        pending = list(range(len(requests)))
+        while pending:
+            ring = self._membership.ring
+            if len(ring) < 2:
+                raise TooFewPeers(
+                    f"the peer group has {len(ring)} peer; {len(pending)} of "
+                    f"{len(requests)} all-reduces could not complete"
+                )
+            pending = await self._reduce_pass(requests, pending, max_in_flight, outcome)
+            if pending:
+                log.info("peer %s: retrying %d all-reduces", self._session.peer_id, len(pending))
+        if outcome.rejected:
+            indices = sorted(outcome.rejected)
+            first = outcome.rejected[indices[0]]
+            raise InvalidArgument(
+                f"{len(indices)} of {len(requests)} all-reduces were rejected for every peer "
+                f"(tensors {indices}; they were restored to their inputs, the others "
+                f"completed); tensor {indices[0]}: {first}"
+            )
+        return ReduceInfo(
+            world_size=len(self._membership.ring), tx_bytes=outcome.tx, rx_bytes=outcome.rx,
+            clamped=outcome.clamped,
+        )
+
+    async def _reduce_pass(
+        self,
+        requests: Sequence[ReduceRequest],
+        pending: list[int],
+        max_in_flight: int,
+        outcome: _RetryOutcome,
+    ) -> list[int]:
+        """One pass over ``pending``: the aborted indices, to retry. Successes and
+        rejections are recorded in ``outcome``.
+
+        Every peer sees the same verdict for every index, so every peer launches the
+        same indices in the same order, and retries the same ones.
+        """
+        failed: list[int] = []
+        fatal: list[PCCLError] = []
+        slots = trio.Semaphore(max_in_flight)
+        handles: dict[int, AsyncReduceHandle] = {}
+
+        async def one(index: int) -> None:
+            try:
+                info = await handles[index].wait()
+            except CollectiveAborted:
+                failed.append(index)
+            except _Rejected as exc:  # the same verdict on every peer: not retried
+                outcome.rejected[index] = str(exc)
+            except PCCLError as exc:  # the run is over for us: stop launching
+                fatal.append(exc)
+            else:
+                outcome.tx += info.tx_bytes
+                outcome.rx += info.rx_bytes
+                outcome.clamped += info.clamped
+            finally:
+                slots.release()
+
+        async with trio.open_nursery() as nursery:
+            for index in pending:
+                await slots.acquire()  # launch in index order, the same on every peer
+                if fatal:
+                    break
+                try:
+                    handles[index] = self.launch(requests[index])
+                except PCCLError as exc:
+                    fatal.append(exc)
+                    break
+                nursery.start_soon(one, index)
+        if fatal:
+            raise fatal[0]
+        return sorted(failed)
+
+    # --- one attempt -----------------------------------------------------------------------
+
+    async def _run(self, request: ReduceRequest, result: ReduceResult) -> None:
+        """The task behind a handle; every outcome ends up in ``result``."""
+        try:
+            info = await self._attempt(request)
+        except PCCLError as exc:
+            result.finish(None, exc)
+        except Exception as exc:  # a bug: report it to the caller, keep the peer alive
+            log.exception("all-reduce with tag %d failed unexpectedly", request.tag)
+            result.finish(None, exc)
+        else:
+            result.finish(info, None)
+        finally:
+            # Cancelled (alone, or grouped by the nurseries it crossed): the
+            # communicator is closing under it.
+            if not result.done:
+                result.finish(
+                    None, InvalidUsage("the communicator was closed during the all-reduce")
+                )
+            self.tags_in_flight.discard(request.tag)
+
+    async def _attempt(self, request: ReduceRequest) -> ReduceInfo:
+        await self._membership.ensure_ring()
+        ring = self._membership.ring
+        if len(ring) < 2:
+            raise TooFewPeers("all_reduce() needs at least 2 peers in the peer group; it has 1")
+        assert self._session.peer_id is not None
+        codec = None
+        if request.quantization is not None:
+            codec = Codec(request.xp, request.result.dtype, request.quantization.algorithm,
+                          request.quantization.quantized_datatype, request.hint)
+        attempt = AllReduceAttempt(
+            xp=request.xp, send=request.send, result=request.result, op=request.op,
+            tag=request.tag, ring=ring, rank=ring.index(self._session.peer_id),
+            slice_bytes=self._config.slice_bytes, buffers=self._buffers, codec=codec,
+        )
+        tag = request.tag
+        self._receiver.add(attempt)
+        verdict: CollectiveVerdict | None = None
+        local_ok = False
+        try:
+            await self._session.send(request.vote())
+            reply: CollectiveCommence | CollectiveVerdict = await self._session.wait_for(
+                (CollectiveCommence, CollectiveVerdict),
+                lambda m: m.tag == tag and (isinstance(m, CollectiveCommence) or m.seq == 0),
+            )
+            if isinstance(reply, CollectiveVerdict):
+                verdict = reply
+            else:
+                local_ok = await self._run_ring(attempt)
+                await self._session.send(
+                    CollectiveComplete(
+                        tag=tag, seq=attempt.seq, aborted=not local_ok,
+                        invalid=attempt.invalid or "",
+                    )
+                )
+                verdict = await self._session.wait_for(
+                    CollectiveVerdict, lambda m: m.tag == tag and m.seq == attempt.seq
+                )
+        except BaseException as exc:
+            self._end(attempt)
+            await attempt.settle()
+            attempt.restore()
+            attempt.release()
+            if verdict is None and isinstance(exc, Exception) and not isinstance(exc, PCCLError):
+                # A bug after this peer voted (the protocol's own errors leave the
+                # master informed).
+                self._abandon(attempt, exc)
+            raise
+        self._end(attempt)
+        try:
+            if verdict.outcome == SUCCESS and local_ok:
+                return ReduceInfo(
+                    world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes,
+                    clamped=attempt.clamped,
+                )
+            await attempt.settle()
+            if verdict.outcome == REJECTED and not verdict.seq:
+                attempt.restore()  # nothing was written, but keep the rule simple
+                raise _Rejected(verdict.reason)
+            reason = verdict.reason or attempt.failure or "a peer failed"
+            await self._after_abort(attempt)
+            if verdict.outcome == REJECTED:
+                # A peer's data could not be reduced: retrying would fail alike.
+                raise _Rejected(
+                    f"the all-reduce with tag {tag} failed for every peer: {reason}; the "
+                    "input was restored"
+                )
+            raise CollectiveAborted(
+                f"the all-reduce with tag {tag} was aborted for every peer: {reason}; the "
+                "input was restored and retrying is safe"
+            )
+        finally:
+            attempt.release()
+
+    async def _after_abort(self, attempt: AllReduceAttempt) -> None:
+        """An aborted attempt: restore the input; the last attempt of the failed set
+        also re-establishes the ring, so a retry runs at once on the surviving peers."""
+        self._membership.stale = True
+        last = not self._receiver.in_flight
+        ring_error: PCCLError | None = None
+        async with trio.open_nursery() as nursery:
+            if last and attempt.uses_threads:
+                # Restore (a copy of up to the whole buffer) in a worker thread
+                # while the ring is re-established below.
+                nursery.start_soon(
+                    partial(run_in_thread, attempt.restore, interrupt=lambda: None)
+                )
+            else:
+                attempt.restore()
+            if last:
+                try:
+                    await self._membership.ensure_ring()
+                except UpdateTopologyFailed:
+                    pass
+                except PCCLError as exc:  # raised below, not grouped by the nursery
+                    ring_error = exc
+        if ring_error is not None:
+            raise ring_error
+
+    def _abandon(self, attempt: AllReduceAttempt, error: Exception) -> None:
+        """This peer voted for a collective and then failed unexpectedly (a bug). The
+        others count on its part, and after the abort on its vote to re-establish the
+        ring; it can promise neither, so it leaves the run, and the master tells them."""
+        self._life.fail(
+            InvalidUsage(
+                f"internal error during the all-reduce with tag {attempt.tag} ({error!r}); "
+                "this peer left the run so the others do not wait for it: create a new "
+                "Communicator to join again"
+            )
+        )
+
+    def _end(self, attempt: AllReduceAttempt) -> None:
+        """The attempt is over: no more writes, no more frames or aborts routed to it."""
+        attempt.stop()
+        self._receiver.remove(attempt)
+
+        def stale_abort(message: Message) -> bool:
+            return isinstance(message, CollectiveAbort) and message.seq == attempt.seq
+
+        self._session.discard(stale_abort)
+        self._life.notify()
+
+    async def _run_ring(self, attempt: AllReduceAttempt) -> bool:
+        """This peer's part of a commenced attempt; True if it completed locally."""
+        successor = attempt.ring[(attempt.schedule.rank + 1) % len(attempt.ring)]
+        connections = self._p2p.successor_connections(successor)
+        if not connections:
+            attempt.fail(f"no open connection to the next peer ({successor})")
+        master_error: PCCLError | None = None
+        ok = False
+        async with trio.open_nursery() as nursery:
+
+            async def watch_for_abort() -> None:
+                nonlocal master_error
+                try:
+                    await self._session.wait_for(
+                        CollectiveAbort, lambda m: m.tag == attempt.tag and m.seq == attempt.seq
+                    )
+                except PCCLError as exc:
+                    master_error = exc
+                attempt.stop()  # aborted: no more writes, whatever is in flight
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_for_abort)
+            try:
+                await attempt.send_all(connections)
+                ok = True
+            except LocalFailure as exc:
+                log.info("peer %s: tag %d failed locally: %s", self._session.peer_id, attempt.tag, exc)
+            nursery.cancel_scope.cancel()
+        if master_error is not None:
+            raise master_error
+        return ok and attempt.live

@@ -1,0 +1,168 @@
+"""A communicator's life: its status, the one membership call running, and failure.
+
+Theory of operation
+-------------------
+A communicator is NEW, CONNECTING, CONNECTED, then CLOSED; it is FAILED once it was
+kicked or lost its master, and every waiting and later call raises that error. The
+parts of a communicator (master session, p2p connections, membership, collectives,
+shared state, topology) share one ``Lifecycle``: it holds the background nursery their
+tasks run in, tells them whether the run is over for this peer, and, when it ends,
+wakes every waiter through the wake-ups the parts registered (``on_failure``).
+
+Membership calls (``connect``, ``update_topology``, ``optimize_topology``,
+``sync_shared_state``, ``are_peers_pending`` and the re-establishment of a stale ring)
+run one at a time, inside ``operation``. The master counts on every peer that voted to
+see its vote through: a call interrupted after it voted (cancelled, or a bug) can no
+longer follow the protocol, so the peer leaves the run at once and the others are told
+by the master instead of waiting for it. ``changed`` is the one place to wait for the
+communicator to become idle: it is woken whenever a call ends, an all-reduce attempt
+ends, or the peer fails.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import trio
+
+from .._errors import InvalidUsage, PCCLError
+
+__all__ = ["Call", "Lifecycle", "Status"]
+
+log = logging.getLogger("pccl_trio.peer")
+
+
+class Status(enum.Enum):
+    NEW = enum.auto()
+    CONNECTING = enum.auto()
+    CONNECTED = enum.auto()
+    FAILED = enum.auto()  # kicked, or the master is gone
+    CLOSED = enum.auto()
+
+
+class Call(enum.Enum):
+    """The membership calls, which run one at a time."""
+
+    CONNECT = "connect()"
+    UPDATE_TOPOLOGY = "update_topology()"
+    OPTIMIZE_TOPOLOGY = "optimize_topology()"
+    SYNC_SHARED_STATE = "sync_shared_state()"
+    ARE_PEERS_PENDING = "are_peers_pending()"
+    REESTABLISH = "the re-establishment of the ring"
+
+    @property
+    def blocks_all_reduce(self) -> bool:
+        """Whether an all-reduce started meanwhile is a usage error: the master would
+        hold this peer in a vote that a collective cannot join."""
+        return self in (Call.UPDATE_TOPOLOGY, Call.SYNC_SHARED_STATE, Call.OPTIMIZE_TOPOLOGY)
+
+
+class Lifecycle:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self.status = Status.NEW
+        self.failure: PCCLError | None = None
+        self.busy: Call | None = None
+        self.voted = False  # the running call has sent a vote
+        self.nursery: trio.Nursery | None = None
+        self._changed = trio.lowlevel.ParkingLot()
+        self._wakers: list[Callable[[], object]] = []
+        self._closer: Callable[[], Any] | None = None
+        self._describe: Callable[[], str] = lambda: "peer"
+
+    # --- state ---------------------------------------------------------------------------
+
+    @property
+    def over(self) -> bool:
+        """Whether the run is over for this peer (failed or closed)."""
+        return self.failure is not None or self.status is Status.CLOSED
+
+    def raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self.status is Status.CLOSED:
+            raise InvalidUsage("the communicator is closed")
+
+    def check_connected(self) -> None:
+        self.raise_if_failed()
+        if self.status is not Status.CONNECTED:
+            raise InvalidUsage(
+                f"the communicator is {self.status.name.lower()}; call connect() first"
+            )
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Start a task in the communicator's background nursery."""
+        assert self.nursery is not None
+        self.nursery.start_soon(fn, *args)
+
+    # --- the one call at a time --------------------------------------------------------
+
+    @contextmanager
+    def operation(self, call: Call) -> Iterator[None]:
+        """Run one membership call (see the module docstring)."""
+        if self.busy is not None:
+            raise InvalidUsage(
+                f"{call.value} while {self.busy.value} is running on this communicator; "
+                "membership calls must not overlap"
+            )
+        self.busy = call
+        self.voted = False
+        try:
+            yield
+        except BaseException as exc:
+            if self.voted and not isinstance(exc, PCCLError):
+                self.fail(
+                    InvalidUsage(
+                        f"{call.value} was interrupted ({type(exc).__name__}) after voting; "
+                        "this peer left the run so the others do not wait for it: "
+                        "create a new Communicator to join again"
+                    )
+                )
+            raise
+        finally:
+            self.busy = None
+            self.voted = False
+            self.notify()
+
+    def notify(self) -> None:
+        """Something that idleness depends on changed (see ``wait_changed``)."""
+        self._changed.unpark_all()
+
+    async def wait_changed(self) -> None:
+        """Wait until a call or an attempt ends, or the peer fails."""
+        await self._changed.park()
+
+    # --- the end -----------------------------------------------------------------------
+
+    def on_failure(self, wake: Callable[[], object]) -> None:
+        """Call ``wake`` (synchronously) whenever the run ends for this peer."""
+        self._wakers.append(wake)
+
+    def close_with(self, closer: Callable[[], Any]) -> None:
+        """The async function that closes every connection once the peer failed."""
+        self._closer = closer
+
+    def describe_with(self, describe: Callable[[], str]) -> None:
+        """How log lines name this peer."""
+        self._describe = describe
+
+    def fail(self, error: PCCLError) -> None:
+        """The run is over for this peer: every waiter wakes and raises ``error``."""
+        if self.failure is None and self.status is not Status.CLOSED:
+            log.warning("%s: %s", self._describe(), error)
+            self.failure = error
+            self.status = Status.FAILED
+        self.wake_all()
+        if self.nursery is not None and self._closer is not None:
+            self.nursery.start_soon(self._closer)
+
+    def wake_all(self) -> None:
+        """Wake every waiter, so each looks at the status again."""
+        for wake in self._wakers:
+            wake()
+        self.notify()

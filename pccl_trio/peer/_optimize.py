@@ -1,0 +1,200 @@
+"""Topology optimization at one peer: measuring links on request, installing the ring.
+
+Theory of operation
+-------------------
+``optimize`` votes ``VoteOptimizeTopology``. The master then asks this peer, one link at a
+time, to measure the link *from* another peer to itself (``MeasureLink``); the peer
+measures it over a benchmark connection (``_bandwidth.measure_link``, a protocol run on
+a fresh p2p connection) and reports the rate, or the failure, in ``LinkMeasured``: a
+link that cannot be measured is the master's information, not this peer's error. The
+master's report (``TopologyOptimized``) carries what it knows of the group's links and
+the ring it chose; an establishment round that admits nobody installs that ring.
+
+When other peers only re-establish their ring after an aborted all-reduce, the master
+answers ``rejoin``: this peer takes part in that round, then votes again. ``topology``
+follows later rounds that install another order of the same peers (a better ring the
+master's background search found).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import numpy as np
+import trio
+
+from .._config import Config
+from .._core.messages import (
+    LinkMeasured,
+    MeasureLink,
+    PeerEndpoint,
+    TopologyOptimized,
+    VoteEstablish,
+    VoteOptimizeTopology,
+)
+from .._core.wire import max_payload
+from .._errors import InvalidUsage, TopologyOptimizationFailed
+from .._types import TopologyInfo
+from . import _bandwidth as measurement
+from ._bandwidth import LinkMeasurement
+from ._lifecycle import Call, Lifecycle
+from ._membership import Membership
+from ._p2p import LINK_ERRORS, P2PConnections
+from ._session import MasterSession
+
+__all__ = ["TopologyOptimizer"]
+
+log = logging.getLogger("pccl_trio.peer")
+
+
+def _topology_info(message: TopologyOptimized) -> TopologyInfo:
+    """The master's report as the public record (matrices of NaN if it left them out)."""
+    n = len(message.peers)
+    bandwidth = np.full((n, n), np.nan)
+    latency = np.full((n, n), np.nan)
+    if message.bandwidth:
+        bandwidth = np.array(message.bandwidth, dtype=np.float64).reshape(n, n)
+        latency = np.array(message.latency, dtype=np.float64).reshape(n, n)
+        latency[bandwidth == 0] = np.nan
+        bandwidth[bandwidth == 0] = np.nan
+        bandwidth.flat[list(message.unreachable)] = 0.0
+        np.fill_diagonal(bandwidth, np.nan)
+        np.fill_diagonal(latency, np.nan)
+    return TopologyInfo(
+        peers=message.peers,
+        bandwidth=bandwidth,
+        latency=latency,
+        ring=message.ring,
+        predicted_seconds=(
+            message.predicted_seconds if message.predicted_seconds >= 0 else math.inf
+        ),
+        reference_bytes=message.reference_bytes,
+        optimal=message.optimal,
+    )
+
+
+class TopologyOptimizer:
+    """This peer's part in topology optimizations (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        lifecycle: Lifecycle,
+        session: MasterSession,
+        p2p: P2PConnections,
+        membership: Membership,
+    ) -> None:
+        self._config = config
+        self._life = lifecycle
+        self._session = session
+        self._p2p = p2p
+        self._membership = membership
+        self.topology: TopologyInfo | None = None
+        #: How a link is measured (replaceable: the test seam injects faults here).
+        self.measure_link: Callable[[PeerEndpoint], Coroutine[Any, Any, LinkMeasurement]] = (
+            self._measure_link
+        )
+        membership.follow(self._follow_ring)
+
+    async def optimize(self) -> None:
+        """``Communicator.optimize_topology`` once the communicator is idle."""
+        membership = self._membership
+        await membership.ensure_ring()  # see Membership.update_topology
+        if membership.world is not None and membership.world.global_world_size < 2:
+            return
+        with self._life.operation(Call.OPTIMIZE_TOPOLOGY):
+            while True:
+                await self._session.vote(VoteOptimizeTopology())
+                while not isinstance(
+                    message := await self._session.wait_for((MeasureLink, TopologyOptimized)),
+                    TopologyOptimized,
+                ):
+                    assert isinstance(message, MeasureLink)
+                    await self._session.send(await self._report_link(message))
+                if not message.rejoin:
+                    break
+                # Peers of another group re-establish their ring after an aborted
+                # all-reduce (as their own optimize_topology does first): take part in
+                # that round, then vote again.
+                await self._session.vote(VoteEstablish(accept_new_peers=False))
+                if not await membership.establish_round():
+                    membership.stale = True
+                    raise TopologyOptimizationFailed(
+                        "a re-establishment round other peers needed failed; call "
+                        "optimize_topology() again"
+                    )
+            if message.error:
+                raise InvalidUsage(message.error)
+            self.topology = _topology_info(message)
+            # The master starts the first round itself, right after its report.
+            if await membership.establish_rounds(accept_new_peers=False, voted=True):
+                return
+            raise TopologyOptimizationFailed(
+                f"the optimized ring could not be established in "
+                f"{self._config.establish_attempts} rounds (peers kept failing or leaving); "
+                "call optimize_topology() again"
+            )
+
+    async def _report_link(self, request: MeasureLink) -> LinkMeasured:
+        """Measure the link the master asked for; a failure is reported, not raised."""
+        source = request.source
+        # Connecting, the measurement's own budget, and one liveness timeout of silence
+        # from a sender that stalls: the report then names the link, well within the
+        # master's step deadline (Config.round_timeout).
+        bound = (
+            self._config.connect_timeout + measurement.BUDGET_SECONDS
+            + self._session.liveness_timeout
+        )
+        try:
+            with trio.fail_after(bound):
+                result = await self.measure_link(source)
+        except LINK_ERRORS as exc:
+            log.warning(
+                "peer %s: cannot measure the link from peer %d: %s",
+                self._session.peer_id, source.peer_id, exc or type(exc).__name__,
+            )
+            return LinkMeasured(
+                optimization=request.optimization,
+                sender=source.peer_id,
+                error=f"{type(exc).__name__}: {exc}"[:1000],
+            )
+        return LinkMeasured(
+            optimization=request.optimization,
+            sender=source.peer_id,
+            bandwidth=result.bandwidth,
+            latency=result.latency,
+        )
+
+    async def _measure_link(self, endpoint: PeerEndpoint) -> LinkMeasurement:
+        """Measure the link from ``endpoint`` to this peer (see ``_bandwidth``).
+
+        Raises:
+            OSError, trio.TooSlowError, trio.BrokenResourceError, RemoteProtocolError:
+                the peer could not be reached or the measurement broke off.
+        """
+        assert self._session.peer_id is not None
+        return await self._p2p.run_protocol(
+            await self._p2p.connect(endpoint),
+            measurement.measure_link(
+                peer_id=self._session.peer_id,
+                frame_bytes=max_payload(self._config.max_data_frame),
+            ),
+        )
+
+    def _follow_ring(self, ring: tuple[int, ...]) -> None:
+        """Keep ``topology`` about the installed ring: a round may install another order
+        of the same peers (a better ring the master's background search found)."""
+        info = self.topology
+        if info is None or ring == info.ring or sorted(ring) != sorted(info.peers):
+            return
+        self.topology = dataclasses.replace(
+            info,
+            ring=ring,
+            predicted_seconds=info.predict(info.reference_bytes, ring),
+            optimal=False,
+        )

@@ -1,0 +1,379 @@
+"""A peer's p2p connections: the listener, the ring's connection pools, and connecting.
+
+Theory of operation
+-------------------
+Every connection a peer accepts opens with one control frame that says what it is
+for, and the listener hands it to the handler registered for that frame's kind
+(``handle``): ``P2PHello`` for a ring neighbour's data connection, ``SharedStateRequest``
+for a peer fetching shared state, ``BenchmarkRequest`` for a peer measuring the link.
+Each first frame carries the protocol version, checked here once for all of them.
+
+The ring's connections are *pools*: ``pool_size`` connections to the next peer of the
+ring (tx), and as many from the previous one (rx), each named by its slot. A data
+connection is admitted (``admit``) only from a predecessor the master named (a round's
+``P2PInfo``, which may reach this peer a moment after it reached the connecting one),
+and replaces an older connection in the same slot. After a round, ``rewire`` keeps a
+healthy pool to the successor or opens a new one, and closes the pools of peers that
+are no longer neighbours: which pools change is decided first, then the IO is done.
+
+Once its handshake is over, a TCP connection is handed to a worker thread as a
+``SocketLink`` (``to_link``) where the threaded data path is on and threads are
+allowed; otherwise it stays a ``FramedStream`` driven by trio tasks. ``connect`` and
+``run_protocol`` are the client side of the one-shot protocols (shared state, link
+measurement): a fresh connection, the protocol run by the right driver, closed after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+import trio
+
+from .._config import Config
+from .._core.errors import RemoteProtocolError
+from .._core.messages import (
+    PROTOCOL_VERSION,
+    BenchmarkRequest,
+    Message,
+    P2PHello,
+    P2PHelloAck,
+    P2PInfo,
+    PeerEndpoint,
+    SharedStateRequest,
+)
+from ..transport import (
+    Connection,
+    FramedStream,
+    Network,
+    SocketLink,
+    format_address,
+    listener_address,
+    threads_allowed,
+)
+from ._lifecycle import Lifecycle
+from ._protocol import Protocol, run_protocol
+from ._session import MasterSession
+
+__all__ = ["LINK_ERRORS", "P2PConnections"]
+
+log = logging.getLogger("pccl_trio.peer")
+
+_W = TypeVar("_W")
+_M = TypeVar("_M", bound=Message)
+
+#: What a p2p connection raises when the other peer or the network fails it.
+LINK_ERRORS = (
+    OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+    RemoteProtocolError,
+)
+
+#: The first frames a p2p connection may open with.
+FirstFrame = P2PHello | SharedStateRequest | BenchmarkRequest
+
+#: Most connections per neighbour (and so the largest slot number plus one).
+MAX_POOL_SIZE = 1024
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Pool:
+    """The connections to (tx) or from (rx) one neighbour, by slot."""
+
+    peer_id: int
+    slots: dict[int, Connection] = dataclasses.field(default_factory=dict)
+
+    def healthy(self, size: int) -> bool:
+        """All ``size`` connections open at both ends (we never read a tx connection,
+        so a remote close shows only as an end of stream waiting there)."""
+        return len(self.slots) == size and not any(
+            s.closed or s.closed_by_peer() for s in self.slots.values()
+        )
+
+    async def aclose(self) -> None:
+        streams = list(self.slots.values())
+        self.slots.clear()
+        for stream in streams:
+            await stream.aclose()
+
+
+class P2PConnections:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        network: Network,
+        lifecycle: Lifecycle,
+        session: MasterSession,
+        pool_size: int,
+    ) -> None:
+        self._config = config
+        self._network = network
+        self._life = lifecycle
+        self._session = session
+        self.pool_size = pool_size
+        self._listener: trio.abc.Listener[Any] | None = None
+        self._handlers: dict[type[Message], Callable[[FramedStream, Any], Awaitable[None]]] = {}
+        self._tx: dict[int, _Pool] = {}
+        self._rx: dict[int, _Pool] = {}
+        # Peers allowed to open data connections to us: predecessors named by the master.
+        self._expected_senders: set[int] = set()
+        self._expected_lot = trio.lowlevel.ParkingLot()
+
+    # --- accepting -----------------------------------------------------------------------
+
+    def handle(self, kind: type[_M], handler: Callable[[FramedStream, _M], Awaitable[None]]) -> None:
+        """Serve accepted connections whose first frame is a ``kind`` with ``handler``
+        (which owns the connection until it returns; it is closed afterwards)."""
+        self._handlers[kind] = handler
+
+    async def listen(self, host: str, port: int) -> int:
+        """Start accepting p2p connections; the port listened on.
+
+        Raises:
+            OSError: the address cannot be listened on.
+        """
+        self._listener = await self._network.listen(host, port)
+        self._life.spawn(self._accept, self._listener)
+        return listener_address(self._listener)[1]
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The listener's ``(host, port)`` (None before ``listen``)."""
+        return None if self._listener is None else listener_address(self._listener)
+
+    async def _accept(self, listener: trio.abc.Listener[Any]) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                return
+            except OSError as exc:  # pragma: no cover - e.g. too many open files
+                log.warning("p2p accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            self._life.spawn(self._serve, stream)
+
+    async def _serve(self, stream: trio.abc.Stream) -> None:
+        framed = self.framed(stream)
+        try:
+            with trio.fail_after(self._config.connect_timeout):
+                first = await framed.receive_message_exact()
+            handler = self._handlers.get(type(first))
+            if handler is None or not isinstance(first, FirstFrame):
+                raise RemoteProtocolError(f"expected P2PHello, got {type(first).__name__}")
+            if first.protocol_version != PROTOCOL_VERSION:
+                raise RemoteProtocolError(
+                    f"peer {first.peer_id} speaks protocol {first.protocol_version}, "
+                    f"this peer {PROTOCOL_VERSION}"
+                )
+            await handler(framed, first)
+        except (RemoteProtocolError, trio.TooSlowError) as exc:
+            log.warning("dropping a p2p connection: %s", exc)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception:  # a bug here must cost one connection, not the peer
+            log.exception("peer %s: p2p connection handler failed", self._session.peer_id)
+        finally:
+            await framed.aclose()
+
+    async def admit(self, framed: FramedStream, hello: P2PHello) -> Connection:
+        """Admit a ring neighbour's data connection into its rx pool and acknowledge it;
+        the connection in the form that receives its data.
+
+        Raises:
+            RemoteProtocolError: a bad slot, or bytes before the handshake finished.
+            trio.TooSlowError: the master never named the sender our predecessor.
+        """
+        with trio.fail_after(self._config.connect_timeout):
+            if hello.slot >= MAX_POOL_SIZE:
+                raise RemoteProtocolError(f"pool slot {hello.slot} out of range")
+            # Only a predecessor the master named may connect; its round's info may
+            # reach us a moment after it reached the connecting peer.
+            while hello.peer_id not in self._expected_senders:
+                await self._expected_lot.park()
+            pool = self._rx.setdefault(hello.peer_id, _Pool(peer_id=hello.peer_id))
+            old = pool.slots.get(hello.slot)
+            pool.slots[hello.slot] = framed
+            if old is not None:
+                await old.aclose()
+            await framed.send_message(P2PHelloAck())
+        link = self.to_link(framed)
+        if link is None:
+            return framed
+        if pool.slots.get(hello.slot) is framed:
+            pool.slots[hello.slot] = link
+        return link
+
+    def expect_sender(self, info: P2PInfo) -> None:
+        """Accept data connections from our predecessor in a round's ring from now on
+        (a route of the master session: applied as the info arrives)."""
+        ring, me = info.ring, self._session.peer_id
+        if me in ring and len(ring) > 1:
+            self._expected_senders.add(ring[ring.index(me) - 1])
+            self._expected_lot.unpark_all()
+
+    # --- the ring's pools ----------------------------------------------------------------
+
+    async def rewire(
+        self, successor: int | None, predecessor: int | None, endpoints: Mapping[int, PeerEndpoint]
+    ) -> list[int]:
+        """After a round: a healthy pool to ``successor`` (opened if need be), no pools
+        to or from peers that are no longer neighbours; the peers that could not be
+        reached."""
+        reopen = successor is not None and not (
+            successor in self._tx and self._tx[successor].healthy(self.pool_size)
+        )
+        stale_tx = [p for p in self._tx if p != successor]
+        stale_rx = [p for p in self._rx if p != predecessor]
+        failed: list[int] = []
+        if reopen:
+            assert successor is not None
+            endpoint = endpoints.get(successor)
+            if endpoint is None or not await self._open_pool(endpoint):
+                failed.append(successor)
+        for peer_id in stale_tx:
+            await self._tx.pop(peer_id).aclose()
+        for peer_id in stale_rx:
+            await self._rx.pop(peer_id).aclose()
+        return failed
+
+    def expect_only(self, predecessor: int | None) -> None:
+        """After a successful round: only the round's predecessor may connect."""
+        self._expected_senders = {predecessor} if predecessor is not None else set()
+
+    def successor_connections(self, successor: int) -> list[Connection]:
+        """The open connections to ``successor``, by slot."""
+        pool = self._tx.get(successor)
+        connections = [s for _, s in sorted(pool.slots.items())] if pool else []
+        return [c for c in connections if not c.closed]
+
+    async def _open_pool(self, endpoint: PeerEndpoint) -> bool:
+        """Open ``pool_size`` connections to ``endpoint``; False if any failed."""
+        pool = _Pool(peer_id=endpoint.peer_id)
+        ok = True
+
+        async def open_slot(slot: int) -> None:
+            nonlocal ok
+            framed: FramedStream | None = None
+            try:
+                with trio.fail_after(self._config.connect_timeout):
+                    framed = await self.connect(endpoint)
+                    await framed.send_message(
+                        P2PHello(protocol_version=PROTOCOL_VERSION,
+                                 peer_id=self._session.peer_id or 0, slot=slot)
+                    )
+                    ack = await framed.receive_message()
+                    if not isinstance(ack, P2PHelloAck):
+                        raise RemoteProtocolError(f"expected P2PHelloAck, got {ack!r}")
+                pool.slots[slot] = self.to_link(framed) or framed
+            except LINK_ERRORS as exc:
+                log.warning(
+                    "peer %s: cannot connect to peer %d at %s (slot %d): %s",
+                    self._session.peer_id, endpoint.peer_id,
+                    format_address(endpoint.host, endpoint.port), slot, exc or "timed out",
+                )
+                ok = False
+                if framed is not None:
+                    await framed.aclose()
+
+        async with trio.open_nursery() as nursery:
+            for slot in range(self.pool_size):
+                nursery.start_soon(open_slot, slot)
+        if not ok:
+            await pool.aclose()
+            return False
+        old = self._tx.pop(endpoint.peer_id, None)
+        if old is not None:
+            await old.aclose()
+        self._tx[endpoint.peer_id] = pool
+        return True
+
+    # --- one-shot protocols ----------------------------------------------------------------
+
+    def framed(self, stream: trio.abc.Stream) -> FramedStream:
+        """A p2p stream that speaks frames, with this peer's frame limits."""
+        return FramedStream(
+            stream,
+            max_control_frame=self._config.max_control_frame,
+            max_data_frame=self._config.max_data_frame,
+        )
+
+    async def connect(self, endpoint: PeerEndpoint) -> FramedStream:
+        """A new connection to ``endpoint``'s p2p listener (the caller sends the first
+        frame and closes it)."""
+        with trio.fail_after(self._config.connect_timeout):
+            stream = await self._network.connect(endpoint.host, endpoint.port)
+        return self.framed(stream)
+
+    def to_link(self, framed: FramedStream) -> SocketLink | None:
+        """The thread-driven form of a connection whose handshake is done, or None to
+        keep it in trio tasks (no socket of its own, threads turned off or not allowed)."""
+        if not (self._config.threaded_data_path and threads_allowed()):
+            return None
+        return SocketLink.detach(
+            framed, max_data_frame=self._config.max_data_frame,
+            max_control_frame=self._config.max_control_frame,
+        )
+
+    @property
+    def idle_timeout(self) -> float:
+        """How long a one-shot protocol may make no progress: a distributor waits up to
+        the liveness timeout for its own plan before it answers, so twice that."""
+        return 2 * self._session.liveness_timeout
+
+    async def run_protocol(
+        self,
+        framed: FramedStream,
+        protocol: Protocol[_W],
+        *,
+        track: set[Connection] | None = None,
+    ) -> _W:
+        """Run a one-shot protocol on ``framed`` (in a worker thread over its socket
+        where ``to_link`` allows, in this task otherwise); the connection is closed
+        afterwards. While it runs, the connection is in ``track`` (if given), so that
+        it can be cut from elsewhere."""
+        link = self.to_link(framed)
+        connection: Connection = framed if link is None else link
+        if track is not None:
+            track.add(connection)
+        try:
+            return await run_protocol(protocol, connection, idle_timeout=self.idle_timeout)
+        finally:
+            if track is not None:
+                track.discard(connection)
+            if link is not None:
+                link.cut()
+            await framed.aclose()
+
+    # --- views and the end ---------------------------------------------------------------
+
+    def counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Open connections per peer: ``(tx, rx)``."""
+        def count(pools: dict[int, _Pool]) -> dict[int, int]:
+            return {
+                peer: sum(not s.closed for s in pool.slots.values())
+                for peer, pool in pools.items()
+                if pool.slots
+            }
+
+        return count(self._tx), count(self._rx)
+
+    def connections(self) -> list[Connection]:
+        """Every pooled connection, tx then rx."""
+        return [s for pools in (self._tx, self._rx) for pool in pools.values()
+                for s in pool.slots.values()]
+
+    async def aclose(self) -> None:
+        """Stop accepting and close every pool (shielded: it runs while failing)."""
+        with trio.CancelScope(shield=True):
+            if self._listener is not None:
+                await trio.aclose_forcefully(self._listener)
+            for pools in (self._tx, self._rx):
+                doomed = list(pools.values())
+                pools.clear()
+                for pool in doomed:
+                    await pool.aclose()

@@ -1,0 +1,184 @@
+"""The all-reduce receive path: which attempt a data frame belongs to, and where it goes.
+
+Theory of operation
+-------------------
+Each data connection from the ring's predecessor has one reader, a protocol of
+``_protocol`` (a trio task, or a worker thread over a ``SocketLink``). Every frame
+names its attempt by the master's number (``seq``, from ``CollectiveCommence``).
+Attempts are registered here by tag when launched, before their vote, and by number
+when the master's commence arrives: ``on_commence`` is a route of the master session,
+so it runs as the commence is read, before any later message. A frame may still
+arrive before the commence reached this peer (the neighbour started sending at once);
+its reader waits for it. Numbers only grow, so a frame at or below the last commence
+seen whose attempt is not running is stale: it is read and dropped.
+
+A frame for a running attempt is claimed (checked against the attempt's schedule),
+then received into a staging buffer and combined into the result, or, for all-gather
+data, straight into the result buffer (see ``AllReduceAttempt``). When a connection
+breaks, every live attempt receiving from that peer fails: its frames are lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Generator
+from functools import partial
+from typing import Any
+
+import numpy as np
+import trio
+
+from .._core.errors import RemoteProtocolError
+from .._core.messages import CollectiveCommence, P2PHello
+from ..transport import Connection, FramedStream, SocketLink
+from ._allreduce import AllReduceAttempt
+from ._lifecycle import Lifecycle
+from ._p2p import P2PConnections
+from ._protocol import Operation, Protocol, ReceiveHeader, ReceiveInto, Wait, run_protocol
+
+__all__ = ["DataReceiver"]
+
+log = logging.getLogger("pccl_trio.peer")
+
+
+class DataReceiver:
+    """The attempts in flight, and the readers of the ring's data connections."""
+
+    def __init__(self, *, lifecycle: Lifecycle, p2p: P2PConnections) -> None:
+        self._life = lifecycle
+        self._p2p = p2p
+        self.by_tag: dict[int, AllReduceAttempt] = {}
+        self._by_seq: dict[int, AllReduceAttempt] = {}
+        self._last_commenced = 0
+        self._commence_lot = trio.lowlevel.ParkingLot()  # readers that are trio tasks
+        self._commenced = threading.Condition()  # readers that are threads
+        lifecycle.on_failure(self.wake)
+
+    # --- the attempts ----------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether any attempt is registered (launched and not ended)."""
+        return bool(self.by_tag)
+
+    def add(self, attempt: AllReduceAttempt) -> None:
+        """Register a launched attempt, before it votes."""
+        self.by_tag[attempt.tag] = attempt
+
+    def remove(self, attempt: AllReduceAttempt) -> None:
+        """The attempt is over: no more frames are routed to it."""
+        del self.by_tag[attempt.tag]
+        self._by_seq.pop(attempt.seq, None)
+
+    def on_commence(self, message: CollectiveCommence) -> None:
+        """Make the attempt reachable by its number before any of its data is read."""
+        attempt = self.by_tag.get(message.tag)
+        if attempt is not None and attempt.seq == 0:
+            attempt.seq = message.seq
+            self._by_seq[message.seq] = attempt
+            if message.ring != attempt.ring:
+                attempt.fail(
+                    f"the master's ring {list(message.ring)} differs from this peer's "
+                    f"{list(attempt.ring)}"
+                )
+        with self._commenced:
+            self._last_commenced = max(self._last_commenced, message.seq)
+            self._commenced.notify_all()
+        self._commence_lot.unpark_all()
+
+    def wake(self) -> None:
+        """Readers waiting for a commence must look at the communicator's state."""
+        self._commence_lot.unpark_all()
+        with self._commenced:
+            self._commenced.notify_all()
+
+    async def _attempt_for(self, seq: int) -> AllReduceAttempt | None:
+        """The attempt a data frame belongs to; None for a finished or aborted one."""
+        while seq > self._last_commenced:
+            if self._life.over:
+                raise trio.ClosedResourceError("the communicator is shutting down")
+            await self._commence_lot.park()
+        return self._by_seq.get(seq)
+
+    def _attempt_for_blocking(self, seq: int) -> AllReduceAttempt | None:
+        """``_attempt_for`` from a reader thread."""
+        with self._commenced:
+            while seq > self._last_commenced:
+                if self._life.over:
+                    raise trio.ClosedResourceError("the communicator is shutting down")
+                self._commenced.wait(timeout=1.0)
+        return self._by_seq.get(seq)
+
+    # --- the readers -------------------------------------------------------------------------
+
+    async def serve(self, framed: FramedStream, hello: P2PHello) -> None:
+        """Handle a ring neighbour's data connection (the p2p handler of ``P2PHello``)."""
+        connection = await self._p2p.admit(framed, hello)
+        try:
+            await run_protocol(self._receive(connection, hello.peer_id), connection)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
+            self._link_lost(hello.peer_id, exc)
+            raise
+        except Exception:
+            for attempt in list(self._by_seq.values()):
+                attempt.fail("internal error while receiving (see the log)")
+            raise
+        finally:
+            if isinstance(connection, SocketLink):
+                connection.cut()
+
+    def _receive(self, connection: Connection, sender: int) -> Protocol[None]:
+        """Receive data frames from ``sender`` and hand each slice to its attempt."""
+        staging = np.empty(0, dtype=np.uint8)
+        while True:
+            header = yield ReceiveHeader()
+            if header[3] > staging.size:
+                staging = np.empty(header[3], dtype=np.uint8)
+            seq = header[1]
+            attempt = yield Wait(partial(self._attempt_for, seq), partial(self._attempt_for_blocking, seq))
+            yield from self._deliver(attempt, sender, connection, staging, header)
+
+    def _link_lost(self, sender: int, exc: BaseException) -> None:
+        """Every attempt receiving from ``sender`` lost frames with its connection."""
+        for attempt in list(self._by_seq.values()):
+            if attempt.predecessor == sender and attempt.live:
+                attempt.fail(f"the link from peer {sender} broke ({exc})")
+
+    @staticmethod
+    def _deliver(
+        attempt: AllReduceAttempt | None,
+        sender: int,
+        reader: Connection,
+        staging: Any,
+        header: tuple[int, int, int, int],
+    ) -> Generator[Operation, Any, None]:
+        """Receive one data frame's payload into where it goes, then hand the slice to
+        its attempt: straight into the result for all-gather data, through ``staging``
+        otherwise, and nowhere for a stale attempt (``None``). If the receive fails,
+        the attempt learns that the payload did not arrive.
+
+        Raises:
+            RemoteProtocolError: the frame does not fit its attempt (which fails).
+        """
+        tag, _seq, offset, nbytes = header
+        if attempt is None:
+            yield ReceiveInto(staging[:nbytes].data)  # read and drop
+            return
+        try:
+            segment, index = attempt.claim(tag, offset, nbytes)
+        except RemoteProtocolError as exc:
+            attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
+            raise
+        view = attempt.direct_target(segment, index, reader)
+        if view is not None:
+            received = False
+            try:
+                yield ReceiveInto(view)
+                received = True
+            finally:
+                attempt.on_direct_slice(segment, index, reader, received)
+            return
+        payload = staging[:nbytes]
+        yield ReceiveInto(payload.data)
+        attempt.on_slice(segment, index, payload)

@@ -1,0 +1,88 @@
+"""What tests may observe and replace inside a communicator, named in one place.
+
+Fault-injection tests need to see a communicator's insides (its p2p listener, its
+connections, an all-reduce attempt mid-flight, whether the running call has voted) and
+to replace two of its steps (measuring a link, sending a vote). ``PeerSeam`` is that
+surface: a test asks ``pccl_trio.testing.peer_seam(comm)`` for it instead of reaching
+into private attributes, so the communicator's parts can change without its tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from .._core.messages import Message, PeerEndpoint
+from ..transport import Connection
+from ._allreduce import AllReduceAttempt
+from ._bandwidth import LinkMeasurement
+
+if TYPE_CHECKING:
+    from ._communicator import Communicator
+
+__all__ = ["PeerSeam"]
+
+MeasureLink = Callable[[PeerEndpoint], Coroutine[Any, Any, LinkMeasurement]]
+Vote = Callable[[Message], Coroutine[Any, Any, None]]
+
+
+class PeerSeam:
+    """The test seam of one communicator (see the module docstring)."""
+
+    def __init__(self, communicator: Communicator) -> None:
+        self._comm = communicator
+
+    @property
+    def p2p_address(self) -> tuple[str, int]:
+        """Where the p2p listener listens (after ``connect``)."""
+        address = self._comm._p2p.address
+        assert address is not None, "the communicator is not listening yet"
+        return address
+
+    @property
+    def endpoint(self) -> PeerEndpoint:
+        """How other peers reach this one (after ``connect``)."""
+        peer_id = self._comm.peer_id
+        assert peer_id is not None, "the communicator is not registered yet"
+        host, port = self.p2p_address
+        return PeerEndpoint(peer_id=peer_id, host=host, port=port)
+
+    @property
+    def voted(self) -> bool:
+        """Whether the membership call running now has sent its vote."""
+        return self._comm._life.voted
+
+    def connections(self) -> list[Connection]:
+        """Every pooled ring connection, to the successor and from the predecessor."""
+        return self._comm._p2p.connections()
+
+    def sending_connections(self) -> list[Connection]:
+        """The open connections to the ring's successor."""
+        ring, me = self._comm.ring, self._comm.peer_id
+        if me not in ring or len(ring) < 2:
+            return []
+        return self._comm._p2p.successor_connections(ring[(ring.index(me) + 1) % len(ring)])
+
+    def attempt(self, tag: int) -> AllReduceAttempt | None:
+        """The attempt of the all-reduce with ``tag`` in flight, if any."""
+        return self._comm._receiver.by_tag.get(tag)
+
+    @property
+    def measure_link(self) -> MeasureLink:
+        """How the communicator measures the link from a peer to itself; assign a
+        replacement (which may call the original) to inject faults."""
+        return self._comm._optimizer.measure_link
+
+    @measure_link.setter
+    def measure_link(self, replacement: MeasureLink) -> None:
+        self._comm._optimizer.measure_link = replacement
+
+    @property
+    def vote(self) -> Vote:
+        """How the communicator sends a vote to the master; assign a replacement
+        (which must call the original) to observe votes."""
+        return self._comm._session.vote
+
+    @vote.setter
+    def vote(self, replacement: Vote) -> None:
+        self._comm._session.vote = replacement  # type: ignore[method-assign, assignment]

@@ -1,0 +1,208 @@
+"""The master link of a peer: registration, the one reader, the inbox, heartbeats.
+
+Theory of operation
+-------------------
+``open`` connects to the master, starts the *reader* (the only task that ever
+receives from the link) and the *heartbeat* sender, registers, and returns once the
+master's ``Welcome`` named this peer and imposed its liveness timers.
+
+The reader applies a few messages at once, in the order they arrive, through the
+synchronous *routes* other parts registered (``route``): a ``CollectiveCommence``
+makes an all-reduce attempt reachable by its number before any of its data frames
+can be read, and a ``P2PInfo`` lets the round's predecessor connect. Then every
+message goes into the *inbox*, where calls take the first message of the kind they
+wait for (``wait_for``, PCCL's predicate-matched queue); ``discard`` drops messages
+nobody will take any more. Heartbeats only prove the master alive. If the master
+sends nothing for the liveness timeout, closes the link, breaks the protocol or kicks
+this peer, the communicator fails (``Lifecycle.fail``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import trio
+
+from .._config import Config
+from .._core.errors import RemoteProtocolError
+from .._core.messages import PROTOCOL_VERSION, Heartbeat, Kick, Message, Register, Welcome
+from .._errors import Kicked, MasterConnectionError, PCCLError
+from ..transport import FramedStream, Network, format_address
+from ._lifecycle import Lifecycle
+
+__all__ = ["MasterSession"]
+
+log = logging.getLogger("pccl_trio.peer")
+
+_M = TypeVar("_M", bound=Message)
+
+
+class MasterSession:
+    """A peer's link to its master (see the module docstring)."""
+
+    def __init__(
+        self, *, config: Config, network: Network, lifecycle: Lifecycle, host: str, port: int
+    ) -> None:
+        self._config = config
+        self._network = network
+        self._life = lifecycle
+        self.host, self.port = host, port
+        self.peer_id: int | None = None
+        self.heartbeat_interval = config.heartbeat_interval
+        self.liveness_timeout = config.liveness_timeout
+        self._link: FramedStream | None = None
+        self._inbox: list[Message] = []
+        self._inbox_lot = trio.lowlevel.ParkingLot()
+        self._routes: dict[type[Message], Callable[[Any], None]] = {}
+        lifecycle.on_failure(self._inbox_lot.unpark_all)
+
+    @property
+    def address(self) -> str:
+        return format_address(self.host, self.port)
+
+    def route(self, kind: type[_M], apply: Callable[[_M], None]) -> None:
+        """Have the reader call ``apply`` on every ``kind`` message as it arrives, before
+        queueing it (``apply`` must not block)."""
+        self._routes[kind] = apply
+
+    async def open(self, *, peer_group: int, p2p_port: int, advertised_host: str) -> None:
+        """Connect, register, and wait for the master's ``Welcome``.
+
+        Raises:
+            MasterConnectionError: the master cannot be reached or went away.
+            Kicked: the master refused this peer.
+        """
+        try:
+            with trio.fail_after(self._config.connect_timeout):
+                stream = await self._network.connect(self.host, self.port)
+        except (OSError, trio.TooSlowError) as exc:
+            raise MasterConnectionError(
+                f"could not reach the master at {self.address} ({exc or 'timed out'}); "
+                "check that `pccl-trio master` runs there and the address is right"
+            ) from exc
+        self._link = FramedStream(stream, max_control_frame=self._config.max_control_frame)
+        self._life.spawn(self._read)
+        await self.send(
+            Register(
+                protocol_version=PROTOCOL_VERSION,
+                peer_group=peer_group,
+                p2p_port=p2p_port,
+                advertised_host=advertised_host,
+            )
+        )
+        welcome = await self.wait_for(Welcome)
+        self.peer_id = welcome.peer_id
+        self.heartbeat_interval = welcome.heartbeat_interval
+        self.liveness_timeout = welcome.liveness_timeout
+        self._life.spawn(self._send_heartbeats)
+        log.info("peer %d registered with the master at %s", self.peer_id, self.address)
+
+    async def aclose(self) -> None:
+        if self._link is not None:
+            await self._link.aclose()
+
+    # --- sending -------------------------------------------------------------------------
+
+    async def send(self, message: Message) -> None:
+        """Send one message to the master.
+
+        Raises:
+            MasterConnectionError: the link is gone (the communicator fails).
+        """
+        self._life.raise_if_failed()
+        link = self._link
+        assert link is not None
+        try:
+            await link.send_message(message)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self._life.fail(
+                MasterConnectionError(f"lost the connection to the master at {self.address} ({exc})")
+            )
+            self._life.raise_if_failed()
+        except BaseException:
+            if link.closed:  # interrupted mid-frame: the link had to go
+                self._life.fail(
+                    MasterConnectionError(
+                        f"a call was interrupted while sending {type(message).__name__} to the "
+                        "master; the half-sent message ended this peer's link"
+                    )
+                )
+            raise
+
+    async def vote(self, message: Message) -> None:
+        """Send a vote; from then on the running call must see it through."""
+        await self.send(message)
+        self._life.voted = True
+
+    async def _send_heartbeats(self) -> None:
+        while True:
+            await trio.sleep(self.heartbeat_interval)
+            try:
+                await self.send(Heartbeat())
+            except PCCLError:
+                return
+
+    # --- receiving -----------------------------------------------------------------------
+
+    async def wait_for(
+        self, kind: type[_M] | tuple[type[_M], ...], match: Callable[[_M], bool] | None = None
+    ) -> _M:
+        """Take the first message of ``kind`` (and matching ``match``) from the inbox."""
+        while True:
+            for index, message in enumerate(self._inbox):
+                if isinstance(message, kind) and (match is None or match(message)):
+                    del self._inbox[index]
+                    return message
+            self._life.raise_if_failed()
+            await self._inbox_lot.park()
+
+    def discard(self, unwanted: Callable[[Message], bool]) -> None:
+        """Drop the queued messages nobody will wait for any more."""
+        self._inbox = [m for m in self._inbox if not unwanted(m)]
+
+    async def _read(self) -> None:
+        link = self._link
+        assert link is not None
+        try:
+            while True:
+                with trio.move_on_after(self.liveness_timeout) as silence:
+                    message = await link.receive_message()
+                if silence.cancelled_caught:
+                    # After a pause (a stopped process, a long blocking step) the
+                    # deadline passes before queued bytes are read: look once more.
+                    with trio.move_on_after(min(0.1, self.heartbeat_interval)) as grace:
+                        message = await link.receive_message()
+                if silence.cancelled_caught and grace.cancelled_caught:
+                    raise MasterConnectionError(
+                        f"the master at {self.address} sent nothing for "
+                        f"{self.liveness_timeout}s (liveness timeout): it or the network "
+                        "is down; restart the run's master and reconnect"
+                    )
+                if isinstance(message, Kick):
+                    raise Kicked(message.reason)
+                if isinstance(message, Heartbeat):
+                    continue
+                # Some messages change what the data path accepts: apply them here, in
+                # order, before any later message or p2p frame can depend on them.
+                if isinstance(message, Welcome):
+                    self.peer_id = message.peer_id  # the routes below may need it
+                apply = self._routes.get(type(message))
+                if apply is not None:
+                    apply(message)
+                self._inbox.append(message)
+                self._inbox_lot.unpark_all()
+        except PCCLError as exc:
+            self._life.fail(exc)
+        except RemoteProtocolError as exc:
+            self._life.fail(MasterConnectionError(f"the master sent malformed data ({exc})"))
+        except trio.BrokenResourceError as exc:
+            self._life.fail(
+                MasterConnectionError(
+                    f"lost the connection to the master at {self.address} ({exc}); "
+                    "a run cannot go on without its master"
+                )
+            )
+        except trio.ClosedResourceError:
+            pass  # we closed the link ourselves, and whoever did recorded why

@@ -1,0 +1,229 @@
+"""The shared-state sync flow at one peer: vote, serve, fetch, verify, report.
+
+Theory of operation
+-------------------
+``sync`` hashes the tensors whose content must match (in worker threads where threads
+are allowed), votes their entries with the state's revision, and from that moment
+*serves* them: peers whose plan arrived earlier may already ask (``serve``, the p2p
+handler of ``SharedStateRequest``, waits for this peer's own plan before answering).
+The master's plan names the tensors this peer must fetch and the distributors that hold
+them. Fetching spreads pieces over every distributor (``_shared_state.Fetcher``), with
+the old bytes kept aside (``Backup``) and put back if the fetch fails or does not verify
+against the hashes the master announced. This peer reports to the master and waits for
+the group's completion; only then does it adopt the new revision. Serving stops when
+the sync ends: connections still being served are cut, and their handlers are waited
+for (a bounded while), so ``tx_bytes`` counts everything that was sent.
+
+The data moves through the protocols of ``_shared_state`` (``request_pieces``,
+``serve_requests``), run on p2p connections by ``P2PConnections.run_protocol``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from .._config import Config
+from .._core.messages import (
+    PeerEndpoint,
+    SharedStateComplete,
+    SharedStateDone,
+    SharedStatePlan,
+    SharedStateRequest,
+    SharedStateVote,
+)
+from .._core.wire import encode_control, max_payload
+from .._errors import InvalidArgument, SharedStateSyncFailed
+from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
+from ..transport import Connection, FramedStream, hash_threads, run_off_loop
+from . import _shared_state as sharing
+from ._lifecycle import Call, Lifecycle
+from ._membership import Membership
+from ._p2p import LINK_ERRORS, P2PConnections
+from ._session import MasterSession
+
+__all__ = ["SharedStateSync"]
+
+log = logging.getLogger("pccl_trio.peer")
+
+
+class SharedStateSync:
+    """This peer's part in shared-state syncs (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        config: Config,
+        lifecycle: Lifecycle,
+        session: MasterSession,
+        p2p: P2PConnections,
+        membership: Membership,
+    ) -> None:
+        self._config = config
+        self._life = lifecycle
+        self._session = session
+        self._p2p = p2p
+        self._membership = membership
+        # What this peer offers during a sync, and the connections serving it (cut when
+        # the sync ends).
+        self._serving: sharing.Serving | None = None
+        self._serving_lot = trio.lowlevel.ParkingLot()
+        self._serving_links: set[Connection] = set()
+
+    async def sync(self, state: Any, strategy: SharedStateSyncStrategy) -> SharedStateSyncInfo:
+        """``Communicator.sync_shared_state`` once the communicator is idle."""
+        tensors = sharing.prepare_state(state)
+        await self._membership.ensure_ring()  # see Membership.update_topology
+        with self._life.operation(Call.SYNC_SHARED_STATE):
+            threads = hash_threads()
+            hashes = await run_off_loop(lambda: [t.content_hash(threads) for t in tensors])
+            vote = SharedStateVote(
+                revision=state.revision,
+                strategy=strategy.value,
+                entries=tuple(t.entry(h) for t, h in zip(tensors, hashes, strict=True)),
+            )
+            if len(encode_control(vote)) > self._config.max_control_frame:
+                raise InvalidArgument(
+                    f"the shared state's {len(tensors)} tensors do not fit in one vote of "
+                    f"Config.max_control_frame={self._config.max_control_frame} bytes; "
+                    "use fewer (concatenated) tensors or shorter names"
+                )
+            serving = sharing.Serving(tensors)
+            self._serving = serving
+            try:
+                await self._session.vote(vote)
+                plan = await self._session.wait_for(SharedStatePlan)
+                if plan.error:
+                    raise SharedStateSyncFailed(
+                        f"the master refused the sync: {plan.error}; the shared state and "
+                        "its revision are unchanged"
+                    )
+                serving.sync = plan.sync
+                serving.distributor = not plan.fetches
+                self._serving_lot.unpark_all()
+                received, failure = 0, ""
+                if plan.fetches:
+                    received, failure = await self._fetch(plan, tensors)
+                await self._session.send(
+                    SharedStateDone(sync=plan.sync, success=not failure, reason=failure[:1000])
+                )
+                await self._session.wait_for(SharedStateComplete, lambda m: m.sync == plan.sync)
+            finally:
+                await self._stop_serving(serving)
+            if failure:
+                raise SharedStateSyncFailed(
+                    f"could not fetch the shared state of revision {plan.revision}: "
+                    f"{failure}; the state and its revision ({state.revision}) are unchanged"
+                )
+            state.revision = plan.revision
+            return SharedStateSyncInfo(tx_bytes=serving.tx_bytes, rx_bytes=received)
+
+    async def _stop_serving(self, serving: sharing.Serving) -> None:
+        serving.active = False
+        self._serving = None
+        self._serving_lot.unpark_all()
+        for link in list(self._serving_links):
+            link.close_now()
+        # Handlers count what they sent when their send returns: wait for them (cut
+        # above, they end at once) so tx_bytes is complete.
+        with trio.move_on_after(self._session.liveness_timeout) as cleanup:
+            cleanup.shield = True
+            while serving.handlers:
+                await self._serving_lot.park()
+
+    # --- fetching --------------------------------------------------------------------------
+
+    async def _fetch(
+        self, plan: SharedStatePlan, tensors: Sequence[sharing.Tensor]
+    ) -> tuple[int, str]:
+        """Fetch the plan's tensors from its distributors.
+
+        Returns:
+            the bytes received, and why the fetch failed (empty: it did not); after a
+            failure every fetched tensor holds its old bytes again.
+        """
+        by_key = {t.key: t for t in tensors}
+        targets = [by_key[f.key] for f in plan.fetches]
+        expected = {f.key: f.hash for f in plan.fetches if f.verify}
+        assert self._session.peer_id is not None
+        fetcher = sharing.Fetcher(
+            by_key, [t.key for t in targets], sync=plan.sync, peer_id=self._session.peer_id,
+            frame_bytes=max_payload(self._config.max_data_frame),
+            whole=[f.key for f in plan.fetches if not f.verify],
+        )
+        backup = await run_off_loop(lambda: sharing.Backup(targets))
+        try:
+            failure = await self._transfer(plan, fetcher, targets, expected)
+        except BaseException:
+            # Cancelled, or the run ended under us: the old bytes go back all the same.
+            with trio.CancelScope(shield=True):
+                await run_off_loop(backup.restore)
+            raise
+        if failure:
+            with trio.CancelScope(shield=True):  # a cancellation must not skip it
+                await run_off_loop(backup.restore)
+            log.warning("peer %s: shared-state fetch failed: %s", self._session.peer_id, failure)
+        return fetcher.received, failure
+
+    async def _transfer(
+        self,
+        plan: SharedStatePlan,
+        fetcher: sharing.Fetcher,
+        targets: Sequence[sharing.Tensor],
+        expected: dict[str, int],
+    ) -> str:
+        """Fetch every piece and verify the tensors; why it failed (empty: it did not)."""
+        # A distributor that fails gives its piece back; the others may have finished
+        # meanwhile, so the survivors go round again until nothing is left.
+        alive = list(plan.distributors)
+        while fetcher.pieces and alive:
+            self._life.raise_if_failed()
+            async with trio.open_nursery() as nursery:
+                for endpoint in alive:
+                    nursery.start_soon(self._fetch_from, endpoint, fetcher)
+            alive = [e for e in alive if e.peer_id not in fetcher.failed_peers]
+        if fetcher.pieces:
+            return (
+                "every peer holding it failed ("
+                + ("; ".join(fetcher.failures) or "none is left") + ")"
+            )
+        threads = hash_threads()
+        wrong = await run_off_loop(lambda: sharing.mismatched(targets, expected, threads))
+        if wrong:
+            return (
+                f"tensors {wrong} arrived but do not hash to the popular state's values "
+                "(a distributor changed them during the sync?)"
+            )
+        return ""
+
+    async def _fetch_from(self, endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
+        """One distributor's worker: fetch pieces from it until none is left or it fails."""
+        try:
+            framed = await self._p2p.connect(endpoint)
+            await self._p2p.run_protocol(framed, sharing.request_pieces(fetcher))
+        except (*LINK_ERRORS, sharing.DistributorRefused) as exc:
+            fetcher.failed(endpoint.peer_id, str(exc) or type(exc).__name__)
+            log.info("peer %s: fetching shared state from peer %d failed: %s",
+                     self._session.peer_id, endpoint.peer_id, exc)
+
+    # --- serving ---------------------------------------------------------------------------
+
+    async def serve(self, framed: FramedStream, request: SharedStateRequest) -> None:
+        """Answer a peer fetching shared state from us, on its connection (the p2p
+        handler of ``SharedStateRequest``)."""
+        # Its plan may have reached it before ours reached us: wait for ours.
+        with trio.move_on_after(self._session.liveness_timeout):
+            while self._serving is not None and self._serving.sync is None:
+                await self._serving_lot.park()
+        serving = self._serving or sharing.Serving(())  # none: every request is refused
+        serving.handlers += 1
+        try:
+            await self._p2p.run_protocol(
+                framed, sharing.serve_requests(serving, request), track=self._serving_links
+            )
+        finally:
+            serving.handlers -= 1
+            self._serving_lot.unpark_all()
