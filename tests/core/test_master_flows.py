@@ -28,7 +28,6 @@ from pccl_trio._core.messages import (
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
-    PeerEndpoint,
     PeersPendingResult,
     Register,
     VoteEstablish,
@@ -39,6 +38,7 @@ from pccl_trio._core.messages import (
 from pccl_trio._core.ring import ring_edges
 
 from .master_harness import HEARTBEAT_INTERVAL, LIVENESS_TIMEOUT, MasterHarness, only, was_kicked
+from .scenarios import accepted, endpoint
 from .support import DETERMINISTIC, SAMPLES
 
 REG, ACC = PeerPhase.REGISTERED, PeerPhase.ACCEPTED
@@ -55,25 +55,6 @@ def world(global_: int, group: int, groups: int, largest: int) -> WorldSizes:
         num_distinct_peer_groups=groups,
         largest_peer_group_world_size=largest,
     )
-
-
-def endpoint(conn: int, host: str = "127.0.0.1") -> PeerEndpoint:
-    """The endpoint of the peer on ``conn`` (peer id == conn in these tests)."""
-    return PeerEndpoint(peer_id=conn, host=host, port=10000 + conn)
-
-
-def accepted(h: MasterHarness, *conns: int) -> None:
-    """Make ``conns`` (in order, peer id == conn) the accepted peers, each IDLE."""
-    h.join(conns[0])
-    for conn in conns[1:]:
-        h.register(conn)
-    if len(conns) > 1:
-        h.vote(conns[0])
-        for conn in conns:
-            h.report(conn)
-    for conn in conns:
-        assert h.where(conn) == (ACC, IDLE)
-    h.take_all()
 
 
 def new_round(h: MasterHarness, *conns: int) -> int:

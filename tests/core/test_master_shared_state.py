@@ -24,7 +24,6 @@ from pccl_trio._core.messages import (
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
-    PeerEndpoint,
     PeersPendingResult,
     SharedStateComplete,
     SharedStateDone,
@@ -43,7 +42,7 @@ from pccl_trio._core.shared_state import (
 )
 
 from .master_harness import MasterHarness, only, was_kicked
-from .test_master_collectives import accepted, got, run_with, started
+from .scenarios import accepted, endpoint, got, run_with, started
 
 E, R, S = ENFORCE_POPULAR, RECEIVE_ONLY, SEND_ONLY
 FLOAT, DOUBLE = 10, 11
@@ -368,11 +367,6 @@ def test_elect_kicks_strategies_mixed_with_enforce_popular(strategies: tuple[int
 
 
 # --- MasterCore: helpers --------------------------------------------------------------
-
-
-def endpoint(conn: int) -> PeerEndpoint:
-    """Where the harness's peer on ``conn`` (id ``conn``) serves."""
-    return PeerEndpoint(peer_id=conn, host="127.0.0.1", port=10000 + conn)
 
 
 def vote(
