@@ -25,8 +25,14 @@ from pccl_trio._core.ring import ring_edges
 
 from .master_harness import MasterHarness
 
-ACC = PeerPhase.ACCEPTED
-IDLE = PeerState.IDLE
+#: Short names for where ``h.where`` finds a peer: its phase, and its state.
+REG, ACC = PeerPhase.REGISTERED, PeerPhase.ACCEPTED
+IDLE, VOTED, CONN, WAIT, FAIL = (
+    PeerState.IDLE, PeerState.VOTE_ESTABLISH, PeerState.CONNECTING, PeerState.WAITING,
+    PeerState.CONNECT_FAILED,
+)
+SVOTED, SYNCING, SDONE = PeerState.VOTE_SYNC, PeerState.SYNCING, PeerState.SYNC_DONE
+OVOTED, OPTIMIZING = PeerState.VOTE_OPTIMIZE, PeerState.OPTIMIZING
 
 
 # --- members ---------------------------------------------------------------------------

@@ -11,11 +11,12 @@ new ring's round, which succeeds; newcomers got neither, unless every participan
 
 from __future__ import annotations
 
-from pccl_trio._core.master import PeerPhase, PeerState
 from pccl_trio._core.messages import LinkMeasured, Message, P2PInfo, TopologyOptimized
 
 from .master_harness import MasterHarness, default_solver
 from .scenarios import (
+    ACC,
+    CONN,
     FAST,
     LATENCY,
     MEDIUM,
@@ -206,7 +207,7 @@ class Chaos(Simulator):
             members = tuple(sorted(c for c in participants if self.groups[c] == self.groups[conn]))
             assert report.peers == members and sorted(report.ring) == list(members)
             assert info.ring == report.ring
-            assert h.where(conn) == (PeerPhase.ACCEPTED, PeerState.CONNECTING)
+            assert h.where(conn) == (ACC, CONN)
         for conn in self.newcomers & self.alive:
             # Never a report; admitted (one round) only if every participant left.
             assert [type(m) for m in infos[conn]] == ([] if participants else [P2PInfo])

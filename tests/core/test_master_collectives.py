@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 import pytest
 
-from pccl_trio._core.master import PeerPhase, PeerState
 from pccl_trio._core.messages import (
     ABORTED,
     REJECTED,
@@ -31,6 +30,10 @@ from pccl_trio._core.messages import (
 
 from .master_harness import COUNT, FLOAT, HEARTBEAT_INTERVAL, MasterHarness, only, was_kicked
 from .scenarios import (
+    ACC,
+    FAIL,
+    IDLE,
+    VOTED,
     Setup,
     accepted,
     accepted_connecting,
@@ -53,8 +56,6 @@ from .scenarios import (
 )
 from .sim_collectives import SEEDS, STALE_REASON, simulate
 
-ACC = PeerPhase.ACCEPTED
-IDLE, FAIL = PeerState.IDLE, PeerState.CONNECT_FAILED
 DOUBLE, AVG, MIN_MAX, ZPS, UINT8, FLOAT16 = 11, 1, 1, 2, 0, 8
 
 
@@ -77,6 +78,15 @@ def reestablish(h: MasterHarness, *conns: int) -> None:
     for conn in conns:
         assert h.last(conn, P2PEstablishResult).success
         assert h.where(conn) == (ACC, IDLE)
+    h.take_all()
+
+
+def aborted_once(h: MasterHarness) -> None:
+    """Peers 1 and 2 ran tag 5 and peer 1 failed; both got the ABORTED verdict."""
+    accepted(h, 1, 2)
+    started(h, 5, 1, 2)
+    h.complete(1, 5, aborted=True)
+    h.complete(2, 5)
     h.take_all()
 
 
@@ -546,13 +556,9 @@ def test_vote_with_a_collective_in_flight_is_kicked(in_flight: Callable[[MasterH
 
 def test_vote_after_the_verdict_is_fine() -> None:
     h = MasterHarness()
-    accepted(h, 1, 2)
-    started(h, 5, 1, 2)
-    h.complete(1, 5, aborted=True)
-    h.complete(2, 5)
-    h.take_all()
+    aborted_once(h)
     assert only(h.vote(1, accept=False), 1) == []
-    assert h.where(1) == (ACC, PeerState.VOTE_ESTABLISH)
+    assert h.where(1) == (ACC, VOTED)
 
 
 # --- the pending-peers vote against a topology vote ----------------------------------
@@ -673,11 +679,7 @@ def test_an_abort_makes_no_ring_stale_by_itself() -> None:
     # A local failure aborts the attempt; the peers decide to re-establish (the shipped
     # peer does), the master does not insist.
     h = MasterHarness()
-    accepted(h, 1, 2)
-    started(h, 5, 1, 2)
-    h.complete(1, 5, aborted=True)
-    h.complete(2, 5)
-    h.take_all()
+    aborted_once(h)
     started(h, 5, 1, 2)
 
 

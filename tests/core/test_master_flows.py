@@ -15,8 +15,6 @@ from pccl_trio._core.master import (
     ConnectionClosed,
     MasterCore,
     MessageReceived,
-    PeerPhase,
-    PeerState,
     Send,
 )
 from pccl_trio._core.messages import (
@@ -38,14 +36,8 @@ from pccl_trio._core.messages import (
 from pccl_trio._core.ring import ring_edges
 
 from .master_harness import HEARTBEAT_INTERVAL, LIVENESS_TIMEOUT, MasterHarness, only, was_kicked
-from .scenarios import accepted, endpoint
+from .scenarios import ACC, CONN, FAIL, IDLE, REG, accepted, endpoint
 from .support import DETERMINISTIC, SAMPLES
-
-REG, ACC = PeerPhase.REGISTERED, PeerPhase.ACCEPTED
-IDLE, VOTED, CONN, WAIT, FAIL = (
-    PeerState.IDLE, PeerState.VOTE_ESTABLISH, PeerState.CONNECTING, PeerState.WAITING,
-    PeerState.CONNECT_FAILED,
-)
 
 
 def world(global_: int, group: int, groups: int, largest: int) -> WorldSizes:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy
 import pytest
 
-from pccl_trio._core.master import KEEP_MARGIN, Action, CancelSolve, PeerPhase, PeerState, Solve
+from pccl_trio._core.master import KEEP_MARGIN, Action, CancelSolve, PeerPhase, Solve
 from pccl_trio._core.messages import (
     ABORTED,
     CollectiveCommence,
@@ -34,11 +34,17 @@ from pccl_trio.topology import EXACT_LIMIT
 
 from .master_harness import MasterHarness, default_solver, only, solver_actions, was_kicked
 from .scenarios import (
+    ACC,
+    CONN,
     FAST,
+    IDLE,
     LATENCY,
     MEDIUM,
+    OPTIMIZING,
+    OVOTED,
     REFERENCE,
     SLOW,
+    VOTED,
     Link,
     Rate,
     accepted,
@@ -51,12 +57,6 @@ from .scenarios import (
     sync_vote,
 )
 from .sim_topology import SEEDS, Chaos
-
-ACC = PeerPhase.ACCEPTED
-IDLE, CONN, OVOTED, OPTIMIZING, VOTED = (
-    PeerState.IDLE, PeerState.CONNECTING, PeerState.VOTE_OPTIMIZE, PeerState.OPTIMIZING,
-    PeerState.VOTE_ESTABLISH,
-)
 
 #: A directed ring faster than every other (when its links are FAST) ...
 FAST_RING = (1, 3, 2, 4)

@@ -30,6 +30,18 @@ from pccl_trio._core.messages import (
 
 from .master_harness import MasterHarness, only, was_kicked
 from .scenarios import (
+    ACC,
+    CONN,
+    FAIL,
+    IDLE,
+    OPTIMIZING,
+    OVOTED,
+    REG,
+    SDONE,
+    SVOTED,
+    SYNCING,
+    VOTED,
+    WAIT,
     Setup,
     accepted_connecting,
     accepted_failed_after_round,
@@ -99,13 +111,6 @@ def test_every_state_is_reachable_from_idle_and_leads_back() -> None:
 # next to one other peer. Then each peer-to-master message is sent by the subject: it
 # is kicked exactly when the table (or the phase) forbids it.
 
-REG, ACC = PeerPhase.REGISTERED, PeerPhase.ACCEPTED
-IDLE, VOTED, CONN, WAIT, FAIL = (
-    PeerState.IDLE, PeerState.VOTE_ESTABLISH, PeerState.CONNECTING, PeerState.WAITING,
-    PeerState.CONNECT_FAILED,
-)
-SVOTED, SYNCING, SDONE = PeerState.VOTE_SYNC, PeerState.SYNCING, PeerState.SYNC_DONE
-OVOTED, OPTIMIZING = PeerState.VOTE_OPTIMIZE, PeerState.OPTIMIZING
 KICK = None
 MESSAGES = ("register", "heartbeat", "vote", "report_ok", "report_failed", "report_stale",
             "pending", "sync_vote", "sync_done", "optimize", "link_measured")
