@@ -107,7 +107,9 @@ class Chaos(Simulator):
         return found + [(name, 0, 1) for name in ("kill", "lazy", "join", "stray", "unknown-job")]
 
     def pick(self, options: list[Option]) -> Option:
-        """Each option as often as its (whole) weight says, one drawn uniformly."""
+        """Each option repeated as often as its (whole) weight says, and one of them
+        drawn uniformly: one ``rng.choice``, the draw the recorded traces were made with
+        (``rng.choices`` would draw differently)."""
         return self.rng.choice([option for option in options for _ in range(int(option[2]))])
 
     def do(self, name: str, conn: int) -> None:
@@ -166,7 +168,7 @@ class Chaos(Simulator):
                 self.count("stray-kicked" if h.view(conn) is None else "stray-accepted")
             case "unknown-job":
                 assert h.answer(1000 + rng.randrange(100), order=(0,)) == []
-            case _:
+            case _:  # "tick", and a step whose chance did not come
                 self.advance()
 
     def kill(self, conn: int) -> None:
