@@ -184,18 +184,16 @@ class CollectiveSimulation(ChurnSimulator[CollectivePeer]):
                 assert peer is not None
                 if ok is None:
                     ok = not self.doomed and rng.random() < 0.9
-                peer.status = "reported_ok" if ok else "reported_failed"
                 if not ok:
                     self.stale = True  # the round has failed, whoever reports next
-                self.deliver(h.report(conn, ok=ok))
+                self.report(peer, ok)
             case ["vote"]:
                 assert peer is not None and not peer.tags
                 # After an abort or a failed round: re-establish only; else update_topology.
                 if accept is None:
                     accept = not peer.ring_stale and peer.status != "failed"
-                peer.status = "voted"
                 self.count("vote")
-                self.deliver(h.vote(conn, accept))
+                self.vote(peer, accept)
             case ["pending"]:
                 assert peer is not None
                 self.ask_pending(conn)
@@ -258,14 +256,12 @@ class CollectiveSimulation(ChurnSimulator[CollectivePeer]):
     def on_info(self, peer: CollectivePeer, info: P2PInfo) -> None:
         if info.round != self.round:  # a new round: sometimes a network split dooms it
             self.round, self.doomed = info.round, self.rng.random() < 0.2
-        assert peer.status in ("waiting", "voted") and not peer.tags
-        peer.status, peer.pending_out = "in_round", False
+        assert not peer.tags
+        peer.enters_round()
 
     def on_result(self, peer: CollectivePeer, result: P2PEstablishResult) -> None:
         self.results.add(result.success)
-        assert peer.status in ("reported_ok", "reported_failed")
-        peer.member = True
-        peer.status = "idle" if result.success else "failed"
+        peer.hears_result(result.success)
         peer.ring_stale = not result.success
         self.stale = not result.success
         self.count(f"round-{'ok' if result.success else 'failed'}")

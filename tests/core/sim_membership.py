@@ -123,16 +123,15 @@ class Simulation(ChurnSimulator[MemberPeer]):
                 peer = self.peers[conn]
                 ok = name == "report_ok" or rng.random() < 0.95
                 failed = [] if ok else [n for n in peer.neighbours if rng.random() < 0.5]
-                peer.status = "reported_ok" if ok else "reported_failed"
                 if not ok:
                     self.rounds[h.last(conn, P2PInfo).round].failure_reported = True
                     alive = {p.peer_id for p in self.peers.values()}
                     self.blocked |= {(peer.peer_id, n) for n in failed if n in alive}
-                self.deliver(h.report(conn, ok=ok, failed=failed))
+                self.report(peer, ok, failed)
             case "vote" | "vote_yes":
                 peer = self.peers[conn]
-                peer.status, peer.accept_new = "voted", name == "vote_yes" or rng.random() < 0.8
-                self.deliver(h.vote(conn, peer.accept_new))
+                peer.accept_new = name == "vote_yes" or rng.random() < 0.8
+                self.vote(peer, peer.accept_new)
             case "pending":
                 self.ask_pending(conn)
             case "die":
@@ -165,7 +164,7 @@ class Simulation(ChurnSimulator[MemberPeer]):
         record = self.rounds[info.round]
         # Every P2PInfo of a round goes out in the step that starts it.
         assert record.step == self.step
-        assert peer.status in ("waiting", "voted"), peer
+        peer.enters_round()
         record.participants[peer.peer_id] = peer.group
         ring = record.rings.setdefault(peer.group, info.ring)
         assert info.ring == ring and peer.peer_id in ring
@@ -173,7 +172,6 @@ class Simulation(ChurnSimulator[MemberPeer]):
         index = ring.index(peer.peer_id)
         expected = list(dict.fromkeys((ring[index - 1], ring[(index + 1) % len(ring)])))
         assert [n.peer_id for n in info.neighbours] == ([] if len(ring) == 1 else expected)
-        peer.status, peer.pending_out = "in_round", False
         peer.neighbours = tuple(n.peer_id for n in info.neighbours)
 
     def on_result(self, peer: MemberPeer, result: P2PEstablishResult) -> None:
@@ -181,7 +179,6 @@ class Simulation(ChurnSimulator[MemberPeer]):
         if result.round not in self.verdicts:
             assert result.round not in self.finished, f"round {result.round} ended twice"
             self.verdicts[result.round] = set(record.participants) - record.departed
-        assert peer.status in ("reported_ok", "reported_failed"), peer
         survivors = {p: g for p, g in record.participants.items() if p not in record.departed}
         # (b) one verdict, one ring per group: the round's ring less the departed.
         assert result.success == (not record.failure_reported and not record.departed)
@@ -189,8 +186,7 @@ class Simulation(ChurnSimulator[MemberPeer]):
         # (c) the world is the surviving participants.
         check_world(result.world, peer.group, survivors)
         record.results[peer.peer_id] = result
-        peer.member = True
-        peer.status = "idle" if result.success else "failed"
+        peer.hears_result(result.success)
 
     def delivered(self) -> None:
         for number, expected in self.verdicts.items():

@@ -10,8 +10,8 @@ scenario ``optimizes``. Time passes by ``advance``: every talking peer says some
 then a ``Tick`` at each deadline up to the target (each must move the deadline), and a
 last one at the target.
 
-A ``ChurnSimulator`` adds well-behaved peers that join, vote, report, ask whether peers
-are pending, die and fall silent. Each keeps its own model of where the protocol stands
+A ``ChurnSimulator`` adds well-behaved peers that join, vote, report on their rounds,
+ask whether peers are pending, die and fall silent. Each keeps its own model of where the protocol stands
 (a ``SimPeer``, from the messages it got, each handed to the handler of its class),
 and after every step that model must agree with the master, peer by peer.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 from pccl_trio._core.master import Action, CancelSolve, Close, PeerPhase, PeerState, Send, Solve
@@ -158,13 +158,24 @@ class SimPeer:
     silent: bool = False  # alive but sends nothing any more
     pending_out: bool = False  # asked whether peers are pending; no answer yet
 
+    def enters_round(self) -> None:
+        """It got a ``P2PInfo``: it takes part in a round now."""
+        assert self.status in ("waiting", "voted"), self
+        self.status, self.pending_out = "in_round", False
+
+    def hears_result(self, success: bool) -> None:
+        """It got its round's verdict: a member now, idle, or failed (it must vote again)."""
+        assert self.status in ("reported_ok", "reported_failed"), self
+        self.member = True
+        self.status = "idle" if success else "failed"
+
 
 P = TypeVar("P", bound=SimPeer)
 
 
 class ChurnSimulator(Simulator, Generic[P]):
-    """Peers (``P``, by conn) that join, ask whether peers are pending, die and fall
-    silent; the scenario adds what else they do. Kicked only for silence, for a
+    """Peers (``P``, by conn) that join, vote, report on their rounds, ask whether peers
+    are pending, die and fall silent; the scenario adds what else they do. Kicked only for silence, for a
     connection the simulation broke, or for a reason in ``KICKS``."""
 
     #: The other kicks a well-behaved peer may get: kind -> how the reason starts.
@@ -204,6 +215,16 @@ class ChurnSimulator(Simulator, Generic[P]):
         conn = self.new_conn()
         self.peers[conn] = self.new_peer(conn, group)
         self.deliver(self.h.register(conn, group))
+
+    def report(self, peer: P, ok: bool, failed: Sequence[int] = ()) -> None:
+        """``peer`` reports on its round: connected, or not (to ``failed``)."""
+        peer.status = "reported_ok" if ok else "reported_failed"
+        self.deliver(self.h.report(peer.conn, ok=ok, failed=failed))
+
+    def vote(self, peer: P, accept: bool) -> None:
+        """``peer`` votes to establish the ring (admitting waiting peers if ``accept``)."""
+        peer.status = "voted"
+        self.deliver(self.h.vote(peer.conn, accept))
 
     def ask_pending(self, conn: int) -> None:
         self.peers[conn].pending_out = True
