@@ -196,7 +196,7 @@ class CollectiveSimulation(ChurnSimulator[CollectivePeer]):
                 self.vote(peer, accept)
             case ["pending"]:
                 assert peer is not None
-                self.ask_pending(conn)
+                self.ask_pending(peer)
             case ["initiate"]:
                 assert peer is not None
                 self.initiate(peer, tag, descriptor)

@@ -133,7 +133,7 @@ class Simulation(ChurnSimulator[MemberPeer]):
                 peer.accept_new = name == "vote_yes" or rng.random() < 0.8
                 self.vote(peer, peer.accept_new)
             case "pending":
-                self.ask_pending(conn)
+                self.ask_pending(self.peers[conn])
             case "die":
                 self.die(conn)
             case "silence":

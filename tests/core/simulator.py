@@ -175,8 +175,9 @@ P = TypeVar("P", bound=SimPeer)
 
 class ChurnSimulator(Simulator, Generic[P]):
     """Peers (``P``, by conn) that join, vote, report on their rounds, ask whether peers
-    are pending, die and fall silent; the scenario adds what else they do. Kicked only for silence, for a
-    connection the simulation broke, or for a reason in ``KICKS``."""
+    are pending, die and fall silent; the scenario adds what else they do. They are
+    kicked only for silence, for a connection the simulation broke, or for a reason in
+    ``KICKS``."""
 
     #: The other kicks a well-behaved peer may get: kind -> how the reason starts.
     KICKS: ClassVar[dict[str, str]] = {}
@@ -226,9 +227,10 @@ class ChurnSimulator(Simulator, Generic[P]):
         peer.status = "voted"
         self.deliver(self.h.vote(peer.conn, accept))
 
-    def ask_pending(self, conn: int) -> None:
-        self.peers[conn].pending_out = True
-        self.deliver(self.h.pending(conn))
+    def ask_pending(self, peer: P) -> None:
+        """``peer`` asks whether peers are pending (a vote of every member)."""
+        peer.pending_out = True
+        self.deliver(self.h.pending(peer.conn))
 
     def die(self, conn: int) -> None:
         """The peer on ``conn`` is gone: its connection breaks (now and then) or closes."""
