@@ -21,13 +21,13 @@ from collections.abc import Callable
 import pytest
 
 from .master_harness import MasterHarness
-from .test_master_collectives import SEEDS as COLLECTIVE_SEEDS
-from .test_master_collectives import simulate
-from .test_master_simulation import SEEDS as CHURN_SEEDS
-from .test_master_simulation import STEPS as CHURN_STEPS
-from .test_master_simulation import Simulation
-from .test_master_topology import SEEDS as CHAOS_SEEDS
-from .test_master_topology import Chaos
+from .sim_collectives import SEEDS as COLLECTIVE_SEEDS
+from .sim_collectives import simulate
+from .sim_membership import SEEDS as CHURN_SEEDS
+from .sim_membership import STEPS as CHURN_STEPS
+from .sim_membership import Simulation
+from .sim_topology import SEEDS as CHAOS_SEEDS
+from .sim_topology import Chaos
 
 GOLDEN = pathlib.Path(__file__).with_name("golden_traces.json")
 

@@ -15,8 +15,6 @@ from pccl_trio._core.master import (
     ConnectionClosed,
     MasterCore,
     MessageReceived,
-    PeerPhase,
-    PeerState,
     Send,
 )
 from pccl_trio._core.messages import (
@@ -28,7 +26,6 @@ from pccl_trio._core.messages import (
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
-    PeerEndpoint,
     PeersPendingResult,
     Register,
     VoteEstablish,
@@ -39,13 +36,8 @@ from pccl_trio._core.messages import (
 from pccl_trio._core.ring import ring_edges
 
 from .master_harness import HEARTBEAT_INTERVAL, LIVENESS_TIMEOUT, MasterHarness, only, was_kicked
+from .scenarios import ACC, CONN, FAIL, IDLE, REG, accepted, endpoint
 from .support import DETERMINISTIC, SAMPLES
-
-REG, ACC = PeerPhase.REGISTERED, PeerPhase.ACCEPTED
-IDLE, VOTED, CONN, WAIT, FAIL = (
-    PeerState.IDLE, PeerState.VOTE_ESTABLISH, PeerState.CONNECTING, PeerState.WAITING,
-    PeerState.CONNECT_FAILED,
-)
 
 
 def world(global_: int, group: int, groups: int, largest: int) -> WorldSizes:
@@ -55,25 +47,6 @@ def world(global_: int, group: int, groups: int, largest: int) -> WorldSizes:
         num_distinct_peer_groups=groups,
         largest_peer_group_world_size=largest,
     )
-
-
-def endpoint(conn: int, host: str = "127.0.0.1") -> PeerEndpoint:
-    """The endpoint of the peer on ``conn`` (peer id == conn in these tests)."""
-    return PeerEndpoint(peer_id=conn, host=host, port=10000 + conn)
-
-
-def accepted(h: MasterHarness, *conns: int) -> None:
-    """Make ``conns`` (in order, peer id == conn) the accepted peers, each IDLE."""
-    h.join(conns[0])
-    for conn in conns[1:]:
-        h.register(conn)
-    if len(conns) > 1:
-        h.vote(conns[0])
-        for conn in conns:
-            h.report(conn)
-    for conn in conns:
-        assert h.where(conn) == (ACC, IDLE)
-    h.take_all()
 
 
 def new_round(h: MasterHarness, *conns: int) -> int:

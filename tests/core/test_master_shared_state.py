@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pccl_trio._core.master import Action, PeerPhase, PeerState
+from pccl_trio._core.master import Action, PeerState
 from pccl_trio._core.messages import (
     ABORTED,
     STRATEGY_NAMES,
@@ -24,7 +24,6 @@ from pccl_trio._core.messages import (
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
-    PeerEndpoint,
     PeersPendingResult,
     SharedStateComplete,
     SharedStateDone,
@@ -43,14 +42,10 @@ from pccl_trio._core.shared_state import (
 )
 
 from .master_harness import MasterHarness, only, was_kicked
-from .test_master_collectives import accepted, got, run_with, started
+from .scenarios import ACC, IDLE, SDONE, SVOTED, SYNCING, accepted, endpoint, got, run_with, started
 
 E, R, S = ENFORCE_POPULAR, RECEIVE_ONLY, SEND_ONLY
 FLOAT, DOUBLE = 10, 11
-ACC = PeerPhase.ACCEPTED
-IDLE, VOTE_SYNC, SYNCING, SYNC_DONE = (
-    PeerState.IDLE, PeerState.VOTE_SYNC, PeerState.SYNCING, PeerState.SYNC_DONE,
-)
 
 
 def entry(
@@ -370,11 +365,6 @@ def test_elect_kicks_strategies_mixed_with_enforce_popular(strategies: tuple[int
 # --- MasterCore: helpers --------------------------------------------------------------
 
 
-def endpoint(conn: int) -> PeerEndpoint:
-    """Where the harness's peer on ``conn`` (id ``conn``) serves."""
-    return PeerEndpoint(peer_id=conn, host="127.0.0.1", port=10000 + conn)
-
-
 def vote(
     h: MasterHarness, conn: int, revision: int, *entries: SharedStateEntry, strategy: int = E
 ) -> list[Action]:
@@ -434,7 +424,7 @@ def test_every_member_gets_one_plan_and_completion_waits_for_every_report(third_
     accepted(h, 1, 2, 3)
     assert vote(h, 1, 0, W1, B1, OPT) == []
     assert vote(h, 2, 0, W1, B1, OPT) == []
-    assert h.where(1) == h.where(2) == (ACC, VOTE_SYNC)
+    assert h.where(1) == h.where(2) == (ACC, SVOTED)
     vote(h, 3, 0, W2, B1, OPT)
     plans = {conn: plan_of(h, conn) for conn in (1, 2, 3)}
     number = plans[1].sync
@@ -451,9 +441,9 @@ def test_every_member_gets_one_plan_and_completion_waits_for_every_report(third_
 
     # The fetcher reports first (a failure counts as a report too), then the others.
     assert done(h, 3, number, success=third_succeeds) == []
-    assert h.where(3) == (ACC, SYNC_DONE)
+    assert h.where(3) == (ACC, SDONE)
     assert done(h, 1, number) == []
-    assert [h.where(c) for c in (1, 2, 3)] == [(ACC, SYNC_DONE), (ACC, SYNCING), (ACC, SYNC_DONE)]
+    assert [h.where(c) for c in (1, 2, 3)] == [(ACC, SDONE), (ACC, SYNCING), (ACC, SDONE)]
     done(h, 2, number)
     for conn in (1, 2, 3):
         assert got(h, conn) == [SharedStateComplete(sync=number)]
@@ -667,7 +657,7 @@ def test_peer_groups_sync_independently() -> None:
     vote(h, 2, 0, a2)
     plans = {conn: plan_of(h, conn) for conn in (1, 2)}
     assert got(h, 3) == got(h, 4) == []
-    assert h.where(3) == (ACC, VOTE_SYNC) and h.where(4) == (ACC, IDLE)
+    assert h.where(3) == (ACC, SVOTED) and h.where(4) == (ACC, IDLE)
     vote(h, 4, 7, z2)
     plans.update({conn: plan_of(h, conn) for conn in (3, 4)})
     n0, n1 = plans[1].sync, plans[3].sync
@@ -937,7 +927,7 @@ def test_a_collective_initiated_while_a_member_votes_to_sync_is_aborted(initiate
         assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, ABORTED)
         assert "peer 1" in verdict.reason and "synchronize the shared state" in verdict.reason
     assert got(h, 1) == []
-    assert h.where(1) == (ACC, VOTE_SYNC)
+    assert h.where(1) == (ACC, SVOTED)
     # The others then vote too, and the sync runs.
     vote(h, 2, 0, W1)
     vote(h, 3, 0, W1)
@@ -995,7 +985,7 @@ def test_a_pending_vote_while_a_member_votes_to_sync_is_refused(pending_first: b
     assert len(messages) == 1 and isinstance(messages[0], PeersPendingResult), messages
     assert "peer 1" in messages[0].error and "sync_shared_state" in messages[0].error
     assert got(h, 1) == []
-    assert h.where(1) == (ACC, VOTE_SYNC) and h.where(2) == (ACC, IDLE)
+    assert h.where(1) == (ACC, SVOTED) and h.where(2) == (ACC, IDLE)
     vote(h, 2, 0, W1)
     assert plan_of(h, 1).sync == plan_of(h, 2).sync == 1
 

@@ -1,36 +1,29 @@
 """MasterCore topology optimization: the vote, measurement steps, solver jobs, the new
 ring's round, the background search and its candidate ring.
 
-The harness plays the shell (``master_harness``): it answers ``MeasureLink`` with rates
-the test chooses and runs the solver jobs synchronously, so every scenario is
-deterministic. Peer ``n`` is registered on connection ``n`` throughout.
+The harness plays the shell (``master_harness``): the drivers (``scenarios``) answer
+``MeasureLink`` with rates the test chooses and the solver jobs run synchronously, so
+every scenario is deterministic; so is the simulation of random interleavings
+(``sim_topology``). Peer ``n`` is registered on connection ``n`` throughout.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy
 import pytest
 
-from pccl_trio._core.master import (
-    KEEP_MARGIN,
-    Action,
-    CancelSolve,
-    PeerPhase,
-    PeerState,
-    Send,
-    Solve,
-)
+from pccl_trio._core.master import KEEP_MARGIN, Action, CancelSolve, PeerPhase, Solve
 from pccl_trio._core.messages import (
     ABORTED,
     CollectiveCommence,
     CollectiveVerdict,
     LinkMeasured,
     MeasureLink,
-    P2PEstablishResult,
     P2PInfo,
     PeersPendingResult,
     SharedStatePlan,
@@ -40,30 +33,35 @@ from pccl_trio._core.ring import ring_edges
 from pccl_trio.topology import EXACT_LIMIT
 
 from .master_harness import MasterHarness, default_solver, only, solver_actions, was_kicked
-from .test_master_transitions import sync_vote
-
-ACC = PeerPhase.ACCEPTED
-IDLE, CONN, OVOTED, OPTIMIZING, VOTED = (
-    PeerState.IDLE, PeerState.CONNECTING, PeerState.VOTE_OPTIMIZE, PeerState.OPTIMIZING,
-    PeerState.VOTE_ESTABLISH,
+from .scenarios import (
+    ACC,
+    CONN,
+    FAST,
+    IDLE,
+    LATENCY,
+    MEDIUM,
+    OPTIMIZING,
+    OVOTED,
+    REFERENCE,
+    SLOW,
+    VOTED,
+    Link,
+    Rate,
+    accepted,
+    asked,
+    finish_round,
+    measure_all,
+    optimize_all,
+    ring_rate,
+    run_with,
+    sync_vote,
 )
+from .sim_topology import SEEDS, Chaos
 
-REFERENCE = 64 << 20
-FAST, MEDIUM, SLOW = 50e6, 20e6, 5e6
-LATENCY = 1e-4
 #: A directed ring faster than every other (when its links are FAST) ...
 FAST_RING = (1, 3, 2, 4)
 #: ... and its reverse, which shares none of its links.
 REVERSE_RING = (1, 4, 2, 3)
-
-Rate = Callable[[int, int], float]
-Link = tuple[int, int]
-
-
-def ring_rate(ring: Sequence[int], fast: float = FAST, slow: float = SLOW) -> Rate:
-    """``fast`` on the links of ``ring``, ``slow`` elsewhere."""
-    edges = set(ring_edges(ring))
-    return lambda a, b: fast if (a, b) in edges else slow
 
 
 def chunk_cost(rate: float, world: int) -> float:
@@ -80,81 +78,6 @@ def indices(peers: Sequence[int], ring: Sequence[int]) -> tuple[int, ...]:
 
 
 # --- driving ---------------------------------------------------------------------------
-
-
-def form(h: MasterHarness, groups: dict[int, int]) -> None:
-    """Peers on connections ``groups`` (conn -> group), in order, accepted by one
-    successful round; each conn's peer id is the conn."""
-    conns = list(groups)
-    h.join(conns[0], groups[conns[0]])
-    for conn in conns[1:]:
-        h.register(conn, groups[conn])
-    if len(conns) > 1:
-        h.vote(conns[0])
-        for conn in conns:
-            h.report(conn)
-    assert h.peer_ids == {c: c for c in conns}
-    for conn in conns:
-        assert h.last(conn, P2PEstablishResult).success and h.where(conn) == (ACC, IDLE)
-
-
-def group0(*conns: int) -> dict[int, int]:
-    return dict.fromkeys(conns, 0)
-
-
-def optimize_all(h: MasterHarness, conns: Iterable[int]) -> list[Action]:
-    """Every conn votes; the actions of the last vote (which starts the optimization)."""
-    actions: list[Action] = []
-    for conn in conns:
-        actions = h.optimize(conn)
-    return actions
-
-
-def asked(actions: Iterable[Action]) -> list[tuple[int, MeasureLink]]:
-    return [
-        (a.conn, a.message) for a in actions
-        if isinstance(a, Send) and isinstance(a.message, MeasureLink)
-    ]
-
-
-def measure_all(
-    h: MasterHarness, rate: Rate | None = None, fail: Iterable[Link] = ()
-) -> list[list[Link]]:
-    """Answer the measurements step by step (``fail``: links answered with an error);
-    return each step's links. Checks that no peer takes part twice in a step, and that
-    the next step starts only with the last report of the current one."""
-    failing = set(fail)
-    rate = rate or ring_rate(())
-    steps: list[list[Link]] = []
-    while h.unanswered:
-        step = {conn: (m.source.peer_id, h.peer_ids[conn]) for conn, m in h.unanswered.items()}
-        links = sorted(step.values())
-        ends = [p for link in links for p in link]
-        assert len(ends) == len(set(ends)), f"a peer twice in step {links}"
-        assert len({m.optimization for m in h.unanswered.values()}) == 1
-        steps.append(links)
-        order = sorted(step)
-        for index, conn in enumerate(order):
-            link = step[conn]
-            if link in failing:
-                actions = h.measure(conn, error="connection refused")
-            else:
-                actions = h.measure(conn, bandwidth=rate(*link), latency=LATENCY)
-            if index < len(order) - 1:
-                assert asked(actions) == [], "a step started before the last one was reported"
-    return steps
-
-
-def finish_round(h: MasterHarness, conns: Iterable[int]) -> P2PEstablishResult:
-    """Every conn reports on the round running, which must succeed; the verdict of the
-    first conn."""
-    conns = list(conns)
-    for conn in conns:
-        h.report(conn)
-    assert not h.core.round_in_progress
-    results = [h.last(conn, P2PEstablishResult) for conn in conns]
-    assert all(r.success and r.round == results[0].round for r in results), results
-    return results[0]
 
 
 def reports(h: MasterHarness, conn: int) -> list[TopologyOptimized]:
@@ -182,7 +105,7 @@ def links_of(members: Sequence[int]) -> set[Link]:
 def test_full_flow_measures_every_link_once_and_installs_the_fastest_ring() -> None:
     h = MasterHarness(reference_bytes=REFERENCE, solve_seconds=2.5)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     assert h.core.ring(0) == [1, 2, 3, 4]
     before = h.core.topology(0)
     assert before.peers == conns and numpy.isnan(before.bandwidth).all()
@@ -251,7 +174,7 @@ def test_full_flow_measures_every_link_once_and_installs_the_fastest_ring() -> N
 def test_a_second_optimization_measures_nothing_and_solves_at_once() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimized(h, conns, ring_rate(FAST_RING))
 
     actions = optimize_all(h, conns)
@@ -271,7 +194,7 @@ def test_a_second_optimization_measures_nothing_and_solves_at_once() -> None:
 def test_a_joiner_gets_only_its_own_links_measured() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimized(h, conns, ring_rate(FAST_RING))
 
     h.register(5)
@@ -297,7 +220,7 @@ def test_a_joiner_gets_only_its_own_links_measured() -> None:
 def test_a_failed_measurement_marks_the_link_unreachable_and_the_ring_avoids_it() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     # The fast ring would need 1 -> 3, which cannot be measured; the medium ring
     # (1, 4, 3, 2) is the best without it.
     fast, medium = set(ring_edges(FAST_RING)), set(ring_edges((1, 4, 3, 2)))
@@ -323,7 +246,7 @@ def test_a_failed_measurement_marks_the_link_unreachable_and_the_ring_avoids_it(
 def test_edges_a_round_could_not_use_are_not_measured() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     for conn in conns:
         h.vote(conn)
     h.report(1, ok=False, failed=[2])  # 1 -> 2 is unreachable
@@ -345,7 +268,7 @@ def test_edges_a_round_could_not_use_are_not_measured() -> None:
 
 def test_a_group_of_one_or_two_needs_no_solver() -> None:
     h = MasterHarness()
-    form(h, {1: 0, 2: 0, 3: 1})
+    run_with(h, {1: 0, 2: 0, 3: 1})
     optimize_all(h, (1, 2, 3))
     steps = measure_all(h)
     assert sorted(link for step in steps for link in step) == [(1, 2), (2, 1)]
@@ -359,7 +282,7 @@ def test_a_group_of_one_or_two_needs_no_solver() -> None:
 
 def test_a_lone_peer_optimizes_at_once() -> None:
     h = MasterHarness()
-    form(h, group0(1))
+    accepted(h, 1)
     actions = h.optimize(1)
     report, info = [a.message for a in only(actions, 1)]  # type: ignore[union-attr]
     assert isinstance(report, TopologyOptimized) and report.ring == (1,) and report.optimal
@@ -376,7 +299,7 @@ def test_a_large_group_is_solved_by_the_heuristic() -> None:
     best = tuple(order[order.index(1):] + order[:order.index(1)])
     rate = ring_rate(best)
     h = MasterHarness(reference_bytes=REFERENCE)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     steps = measure_all(h, rate)
     assert sorted(link for step in steps for link in step) == sorted(links_of(conns))
@@ -393,7 +316,7 @@ def test_a_large_group_is_solved_by_the_heuristic() -> None:
 def test_predicted_seconds_are_unknown_while_the_ring_uses_a_link_not_measured() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     measure_all(h, fail=[(1, 2)])
     (job,) = h.pending_solves()
@@ -409,7 +332,7 @@ def test_predicted_seconds_are_unknown_while_the_ring_uses_a_link_not_measured()
 def test_after_a_departure_without_a_round_the_solver_starts_afresh() -> None:
     # The installed ring still names the departed peer: nothing to improve on.
     h = MasterHarness(reference_bytes=REFERENCE)
-    form(h, group0(1, 2, 3, 4))
+    accepted(h, 1, 2, 3, 4)
     h.close(4)
     optimize_all(h, (1, 2, 3))
     measure_all(h)
@@ -428,7 +351,7 @@ def test_the_topology_of_an_empty_group() -> None:
 def test_a_departed_peers_links_are_forgotten_and_the_others_kept() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimized(h, conns, ring_rate(FAST_RING))
     h.close(4)
     survivors = (1, 2, 3)
@@ -450,7 +373,7 @@ def test_a_departed_peers_links_are_forgotten_and_the_others_kept() -> None:
 def test_a_receiver_dying_mid_step_is_not_waited_for() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     receiver = sorted(h.unanswered)[0]
     other = sorted(h.unanswered)[1]
@@ -473,7 +396,7 @@ def test_a_receiver_dying_mid_step_is_not_waited_for() -> None:
 def test_a_sender_dying_mid_step_is_ignored_in_its_receivers_late_report(late: str) -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     receiver, message = sorted(h.unanswered.items())[0]
     sender = message.source.peer_id
@@ -496,7 +419,7 @@ def test_a_sender_dying_mid_step_is_ignored_in_its_receivers_late_report(late: s
 def test_a_peer_dying_while_the_solver_runs() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     measure_all(h, ring_rate(FAST_RING))
     assert h.pending_solves()
@@ -515,7 +438,7 @@ def test_a_peer_dying_while_the_solver_runs() -> None:
 def test_a_whole_group_leaving_while_the_solvers_run() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     groups = {1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1}
-    form(h, groups)
+    run_with(h, groups)
     optimize_all(h, groups)
     measure_all(h)
     assert len(h.pending_solves()) == 2
@@ -533,7 +456,7 @@ def test_a_whole_group_leaving_while_the_solvers_run() -> None:
 def test_every_participant_leaving_drops_the_optimization(when: str) -> None:
     h = MasterHarness()
     conns = (1, 2, 3)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     if when == "solving":
         measure_all(h)
@@ -556,7 +479,7 @@ def test_every_participant_leaving_drops_the_optimization(when: str) -> None:
 def test_a_receiver_that_does_not_report_is_kicked_at_the_step_deadline() -> None:
     h = MasterHarness(heartbeat_interval=10.0, liveness_timeout=20.0, round_timeout=3.0)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     h.tick(h.now + 1.0)
     optimize_all(h, conns)
     start = h.now
@@ -583,7 +506,7 @@ def test_a_receiver_that_does_not_report_is_kicked_at_the_step_deadline() -> Non
 
 
 def running_optimization(h: MasterHarness) -> None:
-    form(h, group0(1, 2, 3, 4))
+    accepted(h, 1, 2, 3, 4)
     optimize_all(h, (1, 2, 3, 4))
 
 
@@ -596,7 +519,7 @@ def answer(h: MasterHarness, conn: int, **changes: int) -> LinkMeasured:
 
 
 def _no_optimization(h: MasterHarness) -> tuple[int, LinkMeasured]:
-    form(h, group0(1, 2))
+    accepted(h, 1, 2)
     return 1, LinkMeasured(optimization=1, sender=2, bandwidth=SLOW)
 
 
@@ -635,7 +558,7 @@ def _registered(h: MasterHarness) -> tuple[int, LinkMeasured]:
 
 
 def _after_the_end(h: MasterHarness) -> tuple[int, LinkMeasured]:
-    form(h, group0(1, 2))
+    accepted(h, 1, 2)
     optimize_all(h, (1, 2))
     first = min(h.unanswered)
     message = answer(h, first)
@@ -678,7 +601,7 @@ def test_the_optimization_goes_on_without_a_kicked_peer() -> None:
 
 def test_a_vote_with_collectives_in_flight_is_kicked() -> None:
     h = MasterHarness()
-    form(h, group0(1, 2))
+    accepted(h, 1, 2)
     h.initiate(1, 5)
     assert was_kicked(h.optimize(1), 1)
     assert "collectives in flight" in (h.kick_reason(1) or "")
@@ -689,7 +612,7 @@ def test_a_vote_with_collectives_in_flight_is_kicked() -> None:
 
 def test_optimize_is_refused_when_another_peer_updates_the_topology() -> None:
     h = MasterHarness()
-    form(h, {1: 0, 2: 0, 3: 1})
+    run_with(h, {1: 0, 2: 0, 3: 1})
     h.optimize(1)
     h.optimize(2)
     actions = h.vote(3)
@@ -711,7 +634,7 @@ def test_optimize_joins_a_round_that_only_re_establishes_the_ring() -> None:
     optimize_topology does first) while group 0 votes to optimize: group 0 is told to
     join that round (``rejoin``), and afterwards everyone optimizes together."""
     h = MasterHarness()
-    form(h, {1: 0, 2: 0, 3: 1, 4: 1})
+    run_with(h, {1: 0, 2: 0, 3: 1, 4: 1})
     h.vote(3, accept=False)
     actions = h.optimize(1) + h.optimize(2)
     for conn in (1, 2):
@@ -731,7 +654,7 @@ def test_a_background_ring_using_a_link_found_unreachable_since_is_dropped() -> 
     ring it reports is not installed, the working ring stays."""
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     measure_all(h, two_rings_rate())
     (job,) = h.pending_solves()
@@ -754,7 +677,7 @@ def test_a_background_ring_using_a_link_found_unreachable_since_is_dropped() -> 
 
 def test_optimize_after_update_topology_is_refused_at_once() -> None:
     h = MasterHarness()
-    form(h, group0(1, 2))
+    accepted(h, 1, 2)
     h.vote(2)
     actions = h.optimize(1)
     refusal = h.last(1, TopologyOptimized)
@@ -766,7 +689,7 @@ def test_optimize_after_update_topology_is_refused_at_once() -> None:
 @pytest.mark.parametrize("first", ["initiate", "optimize"])
 def test_a_vote_to_optimize_aborts_its_groups_collectives(first: str) -> None:
     h = MasterHarness()
-    form(h, {1: 0, 2: 0, 3: 1, 4: 1})
+    run_with(h, {1: 0, 2: 0, 3: 1, 4: 1})
     if first == "initiate":
         h.initiate(1, 7)
         h.optimize(2)
@@ -786,7 +709,7 @@ def test_a_vote_to_optimize_aborts_its_groups_collectives(first: str) -> None:
 @pytest.mark.parametrize("first", ["pending", "optimize"])
 def test_a_vote_to_optimize_refuses_pending_votes(first: str, asker: int) -> None:
     h = MasterHarness()
-    form(h, {1: 0, 2: 0, 3: 1})
+    run_with(h, {1: 0, 2: 0, 3: 1})
     if first == "pending":
         h.pending(asker)
         h.optimize(2)
@@ -800,7 +723,7 @@ def test_a_vote_to_optimize_refuses_pending_votes(first: str, asker: int) -> Non
 
 def test_a_vote_to_optimize_refuses_its_groups_sync_votes_only() -> None:
     h = MasterHarness()
-    form(h, {1: 0, 2: 0, 3: 1, 4: 1})
+    run_with(h, {1: 0, 2: 0, 3: 1, 4: 1})
     h.send(1, sync_vote())
     h.optimize(2)
     plan = h.last(1, SharedStatePlan)
@@ -818,7 +741,7 @@ def test_a_vote_to_optimize_refuses_its_groups_sync_votes_only() -> None:
 def test_a_peer_waiting_to_register_is_not_admitted_by_the_optimization_round() -> None:
     h = MasterHarness()
     conns = (1, 2)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     h.optimize(1)
     h.register(3)  # during the vote
     h.optimize(2)
@@ -832,7 +755,7 @@ def test_a_peer_waiting_to_register_is_not_admitted_by_the_optimization_round() 
 
 def test_a_voter_leaving_lets_the_others_start() -> None:
     h = MasterHarness()
-    form(h, group0(1, 2, 3))
+    accepted(h, 1, 2, 3)
     h.optimize(1)
     h.optimize(2)
     actions = h.close(3)
@@ -845,7 +768,7 @@ def test_a_voter_leaving_lets_the_others_start() -> None:
 def test_two_groups_are_measured_in_the_same_steps_and_solved_apart() -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     groups = {1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1}
-    form(h, groups)
+    run_with(h, groups)
     assert h.core.ring(0) == [1, 2, 3] and h.core.ring(1) == [4, 5, 6]
     optimize_all(h, groups)
     rate = ring_rate((1, 3, 2))  # group 1 keeps (4, 5, 6): every ring of 3 ties there
@@ -881,7 +804,7 @@ def margin_rate(factor: float) -> Rate:
 def test_a_ring_only_marginally_faster_is_not_installed(factor: float, kept: bool) -> None:
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     rate = margin_rate(factor)
     old = predicted(conns, rate)
     optimize_all(h, conns)
@@ -906,7 +829,7 @@ def test_a_ring_kept_for_its_margin_stays_at_the_next_update_topology() -> None:
     # (KEEP_MARGIN): no background search may install it at the next update_topology.
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     measure_all(h, margin_rate(0.98))
     h.finish_solves(background=False)
@@ -930,7 +853,7 @@ def two_rings_rate(a: float = MEDIUM, b: float = FAST) -> Rate:
 def with_background(h: MasterHarness, conns: Sequence[int] = (1, 2, 3, 4)) -> Solve:
     """Optimize ``conns`` with a first answer of FAST_RING that is not optimal (the
     reverse ring is faster); return the background job, the round done."""
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     measure_all(h, two_rings_rate())
     (job,) = h.pending_solves()
@@ -955,7 +878,7 @@ def test_a_first_answer_not_optimal_starts_a_background_search() -> None:
 
 def test_no_background_search_without_search_seconds() -> None:
     h = MasterHarness(search_seconds=0.0)
-    form(h, group0(1, 2, 3, 4))
+    accepted(h, 1, 2, 3, 4)
     optimize_all(h, (1, 2, 3, 4))
     measure_all(h, two_rings_rate())
     (job,) = h.pending_solves()
@@ -999,7 +922,7 @@ def test_a_background_ring_only_marginally_better_is_dropped() -> None:
     # KEEP_MARGIN applies to the background search's ring too.
     h = MasterHarness(reference_bytes=REFERENCE)
     conns = (1, 2, 3, 4)
-    form(h, group0(*conns))
+    accepted(h, *conns)
     optimize_all(h, conns)
     rate = two_rings_rate(a=20e6, b=20.4e6)
     measure_all(h, rate)
@@ -1148,7 +1071,7 @@ def test_the_reported_ring_is_the_ring_its_round_installs(answer: str) -> None:
 
 
 def solving(h: MasterHarness) -> Solve:
-    form(h, group0(1, 2, 3, 4))
+    accepted(h, 1, 2, 3, 4)
     optimize_all(h, (1, 2, 3, 4))
     measure_all(h, ring_rate(FAST_RING))
     (job,) = h.pending_solves()
@@ -1191,187 +1114,7 @@ def test_answers_for_unknown_or_finished_jobs_are_ignored() -> None:
     assert h.core.ring(0) == list(FAST_RING)
 
 
-# --- random interleavings ---------------------------------------------------------------
-
-
-class Chaos:
-    """A seeded random optimization: measurements (some failing), deaths, lazy receivers
-    and the step deadline, solver answers (good, not optimal, failed, bogus, unknown),
-    newcomers and stray measurements, in any order, until the optimization ends. Half
-    the runs start after an earlier optimization and a round that admitted newcomers,
-    so only some links are measured."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = rng = random.Random(seed)
-        self.h = h = MasterHarness(
-            heartbeat_interval=1.0, liveness_timeout=5.0, round_timeout=3.0,
-            reference_bytes=REFERENCE,
-        )
-        self.stats: dict[str, int] = {}
-        self.rate = {(a, b): rng.choice((SLOW, MEDIUM, FAST))
-                     for a in range(1, 30) for b in range(1, 30)}
-        size = rng.randint(1, 7)
-        self.groups = {c: rng.randrange(2) for c in range(1, size + 1)}
-        self.groups[1] = 0
-        form(h, self.groups)
-        if rng.random() < 0.5:
-            # An earlier optimization (exact answers: no background search), then
-            # newcomers admitted by a round.
-            optimize_all(h, self.groups)
-            measure_all(h, lambda a, b: self.rate[(a, b)])
-            h.finish_solves()
-            finish_round(h, self.groups)
-            joiners = {c: rng.randrange(2) for c in range(size + 1, size + 1 + rng.randint(0, 2))}
-            for conn, group in joiners.items():
-                h.register(conn, group)
-            if joiners:
-                for conn in self.groups:
-                    h.vote(conn)
-                self.groups |= joiners
-                finish_round(h, self.groups)
-            self.count("earlier")
-        self.alive = set(self.groups)
-        self.lazy: set[int] = set()  # alive, but never reports a measurement
-        self.newcomers: set[int] = set()  # registered during this optimization
-        self.next_conn = max(self.groups) + 1
-
-    def count(self, what: str) -> None:
-        self.stats[what] = self.stats.get(what, 0) + 1
-
-    def run(self) -> None:
-        h, rng = self.h, self.rng
-        voters = list(self.groups)
-        rng.shuffle(voters)
-        h.take_all()
-        for index, conn in enumerate(voters):
-            if conn in self.alive:
-                h.optimize(conn)
-            # Someone may leave during the vote (before the last voter completes it).
-            if index < len(voters) - 1 and self.alive and rng.random() < 0.1:
-                self.kill(rng.choice(sorted(self.alive)))
-        for _ in range(2000):
-            if not h.core.optimization_in_progress:
-                break
-            self.step()
-        else:  # pragma: no cover
-            raise AssertionError("the optimization never ended")
-        self.check()
-
-    def kill(self, conn: int) -> None:
-        if self.rng.random() < 0.3:
-            self.h.broken(conn)
-        else:
-            self.h.close(conn)
-        self.alive.discard(conn)
-        self.count("kill-measuring" if self.h.unanswered else "kill")
-
-    def step(self) -> None:
-        h, rng = self.h, self.rng
-        asked_before = set(h.unanswered)
-        answerable = sorted(c for c in h.unanswered if c not in self.lazy)
-        pending = h.pending_solves()
-        options = ["tick"]
-        options += ["measure"] * 6 * bool(answerable)
-        options += ["solve"] * 3 * bool(pending)
-        options += ["kill", "lazy", "join", "stray", "unknown-job"]
-        match rng.choice(options):
-            case "measure":
-                conn = rng.choice(answerable)
-                sender = h.unanswered[conn].source.peer_id
-                if rng.random() < 0.15:
-                    h.measure(conn, error="refused")
-                    self.count("measure-error")
-                else:
-                    h.measure(conn, bandwidth=self.rate[(sender, conn)], latency=LATENCY)
-                    self.count("measure")
-                if sender not in self.alive:
-                    self.count("late-report")
-            case "solve":
-                job = rng.choice(pending)
-                if len(self.alive & set(job.peers)) < len(job.peers):
-                    self.count("solve-after-death")
-                kind = rng.random()
-                if kind < 0.5:
-                    result = default_solver(job)
-                    optimal = result.optimal and rng.random() < 0.7
-                    h.answer(job.job, order=result.order, optimal=optimal)
-                    self.count("solve" if optimal else "solve-not-optimal")
-                elif kind < 0.7:
-                    h.answer(job.job, error="boom")
-                    self.count("solve-error")
-                elif kind < 0.85:
-                    h.answer(job.job, order=tuple(rng.choices(range(len(job.peers) + 1),
-                                                              k=len(job.peers))))
-                    self.count("solve-bogus")
-                else:
-                    order = list(range(len(job.peers)))
-                    rng.shuffle(order)
-                    h.answer(job.job, order=order, optimal=rng.random() < 0.5)
-                    self.count("solve-shuffled")
-            case "kill" if self.alive and rng.random() < 0.3:
-                self.kill(rng.choice(sorted(self.alive)))
-            case "lazy" if self.alive and rng.random() < 0.2:
-                self.lazy.add(rng.choice(sorted(self.alive)))
-            case "join" if rng.random() < 0.3:
-                conn = self.next_conn
-                self.next_conn += 1
-                h.register(conn, rng.randrange(2))
-                self.newcomers.add(conn)
-                self.alive.add(conn)
-                self.count("join")
-            case "stray" if self.alive and rng.random() < 0.3:
-                conn = rng.choice(sorted(self.alive))
-                h.send(conn, LinkMeasured(optimization=rng.randrange(3),
-                                          sender=rng.randrange(1, 9), bandwidth=SLOW))
-                self.count("stray-kicked" if h.view(conn) is None else "stray-accepted")
-            case "unknown-job":
-                assert h.answer(1000 + rng.randrange(100), order=(0,)) == []
-            case _:
-                self.tick()
-        for conn in list(self.alive):
-            if conn in h.closed:
-                self.alive.discard(conn)
-                if "did not report its link" in (h.kick_reason(conn) or ""):
-                    assert conn in asked_before  # only a receiver that was asked
-                    self.count("step-deadline")
-
-    def tick(self) -> None:
-        """Every live peer says something; then time passes, deadline by deadline."""
-        h = self.h
-        for conn in sorted(self.alive):
-            h.heartbeat(conn)
-        target = h.now + self.rng.uniform(0.2, 1.5)
-        while (deadline := h.core.next_deadline()) <= target:
-            h.tick(deadline)
-            assert h.core.next_deadline() > deadline, "a Tick at the deadline did nothing"
-        h.tick(target)
-
-    def check(self) -> None:
-        h = self.h
-        participants = {c for c in self.groups if c in self.alive}
-        infos = {c: [m for m in h.take(c) if isinstance(m, TopologyOptimized | P2PInfo)]
-                 for c in self.alive}
-        for conn in participants:
-            report, info = infos[conn]  # exactly one of each, the report first
-            assert isinstance(report, TopologyOptimized) and isinstance(info, P2PInfo)
-            assert report.error == "" and report.optimization == h.latest_optimization
-            members = tuple(sorted(c for c in participants if self.groups[c] == self.groups[conn]))
-            assert report.peers == members and sorted(report.ring) == list(members)
-            assert info.ring == report.ring
-            assert h.where(conn) == (ACC, CONN)
-        for conn in self.newcomers & self.alive:
-            # Never a report; admitted (one round) only if every participant left.
-            assert [type(m) for m in infos[conn]] == ([] if participants else [P2PInfo])
-        if participants:
-            self.count("reported")
-            finish_round(h, sorted(participants))
-        elif self.newcomers & self.alive:
-            self.count("newcomers-admitted")
-        if any(j.background for j in h.pending_solves()):
-            self.count("background")
-
-
-SEEDS = range(150)
+# --- random interleavings (``sim_topology``) ---------------------------------------------
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -1381,12 +1124,11 @@ def test_random_interleavings_end_with_one_report_and_one_round(seed: int) -> No
 
 def test_random_interleavings_exercise_every_kind_of_event() -> None:
     # Guards the test above: across its seeds, each kind of event occurs.
-    stats: dict[str, int] = {}
+    stats: Counter[str] = Counter()
     for seed in SEEDS:
         chaos = Chaos(seed)
         chaos.run()
-        for what, count in chaos.stats.items():
-            stats[what] = stats.get(what, 0) + count
+        stats += chaos.stats
     expected = {
         "earlier", "measure", "measure-error", "late-report", "kill", "kill-measuring",
         "step-deadline", "join", "stray-kicked", "solve", "solve-not-optimal", "solve-error",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
 
 import pytest
 
@@ -24,16 +23,45 @@ from pccl_trio._core.messages import (
     Message,
     P2PEstablished,
     Register,
-    SharedStateDone,
-    SharedStateEntry,
-    SharedStatePlan,
-    SharedStateVote,
     VoteEstablish,
     VoteOptimizeTopology,
     VotePeersPending,
 )
 
 from .master_harness import MasterHarness, only, was_kicked
+from .scenarios import (
+    ACC,
+    CONN,
+    FAIL,
+    IDLE,
+    OPTIMIZING,
+    OVOTED,
+    REG,
+    SDONE,
+    SVOTED,
+    SYNCING,
+    VOTED,
+    WAIT,
+    Setup,
+    accepted_connecting,
+    accepted_failed_after_round,
+    accepted_failed_mid_round,
+    accepted_idle,
+    accepted_optimize_voted,
+    accepted_optimizing,
+    accepted_sync_done,
+    accepted_sync_voted,
+    accepted_syncing,
+    accepted_voted,
+    accepted_waiting,
+    joiner_connecting,
+    joiner_failed,
+    joiner_waiting,
+    registered_mid_round,
+    registered_waiting,
+    sync_done,
+    sync_vote,
+)
 
 # --- the table alone ------------------------------------------------------------------
 
@@ -79,132 +107,10 @@ def test_every_state_is_reachable_from_idle_and_leads_back() -> None:
 
 # --- the table as messages drive it ---------------------------------------------------
 #
-# Each setup puts a subject peer in one reachable (phase, state), next to one other
-# peer, and returns (subject conn, other conn). Then each peer-to-master message is sent
-# by the subject: it is kicked exactly when the table (or the phase) forbids it.
+# Each setup (see ``scenarios``) puts a subject peer in one reachable (phase, state),
+# next to one other peer. Then each peer-to-master message is sent by the subject: it
+# is kicked exactly when the table (or the phase) forbids it.
 
-Setup = Callable[[MasterHarness], tuple[int, int]]
-
-
-def registered_waiting(h: MasterHarness) -> tuple[int, int]:
-    h.join(1)
-    h.register(2)
-    return 2, 1
-
-
-def registered_mid_round(h: MasterHarness) -> tuple[int, int]:
-    h.register(1)  # its one-member round is running
-    h.register(2)
-    return 2, 1
-
-
-def joiner_connecting(h: MasterHarness) -> tuple[int, int]:
-    h.join(1)
-    h.register(2)
-    h.vote(1)
-    return 2, 1
-
-
-def joiner_waiting(h: MasterHarness) -> tuple[int, int]:
-    joiner_connecting(h)
-    h.report(2)
-    return 2, 1
-
-
-def joiner_failed(h: MasterHarness) -> tuple[int, int]:
-    joiner_connecting(h)
-    h.report(2, ok=False)
-    return 2, 1
-
-
-def accepted_idle(h: MasterHarness) -> tuple[int, int]:
-    joiner_connecting(h)
-    h.report(1)
-    h.report(2)
-    return 1, 2
-
-
-def accepted_voted(h: MasterHarness) -> tuple[int, int]:
-    accepted_idle(h)
-    h.vote(1)
-    return 1, 2
-
-
-def accepted_connecting(h: MasterHarness) -> tuple[int, int]:
-    accepted_voted(h)
-    h.vote(2)
-    return 1, 2
-
-
-def accepted_waiting(h: MasterHarness) -> tuple[int, int]:
-    accepted_connecting(h)
-    h.report(1)
-    return 1, 2
-
-
-def accepted_failed_mid_round(h: MasterHarness) -> tuple[int, int]:
-    accepted_connecting(h)
-    h.report(1, ok=False)
-    return 1, 2
-
-
-def accepted_failed_after_round(h: MasterHarness) -> tuple[int, int]:
-    accepted_failed_mid_round(h)
-    h.report(2)
-    return 1, 2
-
-
-def accepted_sync_voted(h: MasterHarness) -> tuple[int, int]:
-    accepted_idle(h)
-    h.send(1, sync_vote())
-    return 1, 2
-
-
-def accepted_syncing(h: MasterHarness) -> tuple[int, int]:
-    accepted_sync_voted(h)
-    h.send(2, sync_vote())
-    return 1, 2
-
-
-def accepted_sync_done(h: MasterHarness) -> tuple[int, int]:
-    accepted_syncing(h)
-    h.send(1, sync_done(h, 1))
-    return 1, 2
-
-
-def accepted_optimize_voted(h: MasterHarness) -> tuple[int, int]:
-    accepted_idle(h)
-    h.optimize(1)
-    return 1, 2
-
-
-def accepted_optimizing(h: MasterHarness) -> tuple[int, int]:
-    # Both voted: the optimization runs. Its first step measures the link 1 -> 2 (at
-    # peer 2), so the subject has nothing to measure yet.
-    accepted_optimize_voted(h)
-    h.optimize(2)
-    assert h.core.optimization_in_progress
-    assert 1 not in h.unanswered and 2 in h.unanswered
-    return 1, 2
-
-
-def sync_vote() -> SharedStateVote:
-    entry = SharedStateEntry(key="w", hash=7, dtype=10, count=4, allow_content_inequality=False)
-    return SharedStateVote(revision=0, strategy=0, entries=(entry,))
-
-
-def sync_done(h: MasterHarness, conn: int) -> SharedStateDone:
-    plans = [m for m in h.sent[conn] if isinstance(m, SharedStatePlan)]
-    return SharedStateDone(sync=plans[-1].sync if plans else 1, success=True)
-
-
-REG, ACC = PeerPhase.REGISTERED, PeerPhase.ACCEPTED
-IDLE, VOTED, CONN, WAIT, FAIL = (
-    PeerState.IDLE, PeerState.VOTE_ESTABLISH, PeerState.CONNECTING, PeerState.WAITING,
-    PeerState.CONNECT_FAILED,
-)
-SVOTED, SYNCING, SDONE = PeerState.VOTE_SYNC, PeerState.SYNCING, PeerState.SYNC_DONE
-OVOTED, OPTIMIZING = PeerState.VOTE_OPTIMIZE, PeerState.OPTIMIZING
 KICK = None
 MESSAGES = ("register", "heartbeat", "vote", "report_ok", "report_failed", "report_stale",
             "pending", "sync_vote", "sync_done", "optimize", "link_measured")
