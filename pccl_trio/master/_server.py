@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import trio
-import trio.testing
 
 from .. import topology
 from .._config import Config
@@ -38,7 +37,7 @@ from .._core.master import (
     Tick,
 )
 from .._core.wire import encode_control
-from ..transport import FramedStream, TcpNetwork, listener_address, remote_host
+from ..transport import FramedStream, TcpNetwork, listener_address, remote_host, threads_allowed
 
 __all__ = ["serve_master", "serve_master_tcp"]
 
@@ -79,8 +78,9 @@ class _MasterServer:
         self.ids = itertools.count(1)
         self.solves: dict[int, threading.Event] = {}  # running solver jobs' stop switches
         self.nursery: trio.Nursery | None = None
-        # Ring searches run in worker threads; inline under a mock clock, whose virtual
-        # time would race past a thread (budgets then count moves: reproducible).
+        # Ring searches run in worker threads where threads are allowed; inline under a
+        # virtual clock, which would race past a thread (budgets then count moves:
+        # reproducible). Decided once the run is known (``serve_master``).
         self.threads = True
         self.ready: list[Event] = []  # results of inline searches, for the core
 
@@ -230,7 +230,7 @@ async def serve_master(
     server = _MasterServer(config or Config())
     async with trio.open_nursery() as nursery:
         server.nursery = nursery
-        server.threads = not isinstance(trio.lowlevel.current_clock(), trio.testing.MockClock)
+        server.threads = threads_allowed()
         for listener in listeners:
             nursery.start_soon(server.accept_loop, listener, nursery)
         task_status.started([listener_address(listener) for listener in listeners])

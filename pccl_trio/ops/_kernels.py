@@ -21,10 +21,11 @@ from .._types import DataType, ReduceOp
 from ._buffers import Array, ArrayModule
 from ._dtypes import from_numpy_dtype
 
-__all__ = ["combine_into", "copy_into", "finalize_average", "reduce_into"]
+__all__ = ["UFUNC_NAMES", "combine_into", "copy_into", "finalize_average", "reduce_into"]
 
-# AVG accumulates as SUM; finalize_average divides once, after the last reduce step.
-_UFUNC_NAMES = {
+#: The numpy/cupy ufunc of each reduction. AVG accumulates as SUM; finalize_average
+#: divides once, after the last reduce step.
+UFUNC_NAMES = {
     ReduceOp.SUM: "add",
     ReduceOp.AVG: "add",
     ReduceOp.PROD: "multiply",
@@ -49,7 +50,7 @@ def reduce_into(xp: ArrayModule, dst: Array, src: Array, op: ReduceOp) -> None:
         InvalidArgument: the arrays differ in dtype or shape.
     """
     _check_same_layout(dst, src, what="reduce_into")
-    ufunc = getattr(xp, _UFUNC_NAMES[op])
+    ufunc = getattr(xp, UFUNC_NAMES[op])
     with numpy.errstate(all="ignore"):
         ufunc(dst, src, out=dst)
 
@@ -65,7 +66,7 @@ def combine_into(xp: ArrayModule, dst: Array, local: Array, src: Array, op: Redu
     """
     _check_same_layout(dst, local, what="combine_into")
     _check_same_layout(dst, src, what="combine_into")
-    ufunc = getattr(xp, _UFUNC_NAMES[op])
+    ufunc = getattr(xp, UFUNC_NAMES[op])
     with numpy.errstate(all="ignore"):
         ufunc(local, src, out=dst)
 

@@ -51,6 +51,7 @@ from .._errors import InvalidArgument
 from .._types import DataType, DistributionHint, QuantizationAlgorithm, ReduceOp
 from ._buffers import Array, ArrayModule
 from ._dtypes import from_numpy_dtype, to_numpy_dtype
+from ._kernels import UFUNC_NAMES
 
 __all__ = ["META_BYTES", "Codec", "NonFiniteData", "check_quantization"]
 
@@ -85,16 +86,6 @@ _SCALE = 2.0**64
 # keeps the zero point below 2**51 (exact in float64).
 _ZERO_POINT_RESOLUTION = 2.0**-50
 _SMALLEST_SCALE = 2.0**-1000
-
-# Ufuncs folding the decoded block into the local values (AVG accumulates as SUM).
-_UFUNC_NAMES = {
-    ReduceOp.SUM: "add",
-    ReduceOp.AVG: "add",
-    ReduceOp.PROD: "multiply",
-    ReduceOp.MAX: "maximum",
-    ReduceOp.MIN: "minimum",
-}
-
 
 class NonFiniteData(Exception):
     """A block to encode holds NaN or inf, which no quantized code can represent."""
@@ -400,7 +391,8 @@ class Codec:
             incoming = self._decoded(block)
             if incoming.dtype != self.dtype:
                 incoming = incoming.astype(self.dtype)
-            getattr(self.xp, _UFUNC_NAMES[op])(local, incoming, out=dst)
+            # The same ufunc as an unquantized reduction (AVG accumulates as SUM).
+            getattr(self.xp, UFUNC_NAMES[op])(local, incoming, out=dst)
 
     def _check_size(self, block: numpy.ndarray, values: Array) -> None:
         if block.size != self.block_bytes(int(values.size)):

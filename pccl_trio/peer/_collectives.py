@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import trio
 
-from .._config import Config
 from .._core.messages import (
     REJECTED,
     SUCCESS,
@@ -66,11 +65,9 @@ from .._types import (
 from ..ops import Array, ArrayModule, Codec, as_array, check_quantization, from_numpy_dtype
 from ..transport import run_in_thread
 from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure, ReduceResult
-from ._lifecycle import Lifecycle
+from ._context import PeerContext
 from ._membership import Membership
-from ._p2p import P2PConnections
 from ._receiver import DataReceiver
-from ._session import MasterSession
 
 __all__ = ["AllReduces", "ReduceRequest"]
 
@@ -196,19 +193,12 @@ class AllReduces:
     """This peer's all-reduces (see the module docstring)."""
 
     def __init__(
-        self,
-        *,
-        config: Config,
-        lifecycle: Lifecycle,
-        session: MasterSession,
-        p2p: P2PConnections,
-        receiver: DataReceiver,
-        membership: Membership,
+        self, context: PeerContext, *, receiver: DataReceiver, membership: Membership
     ) -> None:
-        self._config = config
-        self._life = lifecycle
-        self._session = session
-        self._p2p = p2p
+        self._config = context.config
+        self._life = context.lifecycle
+        self._session = context.session
+        self._p2p = context.p2p
         self._receiver = receiver
         self._membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends

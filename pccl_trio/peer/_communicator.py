@@ -56,6 +56,7 @@ from ..transport import FramedStream, Network, TcpNetwork, parse_address
 from ._allreduce import AsyncReduceHandle
 from ._bandwidth import serve_benchmark
 from ._collectives import AllReduces, check_reduce_arguments
+from ._context import PeerContext
 from ._lifecycle import Call, Lifecycle, Status
 from ._membership import Membership
 from ._optimize import TopologyOptimizer
@@ -153,19 +154,11 @@ class Communicator:
             pool_size=p2p_connection_pool_size or config.p2p_connection_pool_size,
         )
         receiver = self._receiver = DataReceiver(lifecycle=life, p2p=p2p)
-        membership = self._membership = Membership(
-            config=config, lifecycle=life, session=session, p2p=p2p, receiver=receiver
-        )
-        self._all_reduces = AllReduces(
-            config=config, lifecycle=life, session=session, p2p=p2p, receiver=receiver,
-            membership=membership,
-        )
-        self._sync = SharedStateSync(
-            config=config, lifecycle=life, session=session, p2p=p2p, membership=membership
-        )
-        self._optimizer = TopologyOptimizer(
-            config=config, lifecycle=life, session=session, p2p=p2p, membership=membership
-        )
+        context = PeerContext(config=config, lifecycle=life, session=session, p2p=p2p)
+        membership = self._membership = Membership(context, receiver=receiver)
+        self._all_reduces = AllReduces(context, receiver=receiver, membership=membership)
+        self._sync = SharedStateSync(context, membership=membership)
+        self._optimizer = TopologyOptimizer(context, membership=membership)
 
         session.route(CollectiveCommence, receiver.on_commence)
         session.route(P2PInfo, p2p.expect_sender)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from .._config import Config
 from .._core.messages import (
     P2PEstablished,
     P2PEstablishResult,
@@ -33,10 +32,9 @@ from .._core.messages import (
     WorldSizes,
 )
 from .._errors import InvalidUsage, MasterConnectionError, UpdateTopologyFailed
-from ._lifecycle import Call, Lifecycle
-from ._p2p import P2PConnections
+from ._context import PeerContext
+from ._lifecycle import Call
 from ._receiver import DataReceiver
-from ._session import MasterSession
 
 __all__ = ["Membership"]
 
@@ -46,19 +44,11 @@ log = logging.getLogger("pccl_trio.peer")
 class Membership:
     """This peer's view of the run: its ring and world sizes, and the rounds."""
 
-    def __init__(
-        self,
-        *,
-        config: Config,
-        lifecycle: Lifecycle,
-        session: MasterSession,
-        p2p: P2PConnections,
-        receiver: DataReceiver,
-    ) -> None:
-        self._config = config
-        self._life = lifecycle
-        self._session = session
-        self._p2p = p2p
+    def __init__(self, context: PeerContext, *, receiver: DataReceiver) -> None:
+        self._config = context.config
+        self._life = context.lifecycle
+        self._session = context.session
+        self._p2p = context.p2p
         self._receiver = receiver
         self.ring: tuple[int, ...] = ()
         self.world: WorldSizes | None = None

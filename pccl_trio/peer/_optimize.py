@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 import trio
 
-from .._config import Config
 from .._core.messages import (
     LinkMeasured,
     MeasureLink,
@@ -41,10 +40,10 @@ from .._errors import InvalidUsage, TopologyOptimizationFailed
 from .._types import TopologyInfo
 from . import _bandwidth as measurement
 from ._bandwidth import LinkMeasurement
-from ._lifecycle import Call, Lifecycle
+from ._context import PeerContext
+from ._lifecycle import Call
 from ._membership import Membership
-from ._p2p import LINK_ERRORS, P2PConnections
-from ._session import MasterSession
+from ._p2p import LINK_ERRORS
 
 __all__ = ["TopologyOptimizer"]
 
@@ -80,19 +79,11 @@ def _topology_info(message: TopologyOptimized) -> TopologyInfo:
 class TopologyOptimizer:
     """This peer's part in topology optimizations (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        config: Config,
-        lifecycle: Lifecycle,
-        session: MasterSession,
-        p2p: P2PConnections,
-        membership: Membership,
-    ) -> None:
-        self._config = config
-        self._life = lifecycle
-        self._session = session
-        self._p2p = p2p
+    def __init__(self, context: PeerContext, *, membership: Membership) -> None:
+        self._config = context.config
+        self._life = context.lifecycle
+        self._session = context.session
+        self._p2p = context.p2p
         self._membership = membership
         self.topology: TopologyInfo | None = None
         #: How a link is measured (replaceable: the test seam injects faults here).

@@ -26,7 +26,6 @@ from typing import Any
 
 import trio
 
-from .._config import Config
 from .._core.messages import (
     PeerEndpoint,
     SharedStateComplete,
@@ -40,10 +39,10 @@ from .._errors import InvalidArgument, SharedStateSyncFailed
 from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
 from ..transport import Connection, FramedStream, hash_threads, run_off_loop
 from . import _shared_state as sharing
-from ._lifecycle import Call, Lifecycle
+from ._context import PeerContext
+from ._lifecycle import Call
 from ._membership import Membership
-from ._p2p import LINK_ERRORS, P2PConnections
-from ._session import MasterSession
+from ._p2p import LINK_ERRORS
 
 __all__ = ["SharedStateSync"]
 
@@ -53,19 +52,11 @@ log = logging.getLogger("pccl_trio.peer")
 class SharedStateSync:
     """This peer's part in shared-state syncs (see the module docstring)."""
 
-    def __init__(
-        self,
-        *,
-        config: Config,
-        lifecycle: Lifecycle,
-        session: MasterSession,
-        p2p: P2PConnections,
-        membership: Membership,
-    ) -> None:
-        self._config = config
-        self._life = lifecycle
-        self._session = session
-        self._p2p = p2p
+    def __init__(self, context: PeerContext, *, membership: Membership) -> None:
+        self._config = context.config
+        self._life = context.lifecycle
+        self._session = context.session
+        self._p2p = context.p2p
         self._membership = membership
         # What this peer offers during a sync, and the connections serving it (cut when
         # the sync ends).

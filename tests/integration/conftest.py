@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
 
 import pccl_trio as pccl
-from pccl_trio.testing import MemoryNetwork
+from pccl_trio.testing import MemoryNetwork, PeerSeam
 from pccl_trio.transport import Network, TcpNetwork, format_address
 
 #: Real-clock timers: short enough for quick tests, long enough for a loaded CI box.
@@ -77,26 +78,24 @@ async def cluster(
     network_kind: str, clock: trio.testing.MockClock | None, nursery: trio.Nursery
 ) -> AsyncIterator[Cluster]:
     scope = trio.CancelScope()
+    memory = MemoryNetwork() if network_kind == "memory" else None
 
-    async def run_master(*, task_status: trio.TaskStatus[tuple[MemoryNetwork | None, str]]) -> None:
+    async def run_master(*, task_status: trio.TaskStatus[object]) -> None:
         with scope:
-            if network_kind == "memory":
-                memory = MemoryNetwork()
+            if memory is not None:
                 listener = await memory.host("master").listen("master", 48148)
-                await pccl.serve_master(
-                    [listener],
-                    config=MEMORY_CONFIG,
-                    task_status=_Relay(task_status, (memory, "master:48148")),
-                )
+                await pccl.serve_master([listener], config=MEMORY_CONFIG, task_status=task_status)
             else:
                 await pccl.serve_master_tcp(
-                    0,
-                    "127.0.0.1",
-                    config=TCP_CONFIG,
-                    task_status=_Relay(task_status, None),
+                    0, "127.0.0.1", config=TCP_CONFIG, task_status=task_status
                 )
 
-    memory, address = await nursery.start(run_master)
+    started = await nursery.start(run_master)
+    if memory is not None:
+        address = "master:48148"
+    else:
+        host, port = started  # type: ignore[misc]
+        address = format_address(host, port)
     yield Cluster(
         kind=network_kind,
         master_address=address,
@@ -105,23 +104,6 @@ async def cluster(
         master_scope=scope,
     )
     scope.cancel()
-
-
-class _Relay:
-    """Turns the master's started value into (memory network, "host:port")."""
-
-    def __init__(
-        self, task_status: trio.TaskStatus[tuple[MemoryNetwork | None, str]], value: object
-    ) -> None:
-        self._task_status = task_status
-        self._value = value
-
-    def started(self, value: object = None) -> None:
-        if isinstance(self._value, tuple):
-            self._task_status.started(self._value)  # type: ignore[arg-type]
-        else:
-            host, port = value  # type: ignore[misc]
-            self._task_status.started((None, format_address(host, port)))
 
 
 async def all_do(comms: Sequence[pccl.Communicator], method: str) -> list[object]:
@@ -169,3 +151,94 @@ async def form_run(
                 pending.remove(comm)
                 members.append(comm)
     return everyone
+
+
+# --- helpers shared by the integration tests ------------------------------------------
+
+SMALL = pccl.Config(slice_bytes=256)  # many slices even for small buffers
+FINE = pccl.Config(slice_bytes=4096)
+ENFORCE = pccl.SharedStateSyncStrategy.ENFORCE_POPULAR
+
+
+async def run_all(comms: list[pccl.Communicator], call: object) -> list[object]:
+    results: list[object] = [None] * len(comms)
+
+    async def one(index: int) -> None:
+        try:
+            results[index] = await call(index, comms[index])  # type: ignore[operator]
+        except pccl.PCCLError as exc:
+            results[index] = exc
+
+    async with trio.open_nursery() as nursery:
+        for index in range(len(comms)):
+            nursery.start_soon(one, index)
+    return results
+
+
+async def make_run(cluster: Cluster, world: int, config: pccl.Config | None = None,
+                   pool: int = 0) -> list[pccl.Communicator]:
+    if config is not None:
+        cluster.config = dataclasses.replace(cluster.config, slice_bytes=config.slice_bytes)
+    return await form_run([], [cluster.communicator(f"p{i}", 0, pool) for i in range(world)])
+
+
+async def started(comm: pccl.Communicator, tag: int) -> None:
+    """Until this peer's attempt of ``tag`` has received data (it is mid-operation)."""
+    launched = False
+    while True:
+        attempt = PeerSeam(comm).attempt(tag)
+        if attempt is not None:
+            launched = True
+            if attempt.rx_bytes > 0:
+                return
+        elif launched:
+            raise AssertionError(f"the all-reduce with tag {tag} ended before it was observed")
+        # Poll at scheduling granularity: in virtual time the transfer takes no time.
+        await trio.lowlevel.checkpoint()
+
+
+def state_bytes(state: pccl.SharedState, *, comparable_only: bool = False) -> int:
+    return sum(
+        t.data.nbytes for t in state.tensors
+        if not (comparable_only and t.allow_content_inequality)
+    )
+
+
+def same_content(states: Sequence[pccl.SharedState]) -> bool:
+    first = states[0]
+    return all(
+        a.data.tobytes() == b.data.tobytes()
+        for state in states[1:]
+        for a, b in zip(first.tensors, state.tensors, strict=True)
+        if not a.allow_content_inequality
+    )
+
+
+async def sync_all(
+    comms: Sequence[pccl.Communicator], states: Sequence[pccl.SharedState],
+    strategies: Sequence[pccl.SharedStateSyncStrategy] | None = None,
+) -> list[object]:
+    return await run_all(list(comms), lambda i, c: c.sync_shared_state(
+        states[i], ENFORCE if strategies is None else strategies[i]))
+
+
+def big_state(seed: int, *, zero: bool = False) -> pccl.SharedState:
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    moments = rng.standard_normal(300_000).astype(np.float64)
+    if zero:
+        weights[:], moments[:] = 0, 0
+    return pccl.SharedState(
+        [pccl.TensorInfo("weights", weights), pccl.TensorInfo("moments", moments)], revision=0
+    )
+
+
+async def joined(cluster: Cluster, states: list[pccl.SharedState]) -> list[pccl.Communicator]:
+    """One founder per state, synced on ``states``, then a joiner admitted (last in the
+    list); the founders' revisions advanced for the next sync."""
+    founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(len(states))])
+    await sync_all(founders, states)
+    comms = await form_run(founders, [cluster.communicator("joiner")])
+    for s in states:
+        s.revision += 1
+    return comms

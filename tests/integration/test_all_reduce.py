@@ -13,9 +13,7 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, form_run
-
-SMALL = pccl.Config(slice_bytes=256)  # many slices even for small buffers
+from .conftest import SMALL, Cluster, form_run, make_run, run_all
 
 DTYPES = [
     np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
@@ -45,27 +43,6 @@ def expected(arrays: list[np.ndarray], op: pccl.ReduceOp) -> np.ndarray:
         out = np.min(wide, axis=0)
     return out.astype(arrays[0].dtype)
 
-
-async def run_all(comms: list[pccl.Communicator], call: object) -> list[object]:
-    results: list[object] = [None] * len(comms)
-
-    async def one(index: int) -> None:
-        try:
-            results[index] = await call(index, comms[index])  # type: ignore[operator]
-        except pccl.PCCLError as exc:
-            results[index] = exc
-
-    async with trio.open_nursery() as nursery:
-        for index in range(len(comms)):
-            nursery.start_soon(one, index)
-    return results
-
-
-async def make_run(cluster: Cluster, world: int, config: pccl.Config | None = None,
-                   pool: int = 0) -> list[pccl.Communicator]:
-    if config is not None:
-        cluster.config = dataclasses.replace(cluster.config, slice_bytes=config.slice_bytes)
-    return await form_run([], [cluster.communicator(f"p{i}", 0, pool) for i in range(world)])
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "into_recv"])

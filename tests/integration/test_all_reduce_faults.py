@@ -10,25 +10,7 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, form_run
-from .test_all_reduce import run_all
-
-FINE = pccl.Config(slice_bytes=4096)
-
-
-async def started(comm: pccl.Communicator, tag: int) -> None:
-    """Until this peer's attempt of ``tag`` has received data (it is mid-operation)."""
-    launched = False
-    while True:
-        attempt = PeerSeam(comm).attempt(tag)
-        if attempt is not None:
-            launched = True
-            if attempt.rx_bytes > 0:
-                return
-        elif launched:
-            raise AssertionError(f"the all-reduce with tag {tag} ended before it was observed")
-        # Poll at scheduling granularity: in virtual time the transfer takes no time.
-        await trio.lowlevel.checkpoint()
+from .conftest import FINE, Cluster, form_run, run_all, started
 
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["kill-rank0", "kill-rank2"])

@@ -9,9 +9,7 @@ import trio
 
 import pccl_trio as pccl
 
-from .conftest import Cluster, form_run
-from .test_all_reduce import SMALL, make_run, run_all
-from .test_all_reduce_faults import FINE, started
+from .conftest import FINE, SMALL, Cluster, form_run, make_run, run_all, started
 
 MIN_MAX = pccl.QuantizationAlgorithm.MIN_MAX
 ZPS = pccl.QuantizationAlgorithm.ZERO_POINT_SCALE

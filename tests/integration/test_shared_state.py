@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -12,10 +11,7 @@ import trio
 import pccl_trio as pccl
 from pccl_trio.peer import _shared_state as sharing
 
-from .conftest import Cluster, form_run
-from .test_all_reduce import run_all
-
-ENFORCE = pccl.SharedStateSyncStrategy.ENFORCE_POPULAR
+from .conftest import Cluster, big_state, form_run, joined, run_all, same_content, state_bytes, sync_all
 
 
 def make_state(seed: int, *, revision: int = 0, zero: bool = False) -> pccl.SharedState:
@@ -36,30 +32,6 @@ def make_state(seed: int, *, revision: int = 0, zero: bool = False) -> pccl.Shar
         revision=revision,
     )
 
-
-def state_bytes(state: pccl.SharedState, *, comparable_only: bool = False) -> int:
-    return sum(
-        t.data.nbytes for t in state.tensors
-        if not (comparable_only and t.allow_content_inequality)
-    )
-
-
-def same_content(states: Sequence[pccl.SharedState]) -> bool:
-    first = states[0]
-    return all(
-        a.data.tobytes() == b.data.tobytes()
-        for state in states[1:]
-        for a, b in zip(first.tensors, state.tensors, strict=True)
-        if not a.allow_content_inequality
-    )
-
-
-async def sync_all(
-    comms: Sequence[pccl.Communicator], states: Sequence[pccl.SharedState],
-    strategies: Sequence[pccl.SharedStateSyncStrategy] | None = None,
-) -> list[object]:
-    return await run_all(list(comms), lambda i, c: c.sync_shared_state(
-        states[i], ENFORCE if strategies is None else strategies[i]))
 
 
 def step(state: pccl.SharedState, grad: np.ndarray) -> None:
@@ -212,27 +184,6 @@ async def test_bad_states_are_refused_before_voting(cluster: Cluster, clock: obj
         for c in comms:
             await c.aclose()
 
-
-def big_state(seed: int, *, zero: bool = False) -> pccl.SharedState:
-    rng = np.random.default_rng(seed)
-    weights = rng.standard_normal(1 << 20).astype(np.float32)  # 4 MiB
-    moments = rng.standard_normal(300_000).astype(np.float64)
-    if zero:
-        weights[:], moments[:] = 0, 0
-    return pccl.SharedState(
-        [pccl.TensorInfo("weights", weights), pccl.TensorInfo("moments", moments)], revision=0
-    )
-
-
-async def joined(cluster: Cluster, states: list[pccl.SharedState]) -> list[pccl.Communicator]:
-    """One founder per state, synced on ``states``, then a joiner admitted (last in the
-    list); the founders' revisions advanced for the next sync."""
-    founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(len(states))])
-    await sync_all(founders, states)
-    comms = await form_run(founders, [cluster.communicator("joiner")])
-    for s in states:
-        s.revision += 1
-    return comms
 
 
 def kill_during_fetch(

@@ -14,9 +14,7 @@ import trio
 import pccl_trio as pccl
 from pccl_trio.peer import _shared_state as sharing
 
-from .conftest import Cluster, form_run
-from .test_all_reduce import run_all
-from .test_shared_state import big_state, joined, same_content, state_bytes, sync_all
+from .conftest import Cluster, big_state, form_run, joined, run_all, same_content, state_bytes, sync_all
 
 
 def count_frames(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -26,8 +26,7 @@ import trio
 import pccl_trio as pccl
 from pccl_trio.peer import _shared_state as sharing
 
-from .conftest import Cluster, form_run
-from .test_shared_state import same_content, state_bytes, sync_all
+from .conftest import Cluster, form_run, same_content, state_bytes, sync_all
 
 ENFORCE = pccl.SharedStateSyncStrategy.ENFORCE_POPULAR
 SEND_ONLY = pccl.SharedStateSyncStrategy.SEND_ONLY

@@ -8,8 +8,7 @@ import trio.testing
 
 import pccl_trio as pccl
 
-from .conftest import Cluster, form_run
-from .test_all_reduce import run_all
+from .conftest import Cluster, form_run, run_all
 
 torch = pytest.importorskip("torch")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,3 +99,13 @@ async def processes(nursery: trio.Nursery) -> AsyncIterator[Processes]:
         with trio.CancelScope(shield=True):
             for process in procs.started:
                 await process.wait()
+
+
+def namespaces_work() -> bool:
+    """Root with iproute2's ip and tc, in a kernel that lets us add a namespace."""
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return False
+    name = f"pccl-probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False)
+    subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
+    return made.returncode == 0

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from .test_processes import _namespaces_work
+from .conftest import namespaces_work
 
 ROOT = Path(__file__).resolve().parents[2]
 PROGRAM = str(Path(__file__).with_name("link_program.py"))
 
 
-@pytest.mark.skipif(not _namespaces_work(), reason="needs root, ip and tc (network namespaces)")
+@pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc (network namespaces)")
 @pytest.mark.parametrize("mbit", [40, 400])
 def test_measurement_is_within_20_percent_of_a_shaped_link(mbit: int) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))

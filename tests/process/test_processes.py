@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -19,7 +18,7 @@ import trio
 from pccl_trio._core.messages import PROTOCOL_VERSION, Kick, Welcome
 from pccl_trio._core.wire import FrameDecoder
 
-from .conftest import Processes
+from .conftest import Processes, namespaces_work
 
 pytestmark = pytest.mark.process
 
@@ -166,17 +165,7 @@ def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> N
     assert all(r["pccl_trio_s"] > 0 and r["pccl_trio_busbw"] > 0 for r in rows)
 
 
-def _namespaces_work() -> bool:
-    """Root with iproute2's ip and tc, in a kernel that lets us add a namespace."""
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return False
-    name = f"pccl-probe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False)
-    subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
-    return made.returncode == 0
-
-
-@pytest.mark.skipif(not _namespaces_work(), reason="needs root, ip and tc (network namespaces)")
+@pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc (network namespaces)")
 def test_wan_bench_runs_over_shaped_namespaces(tmp_path: Path) -> None:
     """benchmarks/wan.py end to end at a tiny size: peers in their own namespaces behind
     tbf-shaped veths, plain and uint8 results verified, namespaces removed after."""

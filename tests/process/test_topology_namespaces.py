@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from .test_processes import _namespaces_work
+from .conftest import namespaces_work
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST, SLOW = 400e6 / 8, 40e6 / 8  # bytes per second
 SIZE = 8 << 20
 
 
-@pytest.mark.skipif(not _namespaces_work(), reason="needs root, ip and tc (network namespaces)")
+@pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc (network namespaces)")
 @pytest.mark.parametrize("ring", ["scrambled", "reversed"])
 def test_the_fast_ring_is_found_and_used(ring: str) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
