@@ -48,12 +48,9 @@ import numpy
 from .bandwidth import BandwidthStore, measurement_rounds, ring_cost
 from .errors import LocalProtocolError, RemoteProtocolError
 from .messages import (
-    ABORTED,
     C2M,
     MATRIX_LIMIT,
     PROTOCOL_VERSION,
-    REJECTED,
-    SUCCESS,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
@@ -64,6 +61,7 @@ from .messages import (
     LinkMeasured,
     MeasureLink,
     Message,
+    Outcome,
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
@@ -836,7 +834,7 @@ class MasterCore:
                 CollectiveAbort(tag=collective.tag, seq=collective.seq, reason=reason),
             )
 
-    def _end_collective(self, collective: _Collective, outcome: int, reason: str) -> None:
+    def _end_collective(self, collective: _Collective, outcome: Outcome, reason: str) -> None:
         """Send every voter its one verdict and forget the collective."""
         del self._collectives[(collective.group, collective.tag)]
         voters = collective.participants if collective.seq else set(collective.descriptors)
@@ -857,8 +855,8 @@ class MasterCore:
             if collective.seq:
                 if collective.participants <= collective.completed:
                     outcome = (
-                        REJECTED if collective.rejected
-                        else ABORTED if collective.aborted else SUCCESS
+                        Outcome.REJECTED if collective.rejected
+                        else Outcome.ABORTED if collective.aborted else Outcome.SUCCESS
                     )
                     self._end_collective(collective, outcome, collective.reason)
                 continue
@@ -871,7 +869,7 @@ class MasterCore:
                 # deadlock the group.
                 self._end_collective(
                     collective,
-                    ABORTED,
+                    Outcome.ABORTED,
                     f"peer {blocker.peer_id} voted to {_VOTING[blocker.state]} instead of "
                     f"joining the all-reduce with tag {collective.tag}",
                 )
@@ -885,7 +883,7 @@ class MasterCore:
                 )
                 self._end_collective(
                     collective,
-                    REJECTED,
+                    Outcome.REJECTED,
                     f"peers disagree on the all-reduce with tag {collective.tag} ({views}); "
                     "every peer must pass the same count, dtype, op, quantization and "
                     "distribution hint",
@@ -894,7 +892,7 @@ class MasterCore:
             if collective.group in self._stale_groups:
                 self._end_collective(
                     collective,
-                    ABORTED,
+                    Outcome.ABORTED,
                     "the peer group's ring changed (a peer left or a round failed) and must "
                     "be re-established first",
                 )
