@@ -45,7 +45,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import numpy
 
-from .bandwidth import BandwidthStore, measurement_rounds, ring_cost
+from .bandwidth import BandwidthStore, link_matrices, measurement_rounds, ring_cost
 from .errors import LocalProtocolError, RemoteProtocolError
 from .messages import (
     C2M,
@@ -637,14 +637,9 @@ class MasterCore:
         ))
         store = self._bandwidth.get(peer_group, BandwidthStore())
         bandwidth, latency, unreachable = store.matrices(members)
-        n = len(members)
-        rates = numpy.array(bandwidth, dtype=numpy.float64).reshape(n, n)
-        delays = numpy.array(latency, dtype=numpy.float64).reshape(n, n)
-        delays[rates == 0] = math.nan
-        rates[rates == 0] = math.nan
-        rates.flat[[*unreachable, *self._blocked_indices(members)]] = 0.0
-        numpy.fill_diagonal(rates, math.nan)
-        numpy.fill_diagonal(delays, math.nan)
+        rates, delays = link_matrices(
+            len(members), bandwidth, latency, [*unreachable, *self._blocked_indices(members)]
+        )
         ring = tuple(p for p in self._rings.get(peer_group, ()) if p in members)
         return TopologyView(
             peers=members,
