@@ -47,6 +47,21 @@ import numpy
 
 from .bandwidth import BandwidthStore, link_matrices, measurement_rounds, ring_cost
 from .errors import LocalProtocolError, RemoteProtocolError
+from .events import (
+    Action,
+    CancelSolve,
+    Close,
+    ConnectionBroken,
+    ConnectionClosed,
+    ConnectionOpened,
+    Event,
+    MessageReceived,
+    Send,
+    Solve,
+    SolveFinished,
+    Tick,
+    TopologyView,
+)
 from .messages import (
     C2M,
     MATRIX_LIMIT,
@@ -220,96 +235,6 @@ def transition(state: PeerState, event: PeerEvent) -> PeerState:
         ) from None
 
 
-# --- events and actions ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ConnectionOpened:
-    conn: int
-    host: str  # the remote address as the master sees it
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class MessageReceived:
-    conn: int
-    message: Message
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ConnectionBroken:
-    """The connection delivered bytes that are not a valid frame stream."""
-
-    conn: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ConnectionClosed:
-    conn: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Tick:
-    """Only time passed."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SolveFinished:
-    """A ``Solve`` job ended: the best ring it found (indices into the job's ``peers``)
-    and whether it is provably optimal; ``order`` empty: it failed (``error`` says why)
-    or was cancelled."""
-
-    job: int
-    order: tuple[int, ...] = ()
-    optimal: bool = False
-    error: str = ""
-
-
-Event = (
-    ConnectionOpened | MessageReceived | ConnectionBroken | ConnectionClosed | Tick | SolveFinished
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Send:
-    conn: int
-    message: Message
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Close:
-    """Close the connection once the frames queued before this action are sent."""
-
-    conn: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class Solve:
-    """Find a ring for ``peers`` over ``cost`` (seconds per ring chunk from row to
-    column; infinity: unusable) off the event loop, for at most ``seconds``; then deliver
-    ``SolveFinished(job=...)``. ``start``: a ring (indices) to improve on. ``background``:
-    the long search after a first answer that was not provably optimal."""
-
-    job: int
-    group: int
-    peers: tuple[int, ...]
-    cost: numpy.ndarray
-    start: tuple[int, ...] | None
-    seconds: float
-    background: bool
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class CancelSolve:
-    """Stop job ``job`` if it still runs; its ``SolveFinished`` is no longer needed."""
-
-    job: int
-
-
-Action = Send | Close | Solve | CancelSolve
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PeerView:
     """A read-only snapshot of one peer, for tests, logs and tools."""
@@ -320,25 +245,6 @@ class PeerView:
     port: int
     phase: PeerPhase
     state: PeerState
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class TopologyView:
-    """What the master knows of one peer group's links and ring (for logs and tools).
-
-    ``bandwidth[i, j]`` (bytes per second; NaN: not measured, 0: unreachable) and
-    ``latency[i, j]`` (seconds; NaN: unknown) describe the link from ``peers[i]`` to
-    ``peers[j]``;
-    ``predicted_seconds`` is the installed ring's predicted all-reduce time for
-    ``reference_bytes`` (infinity while some link of it is unknown).
-    """
-
-    peers: tuple[int, ...]
-    bandwidth: numpy.ndarray
-    latency: numpy.ndarray
-    ring: tuple[int, ...]
-    predicted_seconds: float
-    reference_bytes: int
 
 
 # --- internal bookkeeping ----------------------------------------------------------
