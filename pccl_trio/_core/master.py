@@ -190,26 +190,9 @@ TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
     (PeerState.OPTIMIZING, PeerEvent.ROUND_START): PeerState.CONNECTING,
 }
 
-#: States of a peer blocked in a vote (it initiates no collective until the vote ends).
-_VOTING = {
-    PeerState.VOTE_ESTABLISH: "re-establish the ring",
-    PeerState.VOTE_SYNC: "synchronize the shared state",
-    PeerState.VOTE_OPTIMIZE: "optimize the topology",
-}
-
 #: A solved ring replaces the installed one only if predicted faster by this fraction:
 #: rings within measurement noise of each other are not worth re-connecting for.
 KEEP_MARGIN = 0.05
-
-#: The call a peer blocked in a vote is making, for error messages.
-_CALLS = {
-    PeerState.VOTE_ESTABLISH: "update_topology",
-    PeerState.VOTE_SYNC: "sync_shared_state",
-    PeerState.VOTE_OPTIMIZE: "optimize_topology",
-}
-
-#: States in which a peer may ask whether peers are pending.
-PENDING_VOTE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
 
 
 def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
@@ -217,6 +200,55 @@ def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
         message.count, message.dtype, message.op, message.quantized_dtype, message.quantization,
         message.distribution_hint,
     )
+
+
+class Call(enum.Enum):
+    """A call the peers make together through the master; the value is its name in
+    the peer's API, as error messages spell it."""
+
+    UPDATE_TOPOLOGY = "update_topology"
+    SYNC_SHARED_STATE = "sync_shared_state"
+    OPTIMIZE_TOPOLOGY = "optimize_topology"
+    ALL_REDUCE = "all_reduce"
+    ARE_PEERS_PENDING = "are_peers_pending"
+
+
+class Scope(enum.Enum):
+    """Where a call looks for the peers that block it."""
+
+    GROUP = enum.auto()  # the accepted peers of the caller's peer group
+    RUN = enum.auto()  # every accepted peer: rounds and optimizations span all groups
+
+
+#: The vote states: the call a peer waiting in one made, and what it voted to do. Until
+#: the vote ends it makes no other call.
+VOTES: Mapping[PeerState, tuple[Call, str]] = {
+    PeerState.VOTE_ESTABLISH: (Call.UPDATE_TOPOLOGY, "re-establish the ring"),
+    PeerState.VOTE_SYNC: (Call.SYNC_SHARED_STATE, "synchronize the shared state"),
+    PeerState.VOTE_OPTIMIZE: (Call.OPTIMIZE_TOPOLOGY, "optimize the topology"),
+}
+
+_ESTABLISH, _SYNC, _OPTIMIZE = PeerState.VOTE_ESTABLISH, PeerState.VOTE_SYNC, PeerState.VOTE_OPTIMIZE
+
+#: Which votes block which call, and where they are looked for. A peer waiting in a
+#: vote will never make the call, so the peers that did would wait for it forever: the
+#: master ends their call with an error naming the blocker instead. A call's rules are
+#: tried in order, and within one the accepted peers in registration order; the first
+#: peer found is the blocker. Nothing blocks update_topology: the other calls give way.
+BLOCKED_BY: Mapping[Call, tuple[tuple[Scope, frozenset[PeerState]], ...]] = {
+    Call.ALL_REDUCE: ((Scope.GROUP, frozenset({_ESTABLISH, _SYNC, _OPTIMIZE})),),
+    Call.ARE_PEERS_PENDING: (
+        (Scope.RUN, frozenset({_ESTABLISH, _OPTIMIZE})),
+        (Scope.GROUP, frozenset({_SYNC})),
+    ),
+    Call.SYNC_SHARED_STATE: ((Scope.GROUP, frozenset({_ESTABLISH, _OPTIMIZE})),),
+    Call.OPTIMIZE_TOPOLOGY: ((Scope.RUN, frozenset({_ESTABLISH})),),
+}
+
+#: States in which a peer may make a call that changes no state (all_reduce,
+#: are_peers_pending): in no vote and no round. A failed round (CONNECT_FAILED) leaves
+#: the ring stale; an all-reduce then ends at once with an ABORTED verdict.
+FREE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
 
 
 def transition(state: PeerState, event: PeerEvent) -> PeerState:
@@ -345,9 +377,28 @@ class _Collective:
     rejected: bool = False
 
 
-#: States in which a peer may initiate a collective (a failed round leaves the ring
-#: stale; the collective then ends at once with an ABORTED verdict).
-COLLECTIVE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
+def find_blocker(call: Call, group: int, accepted: Iterable[_Peer]) -> _Peer | None:
+    """The peer whose vote blocks ``call`` for peer group ``group`` (``BLOCKED_BY``).
+
+    Args:
+        call: the call the waiting peers made.
+        group: their peer group.
+        accepted: the accepted peers, in registration order.
+    """
+    peers = list(accepted)
+    for scope, states in BLOCKED_BY[call]:
+        for peer in peers:
+            if peer.state in states and (scope is Scope.RUN or peer.peer_group == group):
+                return peer
+    return None
+
+
+def out_of_order(blocker: _Peer, call: Call) -> str:
+    """The error for the peers whose ``call`` the vote of ``blocker`` blocks."""
+    return (
+        f"peer {blocker.peer_id} called {VOTES[blocker.state][0].value} while this peer "
+        f"called {call.value}; every peer must make the same calls in the same order"
+    )
 
 
 def _check_member_vote(peer: _Peer, vote: Message) -> None:
@@ -592,7 +643,7 @@ class MasterCore:
                         )
                     if peer.pending_vote:
                         raise RemoteProtocolError("VotePeersPending twice in one vote")
-                    if peer.state not in PENDING_VOTE_STATES:
+                    if peer.state not in FREE_STATES:
                         raise RemoteProtocolError(
                             f"VotePeersPending is not allowed in state {peer.state.name}"
                         )
@@ -684,7 +735,7 @@ class MasterCore:
     def _on_initiate(self, peer: _Peer, message: CollectiveInitiate) -> None:
         if peer.phase is not PeerPhase.ACCEPTED:
             raise RemoteProtocolError("CollectiveInitiate before being accepted into the run")
-        if peer.state not in COLLECTIVE_STATES:
+        if peer.state not in FREE_STATES:
             raise RemoteProtocolError(f"CollectiveInitiate is not allowed in state {peer.state.name}")
         if message.tag in peer.collectives:
             raise RemoteProtocolError(f"tag {message.tag} is already in flight for this peer")
@@ -764,14 +815,14 @@ class MasterCore:
             members = [
                 p for p in self._accepted() if p.peer_group == collective.group
             ]
-            blocker = next((p for p in members if p.state in _VOTING), None)
+            blocker = find_blocker(Call.ALL_REDUCE, collective.group, members)
             if blocker is not None:
                 # That peer is blocked in a vote and will never initiate: waiting would
                 # deadlock the group.
                 self._end_collective(
                     collective,
                     Outcome.ABORTED,
-                    f"peer {blocker.peer_id} voted to {_VOTING[blocker.state]} instead of "
+                    f"peer {blocker.peer_id} voted to {VOTES[blocker.state][1]} instead of "
                     f"joining the all-reduce with tag {collective.tag}",
                 )
                 continue
@@ -1025,11 +1076,6 @@ class MasterCore:
 
     def _try_answer_pending(self) -> None:
         accepted = self._accepted()
-        establishing = next(
-            (p for p in accepted
-             if p.state in (PeerState.VOTE_ESTABLISH, PeerState.VOTE_OPTIMIZE)),
-            None,
-        )
         refused = False
         for peer in accepted:
             if not peer.pending_vote:
@@ -1037,22 +1083,15 @@ class MasterCore:
             # A peer blocked in a topology vote (any group's: rounds are global) or a
             # sync vote (its own group's) will never ask: answer those who did with an
             # error rather than leave both sides waiting for each other.
-            blocker = establishing or next(
-                (p for p in accepted
-                 if p.peer_group == peer.peer_group and p.state is PeerState.VOTE_SYNC),
-                None,
-            )
+            blocker = find_blocker(Call.ARE_PEERS_PENDING, peer.peer_group, accepted)
             if blocker is None:
                 continue
             refused = True
             peer.pending_vote = False
-            call = _CALLS[blocker.state]
             self._send(
                 peer,
                 PeersPendingResult(
-                    pending=False,
-                    error=f"peer {blocker.peer_id} called {call} while this peer called "
-                    "are_peers_pending; every peer must make the same calls in the same order",
+                    pending=False, error=out_of_order(blocker, Call.ARE_PEERS_PENDING)
                 ),
             )
         if refused or not accepted or not all(p.pending_vote for p in accepted):
@@ -1108,18 +1147,9 @@ class MasterCore:
             voters = [p for p in members if p.state is PeerState.VOTE_SYNC]
             if not voters:
                 continue
-            blocker = next(
-                (p for p in members
-                 if p.state in (PeerState.VOTE_ESTABLISH, PeerState.VOTE_OPTIMIZE)),
-                None,
-            )
+            blocker = find_blocker(Call.SYNC_SHARED_STATE, group, members)
             if blocker is not None:
-                self._refuse_sync(
-                    voters,
-                    f"peer {blocker.peer_id} called {_CALLS[blocker.state]} while this peer "
-                    "called sync_shared_state; every peer must make the same calls in the "
-                    "same order",
-                )
+                self._refuse_sync(voters, out_of_order(blocker, Call.SYNC_SHARED_STATE))
             elif len(voters) == len(members):
                 self._start_sync(group, voters)
 
@@ -1189,24 +1219,22 @@ class MasterCore:
         voters = [p for p in accepted if p.state is PeerState.VOTE_OPTIMIZE]
         if not voters:
             return
-        establishing = [p for p in accepted if p.state is PeerState.VOTE_ESTABLISH]
-        if establishing:
+        blocker = find_blocker(Call.OPTIMIZE_TOPOLOGY, voters[0].peer_group, accepted)
+        if blocker is not None:
             # Both votes span every group and neither can complete: refuse this one. Peers
             # that only re-establish their ring (after an aborted all-reduce, before their
             # own optimize_topology) are joined, not fought: the voters take part in that
             # round, then vote again.
-            blocker = establishing[0]
-            rejoin = not any(p.accept_new_peers for p in establishing)
+            rejoin = not any(
+                p.accept_new_peers for p in accepted if p.state is PeerState.VOTE_ESTABLISH
+            )
             if rejoin:
                 error = (
                     f"peer {blocker.peer_id} re-establishes the ring (after an aborted "
                     "all-reduce): join that round, then vote again"
                 )
             else:
-                error = (
-                    f"peer {blocker.peer_id} called update_topology while this peer called "
-                    "optimize_topology; every peer must make the same calls in the same order"
-                )
+                error = out_of_order(blocker, Call.OPTIMIZE_TOPOLOGY)
             for peer in voters:
                 self._apply(peer, PeerEvent.OPTIMIZE_REFUSED)
                 self._send(peer, TopologyOptimized(optimization=0, error=error, rejoin=rejoin))
