@@ -38,10 +38,9 @@ the peers can judge the master the same way.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy
 
@@ -65,14 +64,12 @@ from .events import (
 from .messages import (
     C2M,
     MATRIX_LIMIT,
-    PROTOCOL_VERSION,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
     CollectiveInitiate,
     CollectiveVerdict,
     Heartbeat,
-    Kick,
     LinkMeasured,
     MeasureLink,
     Message,
@@ -91,13 +88,33 @@ from .messages import (
     VoteEstablish,
     VoteOptimizeTopology,
     VotePeersPending,
-    Welcome,
     WorldSizes,
+)
+from .peers import (
+    FREE_STATES,
+    REMOTE_EVENTS,
+    TRANSITIONS,
+    VOTES,
+    Call,
+    Conn,
+    Peer,
+    PeerEvent,
+    PeerPhase,
+    PeerState,
+    PeerTable,
+    PeerView,
+    check_member_vote,
+    find_blocker,
+    groups,
+    out_of_order,
+    transition,
 )
 from .ring import find_ring
 from .shared_state import Ballot, elect
 
 __all__ = [
+    "KEEP_MARGIN",
+    "REMOTE_EVENTS",
     "TRANSITIONS",
     "Action",
     "CancelSolve",
@@ -123,73 +140,6 @@ __all__ = [
 log = logging.getLogger("pccl_trio.master")
 
 
-class PeerPhase(enum.Enum):
-    REGISTERED = enum.auto()  # connected, waiting to be admitted by a round
-    ACCEPTED = enum.auto()  # a member of the run
-
-
-class PeerState(enum.Enum):
-    IDLE = enum.auto()
-    VOTE_ESTABLISH = enum.auto()  # voted to (re-)establish the ring
-    CONNECTING = enum.auto()  # in a round, connecting to its neighbours
-    WAITING = enum.auto()  # in a round, connected; waiting for the others
-    CONNECT_FAILED = enum.auto()  # its last round failed; must vote again
-    VOTE_SYNC = enum.auto()  # voted to synchronize the shared state
-    SYNCING = enum.auto()  # fetching (or serving) the shared state
-    SYNC_DONE = enum.auto()  # done with its part; waiting for the group
-    VOTE_OPTIMIZE = enum.auto()  # voted to optimize the topology
-    OPTIMIZING = enum.auto()  # measuring links, then waiting for the new ring
-
-
-class PeerEvent(enum.Enum):
-    # caused by the peer
-    VOTE_ESTABLISH = enum.auto()
-    REPORT_CONNECTED = enum.auto()
-    REPORT_FAILED = enum.auto()
-    VOTE_SYNC = enum.auto()
-    REPORT_SYNCED = enum.auto()
-    VOTE_OPTIMIZE = enum.auto()
-    # caused by the master
-    ROUND_START = enum.auto()
-    ROUND_SUCCEEDED = enum.auto()
-    ROUND_FAILED = enum.auto()
-    SYNC_START = enum.auto()
-    SYNC_REFUSED = enum.auto()
-    SYNC_COMPLETE = enum.auto()
-    OPTIMIZE_START = enum.auto()
-    OPTIMIZE_REFUSED = enum.auto()
-
-
-REMOTE_EVENTS = frozenset(
-    {
-        PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED,
-        PeerEvent.VOTE_SYNC, PeerEvent.REPORT_SYNCED, PeerEvent.VOTE_OPTIMIZE,
-    }
-)
-
-#: Every legal state change, in one place.
-TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
-    (PeerState.IDLE, PeerEvent.VOTE_ESTABLISH): PeerState.VOTE_ESTABLISH,
-    (PeerState.CONNECT_FAILED, PeerEvent.VOTE_ESTABLISH): PeerState.VOTE_ESTABLISH,
-    (PeerState.IDLE, PeerEvent.ROUND_START): PeerState.CONNECTING,  # a joiner
-    (PeerState.VOTE_ESTABLISH, PeerEvent.ROUND_START): PeerState.CONNECTING,
-    (PeerState.CONNECTING, PeerEvent.REPORT_CONNECTED): PeerState.WAITING,
-    (PeerState.CONNECTING, PeerEvent.REPORT_FAILED): PeerState.CONNECT_FAILED,
-    (PeerState.WAITING, PeerEvent.ROUND_SUCCEEDED): PeerState.IDLE,
-    (PeerState.WAITING, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
-    (PeerState.CONNECT_FAILED, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
-    (PeerState.IDLE, PeerEvent.VOTE_SYNC): PeerState.VOTE_SYNC,
-    (PeerState.VOTE_SYNC, PeerEvent.SYNC_START): PeerState.SYNCING,
-    (PeerState.VOTE_SYNC, PeerEvent.SYNC_REFUSED): PeerState.IDLE,
-    (PeerState.SYNCING, PeerEvent.REPORT_SYNCED): PeerState.SYNC_DONE,
-    (PeerState.SYNC_DONE, PeerEvent.SYNC_COMPLETE): PeerState.IDLE,
-    (PeerState.IDLE, PeerEvent.VOTE_OPTIMIZE): PeerState.VOTE_OPTIMIZE,
-    (PeerState.VOTE_OPTIMIZE, PeerEvent.OPTIMIZE_START): PeerState.OPTIMIZING,
-    (PeerState.VOTE_OPTIMIZE, PeerEvent.OPTIMIZE_REFUSED): PeerState.IDLE,
-    # The optimization ends with a round that installs the new ring.
-    (PeerState.OPTIMIZING, PeerEvent.ROUND_START): PeerState.CONNECTING,
-}
-
 #: A solved ring replaces the installed one only if predicted faster by this fraction:
 #: rings within measurement noise of each other are not worth re-connecting for.
 KEEP_MARGIN = 0.05
@@ -202,99 +152,7 @@ def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
     )
 
 
-class Call(enum.Enum):
-    """A call the peers make together through the master; the value is its name in
-    the peer's API, as error messages spell it."""
-
-    UPDATE_TOPOLOGY = "update_topology"
-    SYNC_SHARED_STATE = "sync_shared_state"
-    OPTIMIZE_TOPOLOGY = "optimize_topology"
-    ALL_REDUCE = "all_reduce"
-    ARE_PEERS_PENDING = "are_peers_pending"
-
-
-class Scope(enum.Enum):
-    """Where a call looks for the peers that block it."""
-
-    GROUP = enum.auto()  # the accepted peers of the caller's peer group
-    RUN = enum.auto()  # every accepted peer: rounds and optimizations span all groups
-
-
-#: The vote states: the call a peer waiting in one made, and what it voted to do. Until
-#: the vote ends it makes no other call.
-VOTES: Mapping[PeerState, tuple[Call, str]] = {
-    PeerState.VOTE_ESTABLISH: (Call.UPDATE_TOPOLOGY, "re-establish the ring"),
-    PeerState.VOTE_SYNC: (Call.SYNC_SHARED_STATE, "synchronize the shared state"),
-    PeerState.VOTE_OPTIMIZE: (Call.OPTIMIZE_TOPOLOGY, "optimize the topology"),
-}
-
-_ESTABLISH, _SYNC, _OPTIMIZE = PeerState.VOTE_ESTABLISH, PeerState.VOTE_SYNC, PeerState.VOTE_OPTIMIZE
-
-#: Which votes block which call, and where they are looked for. A peer waiting in a
-#: vote will never make the call, so the peers that did would wait for it forever: the
-#: master ends their call with an error naming the blocker instead. A call's rules are
-#: tried in order, and within one the accepted peers in registration order; the first
-#: peer found is the blocker. Nothing blocks update_topology: the other calls give way.
-BLOCKED_BY: Mapping[Call, tuple[tuple[Scope, frozenset[PeerState]], ...]] = {
-    Call.ALL_REDUCE: ((Scope.GROUP, frozenset({_ESTABLISH, _SYNC, _OPTIMIZE})),),
-    Call.ARE_PEERS_PENDING: (
-        (Scope.RUN, frozenset({_ESTABLISH, _OPTIMIZE})),
-        (Scope.GROUP, frozenset({_SYNC})),
-    ),
-    Call.SYNC_SHARED_STATE: ((Scope.GROUP, frozenset({_ESTABLISH, _OPTIMIZE})),),
-    Call.OPTIMIZE_TOPOLOGY: ((Scope.RUN, frozenset({_ESTABLISH})),),
-}
-
-#: States in which a peer may make a call that changes no state (all_reduce,
-#: are_peers_pending): in no vote and no round. A failed round (CONNECT_FAILED) leaves
-#: the ring stale; an all-reduce then ends at once with an ABORTED verdict.
-FREE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
-
-
-def transition(state: PeerState, event: PeerEvent) -> PeerState:
-    """The state after ``event``.
-
-    Raises:
-        RemoteProtocolError: the peer caused an event its state does not allow.
-        LocalProtocolError: the master did (a bug).
-    """
-    try:
-        return TRANSITIONS[(state, event)]
-    except KeyError:
-        error = RemoteProtocolError if event in REMOTE_EVENTS else LocalProtocolError
-        raise error(
-            f"{event.name.lower().replace('_', ' ')} is not allowed in state {state.name}"
-        ) from None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class PeerView:
-    """A read-only snapshot of one peer, for tests, logs and tools."""
-
-    peer_id: int
-    peer_group: int
-    host: str
-    port: int
-    phase: PeerPhase
-    state: PeerState
-
-
 # --- internal bookkeeping ----------------------------------------------------------
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Peer:
-    peer_id: int
-    conn: int
-    peer_group: int
-    host: str
-    port: int
-    phase: PeerPhase = PeerPhase.REGISTERED
-    state: PeerState = PeerState.IDLE
-    accept_new_peers: bool = False
-    pending_vote: bool = False
-    collectives: set[int] = dataclasses.field(default_factory=set)  # tags in flight
-    ballot: Ballot | None = None  # its shared-state vote, while VOTE_SYNC
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -343,15 +201,6 @@ class _Candidate:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
-class _Conn:
-    conn: int
-    host: str
-    last_heard: float
-    last_sent: float
-    peer: _Peer | None = None
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
 class _Round:
     number: int
     participants: set[int]
@@ -377,42 +226,6 @@ class _Collective:
     rejected: bool = False
 
 
-def find_blocker(call: Call, group: int, accepted: Iterable[_Peer]) -> _Peer | None:
-    """The peer whose vote blocks ``call`` for peer group ``group`` (``BLOCKED_BY``).
-
-    Args:
-        call: the call the waiting peers made.
-        group: their peer group.
-        accepted: the accepted peers, in registration order.
-    """
-    peers = list(accepted)
-    for scope, states in BLOCKED_BY[call]:
-        for peer in peers:
-            if peer.state in states and (scope is Scope.RUN or peer.peer_group == group):
-                return peer
-    return None
-
-
-def out_of_order(blocker: _Peer, call: Call) -> str:
-    """The error for the peers whose ``call`` the vote of ``blocker`` blocks."""
-    return (
-        f"peer {blocker.peer_id} called {VOTES[blocker.state][0].value} while this peer "
-        f"called {call.value}; every peer must make the same calls in the same order"
-    )
-
-
-def _check_member_vote(peer: _Peer, vote: Message) -> None:
-    """A vote that changes the peer's state: only from a member with no collective in
-    flight (it would stall the collective's other peers)."""
-    name = type(vote).__name__
-    if peer.phase is not PeerPhase.ACCEPTED:
-        raise RemoteProtocolError(f"{name} before being accepted into the run")
-    if peer.collectives:
-        raise RemoteProtocolError(
-            f"{name} with collectives in flight (tags {sorted(peer.collectives)})"
-        )
-
-
 def _clearly_faster(new: float, old: float) -> bool:
     """Whether a ring whose slowest hop costs ``new`` is worth replacing one at ``old``
     (``KEEP_MARGIN``)."""
@@ -436,10 +249,6 @@ def _format_links(members: Sequence[int], store: BandwidthStore) -> str:
                 cells.append("x" if store.unreachable(a, b) else "-")
         lines.append(f"{a:>{width}}" + "".join(f"{c:>{width}}" for c in cells))
     return "\n".join(lines)
-
-
-def _is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("::1", "localhost")
 
 
 class MasterCore:
@@ -473,15 +282,15 @@ class MasterCore:
             raise ValueError("need round_timeout > 0")
         if not (solve_seconds > 0 and search_seconds >= 0 and reference_bytes > 0):
             raise ValueError("need solve_seconds > 0, search_seconds >= 0, reference_bytes > 0")
-        self._heartbeat_interval = heartbeat_interval
-        self._liveness_timeout = liveness_timeout
+        self._table = PeerTable(
+            heartbeat_interval=heartbeat_interval,
+            liveness_timeout=liveness_timeout,
+            on_leave=self._peer_left,
+        )
         self._round_timeout = round_timeout
         self._solve_seconds = solve_seconds
         self._search_seconds = search_seconds
         self._reference_bytes = reference_bytes
-        self._conns: dict[int, _Conn] = {}
-        self._peers: dict[int, _Peer] = {}
-        self._next_peer_id = 1
         self._round_counter = 0
         self._round: _Round | None = None
         self._rings: dict[int, list[int]] = {}
@@ -504,38 +313,31 @@ class MasterCore:
         self._job_counter = 0
         self._searches: dict[int, _Job] = {}  # group -> background job
         self._candidates: dict[int, _Candidate] = {}  # group -> better ring
-        self._actions: list[Action] = []
-        self._now = -math.inf
 
     # --- public surface ------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Process one event at time ``now``; return the actions to carry out, in order."""
-        self._now = max(self._now, now)
-        self._actions = []
+        self._table.begin(now)
         match event:
             case MessageReceived(conn=conn_id, message=message):
-                conn = self._conns.get(conn_id)
+                conn = self._table.conns.get(conn_id)
                 if conn is not None:
-                    conn.last_heard = self._now
+                    conn.last_heard = self._table.now
                     # Heartbeats only prove a registered peer alive; before Register
                     # they are refused like any other message.
                     if conn.peer is None or not isinstance(message, Heartbeat):
                         self._on_message(conn, message)
                         self._reevaluate()
             case ConnectionOpened(conn=conn_id, host=host):
-                if conn_id in self._conns:
-                    raise LocalProtocolError(f"connection {conn_id} opened twice")
-                self._conns[conn_id] = _Conn(
-                    conn=conn_id, host=host, last_heard=self._now, last_sent=self._now
-                )
+                self._table.open(conn_id, host)
             case ConnectionBroken(conn=conn_id, reason=reason):
-                if conn_id in self._conns:
-                    self._kick(self._conns[conn_id], f"malformed input: {reason}")
+                if conn_id in self._table.conns:
+                    self._table.kick(self._table.conns[conn_id], f"malformed input: {reason}")
                     self._reevaluate()
             case ConnectionClosed(conn=conn_id):
-                if conn_id in self._conns:
-                    self._drop(self._conns[conn_id], "connection closed")
+                if conn_id in self._table.conns:
+                    self._table.drop(self._table.conns[conn_id], "connection closed")
                     self._reevaluate()
             case Tick():
                 self._on_tick()
@@ -544,8 +346,7 @@ class MasterCore:
                 self._reevaluate()
             case _:  # pragma: no cover - exhaustive
                 raise LocalProtocolError(f"unknown event {event!r}")
-        actions, self._actions = self._actions, []
-        return actions
+        return self._table.take_actions()
 
     def next_deadline(self) -> float:
         """When to deliver a ``Tick`` if no other event comes first (``inf``: never)."""
@@ -554,25 +355,11 @@ class MasterCore:
             deadline = self._round.started_at + self._round_timeout
         if self._optimization is not None and self._optimization.outstanding:
             deadline = min(deadline, self._optimization.step_started + self._round_timeout)
-        for conn in self._conns.values():
-            deadline = min(deadline, conn.last_heard + self._liveness_timeout)
-            if conn.peer is not None:
-                deadline = min(deadline, conn.last_sent + self._heartbeat_interval)
-        return deadline
+        return min(deadline, self._table.deadline())
 
     def peers(self) -> list[PeerView]:
         """Every registered peer, by id."""
-        return [
-            PeerView(
-                peer_id=p.peer_id,
-                peer_group=p.peer_group,
-                host=p.host,
-                port=p.port,
-                phase=p.phase,
-                state=p.state,
-            )
-            for p in sorted(self._peers.values(), key=lambda p: p.peer_id)
-        ]
+        return self._table.views()
 
     def ring(self, peer_group: int) -> list[int]:
         """The ring order last installed for ``peer_group`` (may name departed peers
@@ -590,7 +377,7 @@ class MasterCore:
     def topology(self, peer_group: int) -> TopologyView:
         """The links measured among ``peer_group``'s accepted peers and its ring."""
         members = tuple(sorted(
-            p.peer_id for p in self._accepted() if p.peer_group == peer_group
+            p.peer_id for p in self._table.accepted() if p.peer_group == peer_group
         ))
         store = self._bandwidth.get(peer_group, BandwidthStore())
         bandwidth, latency, unreachable = store.matrices(members)
@@ -609,30 +396,30 @@ class MasterCore:
 
     # --- messages ------------------------------------------------------------------
 
-    def _on_message(self, conn: _Conn, message: Message) -> None:
+    def _on_message(self, conn: Conn, message: Message) -> None:
         if message.DIRECTION != C2M:
-            self._kick(conn, f"{type(message).__name__} is not a message a peer may send")
+            self._table.kick(conn, f"{type(message).__name__} is not a message a peer may send")
             return
         peer = conn.peer
         if peer is None:
             if isinstance(message, Register):
-                self._register(conn, message)
+                self._table.register(conn, message)
             else:
-                self._kick(conn, f"{type(message).__name__} before Register")
+                self._table.kick(conn, f"{type(message).__name__} before Register")
             return
         try:
             match message:
                 case Register():
                     raise RemoteProtocolError("Register on a connection already registered")
                 case VoteEstablish(accept_new_peers=accept):
-                    _check_member_vote(peer, message)
+                    check_member_vote(peer, message)
                     if self._round is not None and peer.peer_id in self._round.participants:
                         # CONNECT_FAILED allows a vote, but only once the verdict is out:
                         # a participant leaving CONNECT_FAILED early would stall the round.
                         raise RemoteProtocolError(
                             "VoteEstablish before the result of its establishment round"
                         )
-                    self._apply(peer, PeerEvent.VOTE_ESTABLISH)
+                    peer.apply(PeerEvent.VOTE_ESTABLISH)
                     peer.accept_new_peers = accept
                 case P2PEstablished(round=number, success=success, failed_peers=failed):
                     self._on_established(peer, number, success, failed)
@@ -657,58 +444,17 @@ class MasterCore:
                 case SharedStateDone(sync=number, success=success, reason=reason):
                     self._on_sync_done(peer, number, success, reason)
                 case VoteOptimizeTopology():
-                    _check_member_vote(peer, message)
-                    self._apply(peer, PeerEvent.VOTE_OPTIMIZE)
+                    check_member_vote(peer, message)
+                    peer.apply(PeerEvent.VOTE_OPTIMIZE)
                 case LinkMeasured():
                     self._on_link_measured(peer, message)
                 case _:  # pragma: no cover - every C2M kind is handled above
                     raise LocalProtocolError(f"unhandled message {message!r}")
         except RemoteProtocolError as exc:
-            self._kick(conn, f"illegal {type(message).__name__}: {exc}")
-
-    def _register(self, conn: _Conn, message: Register) -> None:
-        if message.protocol_version != PROTOCOL_VERSION:
-            self._kick(
-                conn,
-                f"protocol version {message.protocol_version} is not supported; this master "
-                f"speaks version {PROTOCOL_VERSION}: run the same pccl_trio version everywhere",
-            )
-            return
-        host = message.advertised_host or conn.host
-        others = [p for p in self._peers.values()]
-        if others and _is_loopback(host) != _is_loopback(others[0].host):
-            self._kick(
-                conn,
-                f"address {host} mixes loopback and non-loopback peers (peer "
-                f"{others[0].peer_id} is at {others[0].host}); peers could not reach each "
-                "other: start the master and peers on real interfaces, or all on loopback",
-            )
-            return
-        peer = _Peer(
-            peer_id=self._next_peer_id,
-            conn=conn.conn,
-            peer_group=message.peer_group,
-            host=host,
-            port=message.p2p_port,
-        )
-        self._next_peer_id += 1
-        conn.peer = peer
-        self._peers[peer.peer_id] = peer
-        log.info(
-            "peer %d registered from %s (group %d, p2p port %d)",
-            peer.peer_id, host, peer.peer_group, peer.port,
-        )
-        self._send(
-            peer,
-            Welcome(
-                peer_id=peer.peer_id,
-                heartbeat_interval=self._heartbeat_interval,
-                liveness_timeout=self._liveness_timeout,
-            ),
-        )
+            self._table.kick(conn, f"illegal {type(message).__name__}: {exc}")
 
     def _on_established(
-        self, peer: _Peer, number: int, success: bool, failed: Sequence[int]
+        self, peer: Peer, number: int, success: bool, failed: Sequence[int]
     ) -> None:
         current = self._round
         if current is None or peer.peer_id not in current.participants:
@@ -718,26 +464,26 @@ class MasterCore:
                 f"P2PEstablished for round {number}, but round {current.number} is running"
             )
         if success:
-            self._apply(peer, PeerEvent.REPORT_CONNECTED)
+            peer.apply(PeerEvent.REPORT_CONNECTED)
             return
-        self._apply(peer, PeerEvent.REPORT_FAILED)
+        peer.apply(PeerEvent.REPORT_FAILED)
         current.failed = True
         # The round has failed already: from now on its rings are stale, not only once
         # its verdict is out (peers whose report failed may initiate meanwhile).
         self._stale_groups.update(current.rings)
         for other in failed:
-            if other in self._peers and other != peer.peer_id:
+            if other in self._table.peers and other != peer.peer_id:
                 self._unreachable.add((peer.peer_id, other))
         log.warning("round %d: peer %d could not reach %s", number, peer.peer_id, list(failed))
 
     # --- collectives ----------------------------------------------------------------
 
-    def _on_initiate(self, peer: _Peer, message: CollectiveInitiate) -> None:
+    def _on_initiate(self, peer: Peer, message: CollectiveInitiate) -> None:
         if peer.phase is not PeerPhase.ACCEPTED:
             raise RemoteProtocolError("CollectiveInitiate before being accepted into the run")
         if peer.state not in FREE_STATES:
             raise RemoteProtocolError(f"CollectiveInitiate is not allowed in state {peer.state.name}")
-        if message.tag in peer.collectives:
+        if message.tag in peer.tags_in_flight:
             raise RemoteProtocolError(f"tag {message.tag} is already in flight for this peer")
         key = (peer.peer_group, message.tag)
         collective = self._collectives.get(key)
@@ -751,11 +497,11 @@ class MasterCore:
                 f"CollectiveInitiate for tag {message.tag} while its attempt {collective.seq} "
                 "runs without this peer"
             )
-        peer.collectives.add(message.tag)
+        peer.tags_in_flight.add(message.tag)
         collective.descriptors[peer.peer_id] = message
 
     def _on_complete(
-        self, peer: _Peer, tag: int, seq: int, aborted: bool, invalid: str = ""
+        self, peer: Peer, tag: int, seq: int, aborted: bool, invalid: str = ""
     ) -> None:
         collective = self._collectives.get((peer.peer_group, tag))
         if collective is None or not collective.seq or peer.peer_id not in collective.participants:
@@ -781,8 +527,8 @@ class MasterCore:
         collective.reason = reason
         log.info("collective tag %d attempt %d aborted: %s", collective.tag, collective.seq, reason)
         for peer_id in sorted(collective.participants - collective.completed):
-            self._send(
-                self._peers[peer_id],
+            self._table.send(
+                self._table.peers[peer_id],
                 CollectiveAbort(tag=collective.tag, seq=collective.seq, reason=reason),
             )
 
@@ -791,11 +537,11 @@ class MasterCore:
         del self._collectives[(collective.group, collective.tag)]
         voters = collective.participants if collective.seq else set(collective.descriptors)
         for peer_id in sorted(voters):
-            peer = self._peers.get(peer_id)
+            peer = self._table.peers.get(peer_id)
             if peer is None:
                 continue
-            peer.collectives.discard(collective.tag)
-            self._send(
+            peer.tags_in_flight.discard(collective.tag)
+            self._table.send(
                 peer,
                 CollectiveVerdict(
                     tag=collective.tag, seq=collective.seq, outcome=outcome, reason=reason
@@ -813,7 +559,7 @@ class MasterCore:
                     self._end_collective(collective, outcome, collective.reason)
                 continue
             members = [
-                p for p in self._accepted() if p.peer_group == collective.group
+                p for p in self._table.accepted() if p.peer_group == collective.group
             ]
             blocker = find_blocker(Call.ALL_REDUCE, collective.group, members)
             if blocker is not None:
@@ -851,13 +597,13 @@ class MasterCore:
                 continue
             self._commence(collective, members)
 
-    def _commence(self, collective: _Collective, members: Sequence[_Peer]) -> None:
+    def _commence(self, collective: _Collective, members: Sequence[Peer]) -> None:
         collective.seq = self._next_seq
         self._next_seq += 1
         collective.participants = {p.peer_id for p in members}
         ring = tuple(self._rings.get(collective.group, ()))
         for peer in members:
-            self._send(peer, CollectiveCommence(tag=collective.tag, seq=collective.seq, ring=ring))
+            self._table.send(peer, CollectiveCommence(tag=collective.tag, seq=collective.seq, ring=ring))
 
     # --- time ----------------------------------------------------------------------
 
@@ -865,26 +611,17 @@ class MasterCore:
         # Compare against the same sums next_deadline() returns: ``now - last >= timeout``
         # can be false at ``now == last + timeout`` in floating point, and a Tick at the
         # deadline that does nothing would leave the deadline in the past (a busy loop).
-        silent = [
-            c for c in self._conns.values()
-            if self._now >= c.last_heard + self._liveness_timeout
-        ]
-        for conn in silent:
-            self._kick(
-                conn,
-                f"no message for {self._now - conn.last_heard:.2f}s "
-                f"(liveness timeout {self._liveness_timeout}s)",
-            )
+        silent = self._table.kick_silent()
         current = self._round
         late = []
-        if current is not None and self._now >= current.started_at + self._round_timeout:
+        if current is not None and self._table.now >= current.started_at + self._round_timeout:
             late = [
-                self._peers[p] for p in sorted(current.participants)
-                if self._peers[p].state is PeerState.CONNECTING
+                self._table.peers[p] for p in sorted(current.participants)
+                if self._table.peers[p].state is PeerState.CONNECTING
             ]
             for peer in late:
-                self._kick(
-                    self._conns[peer.conn],
+                self._table.kick_peer(
+                    peer,
                     f"did not report on its p2p connections within {self._round_timeout}s "
                     f"of round {current.number}'s start",
                 )
@@ -892,19 +629,17 @@ class MasterCore:
         if (
             optimization is not None
             and optimization.outstanding
-            and self._now >= optimization.step_started + self._round_timeout
+            and self._table.now >= optimization.step_started + self._round_timeout
         ):
             for receiver in sorted(optimization.outstanding):
-                late.append(self._peers[receiver])
-                self._kick(
-                    self._conns[self._peers[receiver].conn],
+                late.append(self._table.peers[receiver])
+                self._table.kick_peer(
+                    self._table.peers[receiver],
                     f"did not report its link measurement within {self._round_timeout}s",
                 )
         if silent or late:
             self._reevaluate()
-        for conn in self._conns.values():
-            if conn.peer is not None and self._now >= conn.last_sent + self._heartbeat_interval:
-                self._send(conn.peer, Heartbeat())
+        self._table.send_heartbeats()
 
     # --- consensus -----------------------------------------------------------------
 
@@ -921,24 +656,21 @@ class MasterCore:
                     break
             self._try_answer_pending()
             self._try_collectives()
-            before = len(self._peers)
+            before = len(self._table.peers)
             self._try_optimize()
             self._try_syncs()
             # An election may kick peers, which can complete any other consensus (a
             # round or a pending vote waiting for them): check everything again.
-            if len(self._peers) == before:
+            if len(self._table.peers) == before:
                 break
 
-    def _accepted(self) -> list[_Peer]:
-        return [p for p in self._peers.values() if p.phase is PeerPhase.ACCEPTED]
-
     def _try_start_round(self) -> bool:
-        accepted = self._accepted()
+        accepted = self._table.accepted()
         if accepted:
             if not all(p.state is PeerState.VOTE_ESTABLISH for p in accepted):
                 return False
             accept_new = all(p.accept_new_peers for p in accepted)
-        elif any(p.phase is PeerPhase.REGISTERED for p in self._peers.values()):
+        elif any(p.phase is PeerPhase.REGISTERED for p in self._table.peers.values()):
             accept_new = True  # nobody to ask: admit the waiting peers
         else:
             return False
@@ -948,7 +680,7 @@ class MasterCore:
     def _start_round(self, accept_new: bool) -> None:
         while True:
             participants = [
-                p for p in self._peers.values()
+                p for p in self._table.peers.values()
                 if p.phase is PeerPhase.ACCEPTED
                 or (accept_new and p.phase is PeerPhase.REGISTERED)
             ]
@@ -957,8 +689,8 @@ class MasterCore:
                 break
             # No ring avoids the edges reported unreachable: remove the peer most of
             # them touch so the rest of the run can go on.
-            self._kick(
-                self._conns[unplaceable.conn],
+            self._table.kick_peer(
+                unplaceable,
                 "no ring can include this peer: it could not reach, or be reached by, "
                 "enough peers (check firewalls and the address it advertises)",
             )
@@ -967,7 +699,7 @@ class MasterCore:
             number=self._round_counter,
             participants={p.peer_id for p in participants},
             rings=rings,
-            started_at=self._now,
+            started_at=self._table.now,
         )
         self._round = current
         log.info(
@@ -976,10 +708,10 @@ class MasterCore:
         )
         worlds = self._world_sizes(participants)
         for peer in participants:
-            self._apply(peer, PeerEvent.ROUND_START)
+            peer.apply(PeerEvent.ROUND_START)
             peer.pending_vote = False
             ring = rings[peer.peer_group]
-            self._send(
+            self._table.send(
                 peer,
                 P2PInfo(
                     round=current.number,
@@ -990,8 +722,8 @@ class MasterCore:
             )
 
     def _build_rings(
-        self, participants: Iterable[_Peer]
-    ) -> tuple[dict[int, list[int]], _Peer | None]:
+        self, participants: Iterable[Peer]
+    ) -> tuple[dict[int, list[int]], Peer | None]:
         """One ring per peer group, or the peer to remove if some group has none."""
         groups: dict[int, list[int]] = {}
         for peer in participants:
@@ -1012,11 +744,11 @@ class MasterCore:
                     touches[a] = touches.get(a, 0) + 1
                     touches[b] = touches.get(b, 0) + 1
                 worst = max(touches, key=lambda p: (touches[p], p))
-                return rings, self._peers[worst]
+                return rings, self._table.peers[worst]
             rings[group] = ring
         return rings, None
 
-    def _world_sizes(self, participants: Sequence[_Peer]) -> dict[int, WorldSizes]:
+    def _world_sizes(self, participants: Sequence[Peer]) -> dict[int, WorldSizes]:
         sizes: dict[int, int] = {}
         for peer in participants:
             sizes[peer.peer_group] = sizes.get(peer.peer_group, 0) + 1
@@ -1036,20 +768,20 @@ class MasterCore:
         index = ring.index(peer_id)
         ids = dict.fromkeys((ring[index - 1], ring[(index + 1) % len(ring)]))
         return tuple(
-            PeerEndpoint(peer_id=i, host=self._peers[i].host, port=self._peers[i].port)
+            PeerEndpoint(peer_id=i, host=self._table.peers[i].host, port=self._table.peers[i].port)
             for i in ids
         )
 
     def _try_finish_round(self) -> bool:
         current = self._round
         assert current is not None
-        members = [self._peers[p] for p in current.participants]
+        members = [self._table.peers[p] for p in current.participants]
         if not all(p.state in (PeerState.WAITING, PeerState.CONNECT_FAILED) for p in members):
             return False
         self._round = None
         success = not current.failed and not current.dropped
         for group, ring in current.rings.items():
-            self._rings[group] = [p for p in ring if p in self._peers]
+            self._rings[group] = [p for p in ring if p in self._table.peers]
         worlds = self._world_sizes(members)
         if success:
             self._stale_groups.difference_update(current.rings)
@@ -1058,8 +790,8 @@ class MasterCore:
         event = PeerEvent.ROUND_SUCCEEDED if success else PeerEvent.ROUND_FAILED
         for peer in members:
             peer.phase = PeerPhase.ACCEPTED
-            self._apply(peer, event)
-            self._send(
+            peer.apply(event)
+            self._table.send(
                 peer,
                 P2PEstablishResult(
                     round=current.number,
@@ -1075,7 +807,7 @@ class MasterCore:
         return True
 
     def _try_answer_pending(self) -> None:
-        accepted = self._accepted()
+        accepted = self._table.accepted()
         refused = False
         for peer in accepted:
             if not peer.pending_vote:
@@ -1088,7 +820,7 @@ class MasterCore:
                 continue
             refused = True
             peer.pending_vote = False
-            self._send(
+            self._table.send(
                 peer,
                 PeersPendingResult(
                     pending=False, error=out_of_order(blocker, Call.ARE_PEERS_PENDING)
@@ -1096,19 +828,19 @@ class MasterCore:
             )
         if refused or not accepted or not all(p.pending_vote for p in accepted):
             return
-        pending = any(p.phase is PeerPhase.REGISTERED for p in self._peers.values())
+        pending = any(p.phase is PeerPhase.REGISTERED for p in self._table.peers.values())
         for peer in accepted:
             peer.pending_vote = False
-            self._send(peer, PeersPendingResult(pending=pending))
+            self._table.send(peer, PeersPendingResult(pending=pending))
 
     # --- shared state ----------------------------------------------------------------
 
-    def _on_sync_vote(self, conn: _Conn, peer: _Peer, message: SharedStateVote) -> None:
-        _check_member_vote(peer, message)
-        self._apply(peer, PeerEvent.VOTE_SYNC)
+    def _on_sync_vote(self, conn: Conn, peer: Peer, message: SharedStateVote) -> None:
+        check_member_vote(peer, message)
+        peer.apply(PeerEvent.VOTE_SYNC)
         expected = self._expected_revision.get(peer.peer_group)
         if expected is not None and message.revision > expected:
-            self._kick(
+            self._table.kick(
                 conn,
                 f"shared-state revision {message.revision} skips ahead of revision "
                 f"{expected}, the next one of peer group {peer.peer_group}: each sync must "
@@ -1119,11 +851,11 @@ class MasterCore:
             revision=message.revision, strategy=message.strategy, entries=message.entries
         )
 
-    def _on_sync_done(self, peer: _Peer, number: int, success: bool, reason: str) -> None:
+    def _on_sync_done(self, peer: Peer, number: int, success: bool, reason: str) -> None:
         sync = self._syncs.get(peer.peer_group)
         if sync is None or sync.number != number or peer.peer_id not in sync.members:
             raise RemoteProtocolError(f"SharedStateDone for sync {number}, which is not running")
-        self._apply(peer, PeerEvent.REPORT_SYNCED)
+        peer.apply(PeerEvent.REPORT_SYNCED)
         sync.done.add(peer.peer_id)
         if not success:
             log.warning(
@@ -1136,12 +868,12 @@ class MasterCore:
             if sync.members <= sync.done:
                 del self._syncs[group]
                 for peer_id in sorted(sync.members):
-                    peer = self._peers[peer_id]
-                    self._apply(peer, PeerEvent.SYNC_COMPLETE)
-                    self._send(peer, SharedStateComplete(sync=sync.number))
+                    peer = self._table.peers[peer_id]
+                    peer.apply(PeerEvent.SYNC_COMPLETE)
+                    self._table.send(peer, SharedStateComplete(sync=sync.number))
                 log.info("sync %d of peer group %d complete", sync.number, group)
-        groups: dict[int, list[_Peer]] = {}
-        for peer in self._accepted():
+        groups: dict[int, list[Peer]] = {}
+        for peer in self._table.accepted():
             groups.setdefault(peer.peer_group, []).append(peer)
         for group, members in groups.items():
             voters = [p for p in members if p.state is PeerState.VOTE_SYNC]
@@ -1153,11 +885,11 @@ class MasterCore:
             elif len(voters) == len(members):
                 self._start_sync(group, voters)
 
-    def _refuse_sync(self, voters: Sequence[_Peer], reason: str) -> None:
+    def _refuse_sync(self, voters: Sequence[Peer], reason: str) -> None:
         for peer in voters:
             assert peer.ballot is not None
-            self._apply(peer, PeerEvent.SYNC_REFUSED)
-            self._send(
+            peer.apply(PeerEvent.SYNC_REFUSED)
+            self._table.send(
                 peer,
                 SharedStatePlan(
                     sync=0, revision=peer.ballot.revision, fetches=(), distributors=(),
@@ -1166,11 +898,11 @@ class MasterCore:
             )
             peer.ballot = None
 
-    def _start_sync(self, group: int, voters: Sequence[_Peer]) -> None:
+    def _start_sync(self, group: int, voters: Sequence[Peer]) -> None:
         ballots = {p.peer_id: p.ballot for p in voters if p.ballot is not None}
         election = elect(ballots, self._expected_revision.get(group))
         for peer_id, reason in sorted(election.kicks.items()):
-            self._kick(self._conns[self._peers[peer_id].conn], reason)
+            self._table.kick_peer(self._table.peers[peer_id], reason)
         remaining = [p for p in voters if p.peer_id in election.fetches]
         if not remaining:
             return
@@ -1191,14 +923,14 @@ class MasterCore:
             {p: len(f) for p, f in election.fetches.items() if f},
         )
         for peer in remaining:
-            self._apply(peer, PeerEvent.SYNC_START)
+            peer.apply(PeerEvent.SYNC_START)
             peer.ballot = None
             distributors = tuple(
-                PeerEndpoint(peer_id=d, host=self._peers[d].host, port=self._peers[d].port)
+                PeerEndpoint(peer_id=d, host=self._table.peers[d].host, port=self._table.peers[d].port)
                 for d in election.distributors
                 if d != peer.peer_id
             )
-            self._send(
+            self._table.send(
                 peer,
                 SharedStatePlan(
                     sync=number,
@@ -1215,7 +947,7 @@ class MasterCore:
         if current is not None:
             self._advance_optimization(current)
             return
-        accepted = self._accepted()
+        accepted = self._table.accepted()
         voters = [p for p in accepted if p.state is PeerState.VOTE_OPTIMIZE]
         if not voters:
             return
@@ -1236,16 +968,16 @@ class MasterCore:
             else:
                 error = out_of_order(blocker, Call.OPTIMIZE_TOPOLOGY)
             for peer in voters:
-                self._apply(peer, PeerEvent.OPTIMIZE_REFUSED)
-                self._send(peer, TopologyOptimized(optimization=0, error=error, rejoin=rejoin))
+                peer.apply(PeerEvent.OPTIMIZE_REFUSED)
+                self._table.send(peer, TopologyOptimized(optimization=0, error=error, rejoin=rejoin))
             return
         if len(voters) == len(accepted) and self._round is None:
             self._start_optimization(voters)
 
-    def _start_optimization(self, voters: Sequence[_Peer]) -> None:
+    def _start_optimization(self, voters: Sequence[Peer]) -> None:
         self._optimization_counter += 1
         steps: list[list[tuple[int, int]]] = []
-        for group, members in sorted(self._groups(voters).items()):
+        for group, members in sorted(groups(voters).items()):
             store = self._bandwidth.setdefault(group, BandwidthStore())
             for edge in store.missing(members):
                 if edge in self._unreachable:  # a ring could not use it: nothing to measure
@@ -1266,7 +998,7 @@ class MasterCore:
             current.number, sum(map(len, steps)), len(steps),
         )
         for peer in voters:
-            self._apply(peer, PeerEvent.OPTIMIZE_START)
+            peer.apply(PeerEvent.OPTIMIZE_START)
         self._advance_optimization(current)
 
     def _advance_optimization(self, current: _Optimization) -> None:
@@ -1274,13 +1006,13 @@ class MasterCore:
         solvers once every step is, then the round once every group is solved."""
         while not current.outstanding and current.step + 1 < len(current.steps):
             current.step += 1
-            current.step_started = self._now
+            current.step_started = self._table.now
             for sender, receiver in current.steps[current.step]:
                 if sender in current.participants and receiver in current.participants:
                     current.outstanding[receiver] = sender
-                    source = self._peers[sender]
-                    self._send(
-                        self._peers[receiver],
+                    source = self._table.peers[sender]
+                    self._table.send(
+                        self._table.peers[receiver],
                         MeasureLink(
                             optimization=current.number,
                             source=PeerEndpoint(
@@ -1296,7 +1028,7 @@ class MasterCore:
         if not current.jobs:
             self._finish_optimization(current)
 
-    def _on_link_measured(self, peer: _Peer, message: LinkMeasured) -> None:
+    def _on_link_measured(self, peer: Peer, message: LinkMeasured) -> None:
         current = self._optimization
         if (
             current is None
@@ -1308,7 +1040,7 @@ class MasterCore:
                 f"{message.optimization}, which this peer was not asked to measure"
             )
         del current.outstanding[peer.peer_id]
-        if message.sender not in self._peers:
+        if message.sender not in self._table.peers:
             return  # the sender left: its links are forgotten
         store = self._bandwidth.setdefault(peer.peer_group, BandwidthStore())
         if message.error:
@@ -1326,7 +1058,7 @@ class MasterCore:
             )
 
     def _start_solves(self, current: _Optimization) -> None:
-        for group, members in sorted(self._groups(self._peers[p] for p in current.participants).items()):
+        for group, members in sorted(groups(self._table.peers[p] for p in current.participants).items()):
             if len(members) < 3:  # one ring only
                 current.solved[group] = (tuple(members), True)
                 continue
@@ -1344,7 +1076,7 @@ class MasterCore:
             background=background,
         )
         index = {p: i for i, p in enumerate(members)}
-        self._actions.append(
+        self._table.actions.append(
             Solve(
                 job=job.number,
                 group=group,
@@ -1379,7 +1111,7 @@ class MasterCore:
             return  # cancelled meanwhile: membership changed
         del self._searches[search.group]
         order = self._solution(search, event)
-        members = {p.peer_id for p in self._accepted() if p.peer_group == search.group}
+        members = {p.peer_id for p in self._table.accepted() if p.peer_group == search.group}
         installed = self._rings.get(search.group, [])
         if not order or members != set(search.peers) or set(installed) != members:
             return
@@ -1413,10 +1145,10 @@ class MasterCore:
 
     def _finish_optimization(self, current: _Optimization) -> None:
         self._optimization = None
-        participants = [self._peers[p] for p in sorted(current.participants)]
+        participants = [self._table.peers[p] for p in sorted(current.participants)]
         reports: dict[int, TopologyOptimized] = {}
         searches: list[tuple[int, list[int], list[int]]] = []
-        for group, members in sorted(self._groups(participants).items()):
+        for group, members in sorted(groups(participants).items()):
             solved, proven = current.solved.get(group, ((), False))
             ring = [p for p in solved if p in members]
             cost = self._cost(group, members)
@@ -1442,7 +1174,7 @@ class MasterCore:
             if not proven and len(members) >= 3 and self._search_seconds > 0:
                 searches.append((group, members, ring))
         for peer in participants:
-            self._send(peer, reports[peer.peer_group])
+            self._table.send(peer, reports[peer.peer_group])
         for group, members, ring in searches:
             self._searches[group] = self._solve(group, members, background=True, start=ring)
         self._start_round(accept_new=False)
@@ -1507,7 +1239,7 @@ class MasterCore:
     def _cancel_search(self, group: int) -> None:
         search = self._searches.pop(group, None)
         if search is not None:
-            self._actions.append(CancelSolve(job=search.number))
+            self._table.actions.append(CancelSolve(job=search.number))
 
     def _adopt_candidate(self, group: int, members: set[int]) -> None:
         """Before a round: install the background search's better ring if the group
@@ -1535,42 +1267,11 @@ class MasterCore:
         )
         self._rings[group] = list(candidate.ring)
 
-    @staticmethod
-    def _groups(peers: Iterable[_Peer]) -> dict[int, list[int]]:
-        """Peer ids by group, sorted."""
-        groups: dict[int, list[int]] = {}
-        for peer in peers:
-            groups.setdefault(peer.peer_group, []).append(peer.peer_id)
-        return {group: sorted(ids) for group, ids in groups.items()}
+    # --- removal -------------------------------------------------------------------
 
-    # --- helpers -------------------------------------------------------------------
-
-    def _apply(self, peer: _Peer, event: PeerEvent) -> None:
-        peer.state = transition(peer.state, event)
-
-    def _send(self, peer: _Peer, message: Message) -> None:
-        conn = self._conns[peer.conn]
-        conn.last_sent = self._now
-        self._actions.append(Send(conn=conn.conn, message=message))
-
-    def _kick(self, conn: _Conn, reason: str) -> None:
-        """Tell the peer why, close its connection, and remove it from the run."""
-        log.warning(
-            "kicking %s: %s",
-            f"peer {conn.peer.peer_id}" if conn.peer else f"connection {conn.conn}", reason,
-        )
-        self._actions.append(Send(conn=conn.conn, message=Kick(reason=reason)))
-        self._drop(conn, reason)
-
-    def _drop(self, conn: _Conn, reason: str) -> None:
-        """Forget a connection and its peer; pending consensus is re-checked by the caller."""
-        del self._conns[conn.conn]
-        self._actions.append(Close(conn=conn.conn, reason=reason))
-        peer = conn.peer
-        if peer is None:
-            return
-        del self._peers[peer.peer_id]
-        log.info("peer %d left: %s", peer.peer_id, reason)
+    def _peer_left(self, peer: Peer, reason: str) -> None:
+        """Every part forgets ``peer``, which the registry removed; pending consensus is
+        re-checked by the caller."""
         if self._round is not None and peer.peer_id in self._round.participants:
             self._round.participants.discard(peer.peer_id)
             self._round.dropped = True
@@ -1589,7 +1290,7 @@ class MasterCore:
             current.outstanding.pop(peer.peer_id, None)  # nothing to wait for
             if not current.participants:
                 for job in current.jobs:
-                    self._actions.append(CancelSolve(job=job))
+                    self._table.actions.append(CancelSolve(job=job))
                 self._optimization = None
         for collective in list(self._collectives.values()):
             if collective.group != peer.peer_group:
@@ -1610,7 +1311,7 @@ class MasterCore:
             sync.done.discard(peer.peer_id)
         if not any(
             p.peer_group == peer.peer_group and p.phase is PeerPhase.ACCEPTED
-            for p in self._peers.values()
+            for p in self._table.peers.values()
         ):
             # Nobody is left to hold the group's state: a new group may start anywhere.
             self._expected_revision.pop(peer.peer_group, None)
