@@ -80,9 +80,7 @@ from .messages import (
     PeerEndpoint,
     PeersPendingResult,
     Register,
-    SharedStateComplete,
     SharedStateDone,
-    SharedStatePlan,
     SharedStateVote,
     TopologyOptimized,
     VoteEstablish,
@@ -110,7 +108,7 @@ from .peers import (
     transition,
 )
 from .ring import find_ring
-from .shared_state import Ballot, elect
+from .syncs import Syncs
 
 __all__ = [
     "KEEP_MARGIN",
@@ -153,15 +151,6 @@ def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
 
 
 # --- internal bookkeeping ----------------------------------------------------------
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Sync:
-    """A peer group's shared-state sync, from the election to the last peer's report."""
-
-    number: int
-    members: set[int]
-    done: set[int] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -300,11 +289,7 @@ class MasterCore:
         # Groups whose ring lost a member or failed to connect since its last
         # successful round: their collectives cannot run until they re-establish.
         self._stale_groups: set[int] = set()
-        # Shared state, per peer group: the revision the next sync expects (absent
-        # before the first sync), and the sync in its distribution phase.
-        self._expected_revision: dict[int, int] = {}
-        self._syncs: dict[int, _Sync] = {}
-        self._sync_counter = 0
+        self._syncs = Syncs(self._table)
         # Topology: what is known of each group's links, the optimization running, the
         # background searches and the better rings they found.
         self._bandwidth: dict[int, BandwidthStore] = {}
@@ -440,9 +425,9 @@ class MasterCore:
                 case CollectiveComplete(tag=tag, seq=seq, aborted=aborted, invalid=invalid):
                     self._on_complete(peer, tag, seq, aborted, invalid)
                 case SharedStateVote():
-                    self._on_sync_vote(conn, peer, message)
-                case SharedStateDone(sync=number, success=success, reason=reason):
-                    self._on_sync_done(peer, number, success, reason)
+                    self._syncs.on_vote(peer, message)
+                case SharedStateDone():
+                    self._syncs.on_done(peer, message)
                 case VoteOptimizeTopology():
                     check_member_vote(peer, message)
                     peer.apply(PeerEvent.VOTE_OPTIMIZE)
@@ -658,7 +643,7 @@ class MasterCore:
             self._try_collectives()
             before = len(self._table.peers)
             self._try_optimize()
-            self._try_syncs()
+            self._syncs.advance()
             # An election may kick peers, which can complete any other consensus (a
             # round or a pending vote waiting for them): check everything again.
             if len(self._table.peers) == before:
@@ -832,113 +817,6 @@ class MasterCore:
         for peer in accepted:
             peer.pending_vote = False
             self._table.send(peer, PeersPendingResult(pending=pending))
-
-    # --- shared state ----------------------------------------------------------------
-
-    def _on_sync_vote(self, conn: Conn, peer: Peer, message: SharedStateVote) -> None:
-        check_member_vote(peer, message)
-        peer.apply(PeerEvent.VOTE_SYNC)
-        expected = self._expected_revision.get(peer.peer_group)
-        if expected is not None and message.revision > expected:
-            self._table.kick(
-                conn,
-                f"shared-state revision {message.revision} skips ahead of revision "
-                f"{expected}, the next one of peer group {peer.peer_group}: each sync must "
-                "advance the revision by exactly one",
-            )
-            return
-        peer.ballot = Ballot(
-            revision=message.revision, strategy=message.strategy, entries=message.entries
-        )
-
-    def _on_sync_done(self, peer: Peer, number: int, success: bool, reason: str) -> None:
-        sync = self._syncs.get(peer.peer_group)
-        if sync is None or sync.number != number or peer.peer_id not in sync.members:
-            raise RemoteProtocolError(f"SharedStateDone for sync {number}, which is not running")
-        peer.apply(PeerEvent.REPORT_SYNCED)
-        sync.done.add(peer.peer_id)
-        if not success:
-            log.warning(
-                "sync %d: peer %d could not fetch the shared state: %s",
-                number, peer.peer_id, reason,
-            )
-
-    def _try_syncs(self) -> None:
-        for group, sync in list(self._syncs.items()):
-            if sync.members <= sync.done:
-                del self._syncs[group]
-                for peer_id in sorted(sync.members):
-                    peer = self._table.peers[peer_id]
-                    peer.apply(PeerEvent.SYNC_COMPLETE)
-                    self._table.send(peer, SharedStateComplete(sync=sync.number))
-                log.info("sync %d of peer group %d complete", sync.number, group)
-        groups: dict[int, list[Peer]] = {}
-        for peer in self._table.accepted():
-            groups.setdefault(peer.peer_group, []).append(peer)
-        for group, members in groups.items():
-            voters = [p for p in members if p.state is PeerState.VOTE_SYNC]
-            if not voters:
-                continue
-            blocker = find_blocker(Call.SYNC_SHARED_STATE, group, members)
-            if blocker is not None:
-                self._refuse_sync(voters, out_of_order(blocker, Call.SYNC_SHARED_STATE))
-            elif len(voters) == len(members):
-                self._start_sync(group, voters)
-
-    def _refuse_sync(self, voters: Sequence[Peer], reason: str) -> None:
-        for peer in voters:
-            assert peer.ballot is not None
-            peer.apply(PeerEvent.SYNC_REFUSED)
-            self._table.send(
-                peer,
-                SharedStatePlan(
-                    sync=0, revision=peer.ballot.revision, fetches=(), distributors=(),
-                    error=reason,
-                ),
-            )
-            peer.ballot = None
-
-    def _start_sync(self, group: int, voters: Sequence[Peer]) -> None:
-        ballots = {p.peer_id: p.ballot for p in voters if p.ballot is not None}
-        election = elect(ballots, self._expected_revision.get(group))
-        for peer_id, reason in sorted(election.kicks.items()):
-            self._table.kick_peer(self._table.peers[peer_id], reason)
-        remaining = [p for p in voters if p.peer_id in election.fetches]
-        if not remaining:
-            return
-        if not election.distributors and any(election.fetches.values()):
-            self._refuse_sync(
-                remaining,
-                "no peer that holds the popular shared state may send it (the peers "
-                "holding it were removed); synchronize again",
-            )
-            return
-        self._sync_counter += 1
-        number = self._sync_counter
-        self._expected_revision[group] = election.revision + 1
-        self._syncs[group] = _Sync(number=number, members={p.peer_id for p in remaining})
-        log.info(
-            "sync %d of peer group %d: revision %d, distributors %s, fetching %s",
-            number, group, election.revision, list(election.distributors),
-            {p: len(f) for p, f in election.fetches.items() if f},
-        )
-        for peer in remaining:
-            peer.apply(PeerEvent.SYNC_START)
-            peer.ballot = None
-            distributors = tuple(
-                PeerEndpoint(peer_id=d, host=self._table.peers[d].host, port=self._table.peers[d].port)
-                for d in election.distributors
-                if d != peer.peer_id
-            )
-            self._table.send(
-                peer,
-                SharedStatePlan(
-                    sync=number,
-                    revision=election.revision,
-                    fetches=election.fetches[peer.peer_id],
-                    distributors=distributors,
-                ),
-            )
 
     # --- topology optimization -------------------------------------------------------
 
@@ -1305,13 +1183,4 @@ class MasterCore:
         self._unreachable = {
             edge for edge in self._unreachable if peer.peer_id not in edge
         }
-        sync = self._syncs.get(peer.peer_group)
-        if sync is not None:
-            sync.members.discard(peer.peer_id)
-            sync.done.discard(peer.peer_id)
-        if not any(
-            p.peer_group == peer.peer_group and p.phase is PeerPhase.ACCEPTED
-            for p in self._table.peers.values()
-        ):
-            # Nobody is left to hold the group's state: a new group may start anywhere.
-            self._expected_revision.pop(peer.peer_group, None)
+        self._syncs.peer_left(peer)
