@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy
 
@@ -75,10 +75,7 @@ from .messages import (
     Message,
     Outcome,
     P2PEstablished,
-    P2PEstablishResult,
-    P2PInfo,
     PeerEndpoint,
-    PeersPendingResult,
     Register,
     SharedStateDone,
     SharedStateVote,
@@ -86,7 +83,6 @@ from .messages import (
     VoteEstablish,
     VoteOptimizeTopology,
     VotePeersPending,
-    WorldSizes,
 )
 from .peers import (
     FREE_STATES,
@@ -107,7 +103,7 @@ from .peers import (
     out_of_order,
     transition,
 )
-from .ring import find_ring
+from .rounds import PendingVote, RingBook, Rounds
 from .syncs import Syncs
 
 __all__ = [
@@ -187,16 +183,6 @@ class _Candidate:
     ring: tuple[int, ...]
     cost: numpy.ndarray
     peers: tuple[int, ...]
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Round:
-    number: int
-    participants: set[int]
-    rings: dict[int, list[int]]
-    started_at: float
-    failed: bool = False
-    dropped: bool = False
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -280,15 +266,14 @@ class MasterCore:
         self._solve_seconds = solve_seconds
         self._search_seconds = search_seconds
         self._reference_bytes = reference_bytes
-        self._round_counter = 0
-        self._round: _Round | None = None
-        self._rings: dict[int, list[int]] = {}
-        self._unreachable: set[tuple[int, int]] = set()
+        self._book = RingBook()
+        self._rounds = Rounds(
+            self._table, self._book, round_timeout=round_timeout,
+            adopt_candidate=self._adopt_candidate,
+        )
+        self._pending = PendingVote(self._table)
         self._collectives: dict[tuple[int, int], _Collective] = {}
         self._next_seq = 1
-        # Groups whose ring lost a member or failed to connect since its last
-        # successful round: their collectives cannot run until they re-establish.
-        self._stale_groups: set[int] = set()
         self._syncs = Syncs(self._table)
         # Topology: what is known of each group's links, the optimization running, the
         # background searches and the better rings they found.
@@ -335,9 +320,7 @@ class MasterCore:
 
     def next_deadline(self) -> float:
         """When to deliver a ``Tick`` if no other event comes first (``inf``: never)."""
-        deadline = math.inf
-        if self._round is not None:
-            deadline = self._round.started_at + self._round_timeout
+        deadline = self._rounds.deadline()
         if self._optimization is not None and self._optimization.outstanding:
             deadline = min(deadline, self._optimization.step_started + self._round_timeout)
         return min(deadline, self._table.deadline())
@@ -349,11 +332,11 @@ class MasterCore:
     def ring(self, peer_group: int) -> list[int]:
         """The ring order last installed for ``peer_group`` (may name departed peers
         until the next round rebuilds it)."""
-        return list(self._rings.get(peer_group, ()))
+        return list(self._book.rings.get(peer_group, ()))
 
     @property
     def round_in_progress(self) -> bool:
-        return self._round is not None
+        return self._rounds.running
 
     @property
     def optimization_in_progress(self) -> bool:
@@ -367,9 +350,9 @@ class MasterCore:
         store = self._bandwidth.get(peer_group, BandwidthStore())
         bandwidth, latency, unreachable = store.matrices(members)
         rates, delays = link_matrices(
-            len(members), bandwidth, latency, [*unreachable, *self._blocked_indices(members)]
+            len(members), bandwidth, latency, [*unreachable, *self._book.blocked_indices(members)]
         )
-        ring = tuple(p for p in self._rings.get(peer_group, ()) if p in members)
+        ring = tuple(p for p in self._book.rings.get(peer_group, ()) if p in members)
         return TopologyView(
             peers=members,
             bandwidth=rates,
@@ -396,30 +379,12 @@ class MasterCore:
             match message:
                 case Register():
                     raise RemoteProtocolError("Register on a connection already registered")
-                case VoteEstablish(accept_new_peers=accept):
-                    check_member_vote(peer, message)
-                    if self._round is not None and peer.peer_id in self._round.participants:
-                        # CONNECT_FAILED allows a vote, but only once the verdict is out:
-                        # a participant leaving CONNECT_FAILED early would stall the round.
-                        raise RemoteProtocolError(
-                            "VoteEstablish before the result of its establishment round"
-                        )
-                    peer.apply(PeerEvent.VOTE_ESTABLISH)
-                    peer.accept_new_peers = accept
-                case P2PEstablished(round=number, success=success, failed_peers=failed):
-                    self._on_established(peer, number, success, failed)
+                case VoteEstablish():
+                    self._rounds.on_vote(peer, message)
+                case P2PEstablished():
+                    self._rounds.on_established(peer, message)
                 case VotePeersPending():
-                    if peer.phase is not PeerPhase.ACCEPTED:
-                        raise RemoteProtocolError(
-                            "VotePeersPending before being accepted into the run"
-                        )
-                    if peer.pending_vote:
-                        raise RemoteProtocolError("VotePeersPending twice in one vote")
-                    if peer.state not in FREE_STATES:
-                        raise RemoteProtocolError(
-                            f"VotePeersPending is not allowed in state {peer.state.name}"
-                        )
-                    peer.pending_vote = True
+                    self._pending.on_vote(peer, message)
                 case CollectiveInitiate():
                     self._on_initiate(peer, message)
                 case CollectiveComplete(tag=tag, seq=seq, aborted=aborted, invalid=invalid):
@@ -437,29 +402,6 @@ class MasterCore:
                     raise LocalProtocolError(f"unhandled message {message!r}")
         except RemoteProtocolError as exc:
             self._table.kick(conn, f"illegal {type(message).__name__}: {exc}")
-
-    def _on_established(
-        self, peer: Peer, number: int, success: bool, failed: Sequence[int]
-    ) -> None:
-        current = self._round
-        if current is None or peer.peer_id not in current.participants:
-            raise RemoteProtocolError("P2PEstablished outside an establishment round")
-        if number != current.number:
-            raise RemoteProtocolError(
-                f"P2PEstablished for round {number}, but round {current.number} is running"
-            )
-        if success:
-            peer.apply(PeerEvent.REPORT_CONNECTED)
-            return
-        peer.apply(PeerEvent.REPORT_FAILED)
-        current.failed = True
-        # The round has failed already: from now on its rings are stale, not only once
-        # its verdict is out (peers whose report failed may initiate meanwhile).
-        self._stale_groups.update(current.rings)
-        for other in failed:
-            if other in self._table.peers and other != peer.peer_id:
-                self._unreachable.add((peer.peer_id, other))
-        log.warning("round %d: peer %d could not reach %s", number, peer.peer_id, list(failed))
 
     # --- collectives ----------------------------------------------------------------
 
@@ -572,7 +514,7 @@ class MasterCore:
                     "distribution hint",
                 )
                 continue
-            if collective.group in self._stale_groups:
+            if collective.group in self._book.stale_groups:
                 self._end_collective(
                     collective,
                     Outcome.ABORTED,
@@ -586,7 +528,7 @@ class MasterCore:
         collective.seq = self._next_seq
         self._next_seq += 1
         collective.participants = {p.peer_id for p in members}
-        ring = tuple(self._rings.get(collective.group, ()))
+        ring = tuple(self._book.rings.get(collective.group, ()))
         for peer in members:
             self._table.send(peer, CollectiveCommence(tag=collective.tag, seq=collective.seq, ring=ring))
 
@@ -597,27 +539,15 @@ class MasterCore:
         # can be false at ``now == last + timeout`` in floating point, and a Tick at the
         # deadline that does nothing would leave the deadline in the past (a busy loop).
         silent = self._table.kick_silent()
-        current = self._round
-        late = []
-        if current is not None and self._table.now >= current.started_at + self._round_timeout:
-            late = [
-                self._table.peers[p] for p in sorted(current.participants)
-                if self._table.peers[p].state is PeerState.CONNECTING
-            ]
-            for peer in late:
-                self._table.kick_peer(
-                    peer,
-                    f"did not report on its p2p connections within {self._round_timeout}s "
-                    f"of round {current.number}'s start",
-                )
+        late = self._rounds.kick_late()
         optimization = self._optimization
         if (
             optimization is not None
             and optimization.outstanding
             and self._table.now >= optimization.step_started + self._round_timeout
         ):
+            late = True
             for receiver in sorted(optimization.outstanding):
-                late.append(self._table.peers[receiver])
                 self._table.kick_peer(
                     self._table.peers[receiver],
                     f"did not report its link measurement within {self._round_timeout}s",
@@ -633,13 +563,8 @@ class MasterCore:
         # A round can end because of an event, and the end of a round can make a new
         # one startable (e.g. all voters died): loop until nothing changes.
         while True:
-            while True:
-                if self._round is not None:
-                    if not self._try_finish_round():
-                        break
-                elif not self._try_start_round():
-                    break
-            self._try_answer_pending()
+            self._rounds.advance()
+            self._pending.advance()
             self._try_collectives()
             before = len(self._table.peers)
             self._try_optimize()
@@ -648,175 +573,6 @@ class MasterCore:
             # round or a pending vote waiting for them): check everything again.
             if len(self._table.peers) == before:
                 break
-
-    def _try_start_round(self) -> bool:
-        accepted = self._table.accepted()
-        if accepted:
-            if not all(p.state is PeerState.VOTE_ESTABLISH for p in accepted):
-                return False
-            accept_new = all(p.accept_new_peers for p in accepted)
-        elif any(p.phase is PeerPhase.REGISTERED for p in self._table.peers.values()):
-            accept_new = True  # nobody to ask: admit the waiting peers
-        else:
-            return False
-        self._start_round(accept_new)
-        return True
-
-    def _start_round(self, accept_new: bool) -> None:
-        while True:
-            participants = [
-                p for p in self._table.peers.values()
-                if p.phase is PeerPhase.ACCEPTED
-                or (accept_new and p.phase is PeerPhase.REGISTERED)
-            ]
-            rings, unplaceable = self._build_rings(participants)
-            if unplaceable is None:
-                break
-            # No ring avoids the edges reported unreachable: remove the peer most of
-            # them touch so the rest of the run can go on.
-            self._table.kick_peer(
-                unplaceable,
-                "no ring can include this peer: it could not reach, or be reached by, "
-                "enough peers (check firewalls and the address it advertises)",
-            )
-        self._round_counter += 1
-        current = _Round(
-            number=self._round_counter,
-            participants={p.peer_id for p in participants},
-            rings=rings,
-            started_at=self._table.now,
-        )
-        self._round = current
-        log.info(
-            "round %d: establishing rings %s (accepting new peers: %s)",
-            current.number, rings, accept_new,
-        )
-        worlds = self._world_sizes(participants)
-        for peer in participants:
-            peer.apply(PeerEvent.ROUND_START)
-            peer.pending_vote = False
-            ring = rings[peer.peer_group]
-            self._table.send(
-                peer,
-                P2PInfo(
-                    round=current.number,
-                    ring=tuple(ring),
-                    neighbours=self._neighbours(peer.peer_id, ring),
-                    world=worlds[peer.peer_group],
-                ),
-            )
-
-    def _build_rings(
-        self, participants: Iterable[Peer]
-    ) -> tuple[dict[int, list[int]], Peer | None]:
-        """One ring per peer group, or the peer to remove if some group has none."""
-        groups: dict[int, list[int]] = {}
-        for peer in participants:
-            groups.setdefault(peer.peer_group, []).append(peer.peer_id)
-        rings: dict[int, list[int]] = {}
-        for group, members in groups.items():
-            member_set = set(members)
-            self._adopt_candidate(group, member_set)
-            kept = [p for p in self._rings.get(group, ()) if p in member_set]
-            preferred = kept + sorted(member_set.difference(kept))
-            blocked = {
-                (a, b) for (a, b) in self._unreachable if a in member_set and b in member_set
-            }
-            ring = find_ring(preferred, blocked)
-            if ring is None:
-                touches: dict[int, int] = {}
-                for a, b in blocked:
-                    touches[a] = touches.get(a, 0) + 1
-                    touches[b] = touches.get(b, 0) + 1
-                worst = max(touches, key=lambda p: (touches[p], p))
-                return rings, self._table.peers[worst]
-            rings[group] = ring
-        return rings, None
-
-    def _world_sizes(self, participants: Sequence[Peer]) -> dict[int, WorldSizes]:
-        sizes: dict[int, int] = {}
-        for peer in participants:
-            sizes[peer.peer_group] = sizes.get(peer.peer_group, 0) + 1
-        return {
-            group: WorldSizes(
-                global_world_size=len(participants),
-                peer_group_world_size=size,
-                num_distinct_peer_groups=len(sizes),
-                largest_peer_group_world_size=max(sizes.values()),
-            )
-            for group, size in sizes.items()
-        }
-
-    def _neighbours(self, peer_id: int, ring: Sequence[int]) -> tuple[PeerEndpoint, ...]:
-        if len(ring) < 2:
-            return ()
-        index = ring.index(peer_id)
-        ids = dict.fromkeys((ring[index - 1], ring[(index + 1) % len(ring)]))
-        return tuple(
-            PeerEndpoint(peer_id=i, host=self._table.peers[i].host, port=self._table.peers[i].port)
-            for i in ids
-        )
-
-    def _try_finish_round(self) -> bool:
-        current = self._round
-        assert current is not None
-        members = [self._table.peers[p] for p in current.participants]
-        if not all(p.state in (PeerState.WAITING, PeerState.CONNECT_FAILED) for p in members):
-            return False
-        self._round = None
-        success = not current.failed and not current.dropped
-        for group, ring in current.rings.items():
-            self._rings[group] = [p for p in ring if p in self._table.peers]
-        worlds = self._world_sizes(members)
-        if success:
-            self._stale_groups.difference_update(current.rings)
-        else:
-            self._stale_groups.update(current.rings)
-        event = PeerEvent.ROUND_SUCCEEDED if success else PeerEvent.ROUND_FAILED
-        for peer in members:
-            peer.phase = PeerPhase.ACCEPTED
-            peer.apply(event)
-            self._table.send(
-                peer,
-                P2PEstablishResult(
-                    round=current.number,
-                    success=success,
-                    ring=tuple(self._rings[peer.peer_group]),
-                    world=worlds[peer.peer_group],
-                ),
-            )
-        log.info(
-            "round %d %s: %d peers in %d groups",
-            current.number, "succeeded" if success else "failed", len(members), len(worlds),
-        )
-        return True
-
-    def _try_answer_pending(self) -> None:
-        accepted = self._table.accepted()
-        refused = False
-        for peer in accepted:
-            if not peer.pending_vote:
-                continue
-            # A peer blocked in a topology vote (any group's: rounds are global) or a
-            # sync vote (its own group's) will never ask: answer those who did with an
-            # error rather than leave both sides waiting for each other.
-            blocker = find_blocker(Call.ARE_PEERS_PENDING, peer.peer_group, accepted)
-            if blocker is None:
-                continue
-            refused = True
-            peer.pending_vote = False
-            self._table.send(
-                peer,
-                PeersPendingResult(
-                    pending=False, error=out_of_order(blocker, Call.ARE_PEERS_PENDING)
-                ),
-            )
-        if refused or not accepted or not all(p.pending_vote for p in accepted):
-            return
-        pending = any(p.phase is PeerPhase.REGISTERED for p in self._table.peers.values())
-        for peer in accepted:
-            peer.pending_vote = False
-            self._table.send(peer, PeersPendingResult(pending=pending))
 
     # --- topology optimization -------------------------------------------------------
 
@@ -849,7 +605,7 @@ class MasterCore:
                 peer.apply(PeerEvent.OPTIMIZE_REFUSED)
                 self._table.send(peer, TopologyOptimized(optimization=0, error=error, rejoin=rejoin))
             return
-        if len(voters) == len(accepted) and self._round is None:
+        if len(voters) == len(accepted) and not self._rounds.running:
             self._start_optimization(voters)
 
     def _start_optimization(self, voters: Sequence[Peer]) -> None:
@@ -858,7 +614,7 @@ class MasterCore:
         for group, members in sorted(groups(voters).items()):
             store = self._bandwidth.setdefault(group, BandwidthStore())
             for edge in store.missing(members):
-                if edge in self._unreachable:  # a ring could not use it: nothing to measure
+                if edge in self._book.unreachable:  # a ring could not use it: nothing to measure
                     store.mark_unreachable(*edge)
             self._cancel_search(group)  # the new answer starts from the best ring known
             for index, links in enumerate(measurement_rounds(store.missing(members))):
@@ -974,7 +730,7 @@ class MasterCore:
         candidate = self._candidates.get(group)
         if candidate is not None and candidate.members == member_set:
             return list(candidate.ring)
-        ring = self._rings.get(group, [])
+        ring = self._book.rings.get(group, [])
         return list(ring) if set(ring) == member_set and len(ring) == len(members) else None
 
     def _on_solved(self, event: SolveFinished) -> None:
@@ -990,7 +746,7 @@ class MasterCore:
         del self._searches[search.group]
         order = self._solution(search, event)
         members = {p.peer_id for p in self._table.accepted() if p.peer_group == search.group}
-        installed = self._rings.get(search.group, [])
+        installed = self._book.rings.get(search.group, [])
         if not order or members != set(search.peers) or set(installed) != members:
             return
         index = {p: i for i, p in enumerate(search.peers)}
@@ -1035,7 +791,7 @@ class MasterCore:
             # found for these members, else the installed ring (newcomers appended).
             kept = self._best_known(group, members)
             if kept is None:
-                kept = [p for p in self._rings.get(group, ()) if p in index]
+                kept = [p for p in self._book.rings.get(group, ()) if p in index]
                 kept += [p for p in members if p not in kept]
             self._candidates.pop(group, None)
             new = math.inf
@@ -1047,7 +803,7 @@ class MasterCore:
                 # Not clearly faster (measurement noise): keep the connections we have.
                 optimal = optimal and old <= new
                 ring = kept
-            self._rings[group] = ring
+            self._book.rings[group] = ring
             reports[group] = self._report(current.number, group, members, ring, optimal)
             if not proven and len(members) >= 3 and self._search_seconds > 0:
                 searches.append((group, members, ring))
@@ -1055,7 +811,7 @@ class MasterCore:
             self._table.send(peer, reports[peer.peer_group])
         for group, members, ring in searches:
             self._searches[group] = self._solve(group, members, background=True, start=ring)
-        self._start_round(accept_new=False)
+        self._rounds.start(accept_new=False)
 
     def _report(
         self, number: int, group: int, members: Sequence[int], ring: Sequence[int], optimal: bool
@@ -1075,7 +831,7 @@ class MasterCore:
         unreachable: list[int] = []
         if len(members) <= MATRIX_LIMIT:
             bandwidth, latency, unreachable = store.matrices(members)
-            unreachable = sorted(set(unreachable) | set(self._blocked_indices(members)))
+            unreachable = sorted(set(unreachable) | set(self._book.blocked_indices(members)))
         return TopologyOptimized(
             optimization=number,
             peers=tuple(members),
@@ -1088,21 +844,13 @@ class MasterCore:
             optimal=optimal,
         )
 
-    def _blocked_indices(self, members: Sequence[int]) -> list[int]:
-        """Flat matrix indices of the links among ``members`` a round found unreachable."""
-        index = {p: i for i, p in enumerate(members)}
-        return [
-            index[a] * len(members) + index[b]
-            for a, b in self._unreachable if a in index and b in index
-        ]
-
     def _cost(self, group: int, members: Sequence[int]) -> numpy.ndarray:
         """Seconds per chunk of a reference all-reduce over each link among ``members``;
         infinity where unknown, unmeasurable, or reported unreachable by a round."""
         store = self._bandwidth.get(group) or BandwidthStore()
         cost = store.cost_matrix(members, nbytes=self._reference_bytes)
         index = {p: i for i, p in enumerate(members)}
-        for a, b in self._unreachable:
+        for a, b in self._book.unreachable:
             if a in index and b in index:
                 cost[index[a], index[b]] = math.inf
         return cost
@@ -1133,7 +881,7 @@ class MasterCore:
         peers = sorted(members)
         index = {p: i for i, p in enumerate(peers)}
         cost = self._cost(group, peers)
-        installed = [p for p in self._rings.get(group, ()) if p in index]
+        installed = [p for p in self._book.rings.get(group, ()) if p in index]
         found = ring_cost(cost, [index[p] for p in candidate.ring])[0]
         if len(installed) == len(peers):
             before = ring_cost(cost, [index[p] for p in installed])[0]
@@ -1143,18 +891,15 @@ class MasterCore:
             "peer group %d: installing the ring %s found by the background search",
             group, list(candidate.ring),
         )
-        self._rings[group] = list(candidate.ring)
+        self._book.rings[group] = list(candidate.ring)
 
     # --- removal -------------------------------------------------------------------
 
     def _peer_left(self, peer: Peer, reason: str) -> None:
         """Every part forgets ``peer``, which the registry removed; pending consensus is
         re-checked by the caller."""
-        if self._round is not None and peer.peer_id in self._round.participants:
-            self._round.participants.discard(peer.peer_id)
-            self._round.dropped = True
+        self._rounds.peer_left(peer)
         if peer.phase is PeerPhase.ACCEPTED:
-            self._stale_groups.add(peer.peer_group)
             # The group's links and rings change: what was measured or searched for
             # its old membership no longer applies.
             store = self._bandwidth.get(peer.peer_group)
@@ -1180,7 +925,5 @@ class MasterCore:
                 self._abort(collective, f"peer {peer.peer_id} left the run ({reason})")
             if not collective.seq and not collective.descriptors:
                 del self._collectives[(collective.group, collective.tag)]
-        self._unreachable = {
-            edge for edge in self._unreachable if peer.peer_id not in edge
-        }
+        self._book.forget_edges(peer.peer_id)
         self._syncs.peer_left(peer)
