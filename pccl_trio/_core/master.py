@@ -45,6 +45,7 @@ from collections.abc import Sequence
 import numpy
 
 from .bandwidth import BandwidthStore, link_matrices, measurement_rounds, ring_cost
+from .collectives import Collectives
 from .errors import LocalProtocolError, RemoteProtocolError
 from .events import (
     Action,
@@ -64,16 +65,12 @@ from .events import (
 from .messages import (
     C2M,
     MATRIX_LIMIT,
-    CollectiveAbort,
-    CollectiveCommence,
     CollectiveComplete,
     CollectiveInitiate,
-    CollectiveVerdict,
     Heartbeat,
     LinkMeasured,
     MeasureLink,
     Message,
-    Outcome,
     P2PEstablished,
     PeerEndpoint,
     Register,
@@ -85,10 +82,8 @@ from .messages import (
     VotePeersPending,
 )
 from .peers import (
-    FREE_STATES,
     REMOTE_EVENTS,
     TRANSITIONS,
-    VOTES,
     Call,
     Conn,
     Peer,
@@ -139,13 +134,6 @@ log = logging.getLogger("pccl_trio.master")
 KEEP_MARGIN = 0.05
 
 
-def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
-    return (
-        message.count, message.dtype, message.op, message.quantized_dtype, message.quantization,
-        message.distribution_hint,
-    )
-
-
 # --- internal bookkeeping ----------------------------------------------------------
 
 
@@ -183,22 +171,6 @@ class _Candidate:
     ring: tuple[int, ...]
     cost: numpy.ndarray
     peers: tuple[int, ...]
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Collective:
-    """One all-reduce of a peer group, from the first initiate vote to the verdicts."""
-
-    group: int
-    tag: int
-    descriptors: dict[int, CollectiveInitiate]  # peer id -> its initiate vote
-    seq: int = 0  # 0 until commenced
-    participants: set[int] = dataclasses.field(default_factory=set)
-    completed: set[int] = dataclasses.field(default_factory=set)
-    aborted: bool = False
-    reason: str = ""
-    # A peer's data could not be reduced: the verdict is REJECTED, not ABORTED.
-    rejected: bool = False
 
 
 def _clearly_faster(new: float, old: float) -> bool:
@@ -272,8 +244,7 @@ class MasterCore:
             adopt_candidate=self._adopt_candidate,
         )
         self._pending = PendingVote(self._table)
-        self._collectives: dict[tuple[int, int], _Collective] = {}
-        self._next_seq = 1
+        self._collectives = Collectives(self._table, self._book)
         self._syncs = Syncs(self._table)
         # Topology: what is known of each group's links, the optimization running, the
         # background searches and the better rings they found.
@@ -386,9 +357,9 @@ class MasterCore:
                 case VotePeersPending():
                     self._pending.on_vote(peer, message)
                 case CollectiveInitiate():
-                    self._on_initiate(peer, message)
-                case CollectiveComplete(tag=tag, seq=seq, aborted=aborted, invalid=invalid):
-                    self._on_complete(peer, tag, seq, aborted, invalid)
+                    self._collectives.on_initiate(peer, message)
+                case CollectiveComplete():
+                    self._collectives.on_complete(peer, message)
                 case SharedStateVote():
                     self._syncs.on_vote(peer, message)
                 case SharedStateDone():
@@ -402,135 +373,6 @@ class MasterCore:
                     raise LocalProtocolError(f"unhandled message {message!r}")
         except RemoteProtocolError as exc:
             self._table.kick(conn, f"illegal {type(message).__name__}: {exc}")
-
-    # --- collectives ----------------------------------------------------------------
-
-    def _on_initiate(self, peer: Peer, message: CollectiveInitiate) -> None:
-        if peer.phase is not PeerPhase.ACCEPTED:
-            raise RemoteProtocolError("CollectiveInitiate before being accepted into the run")
-        if peer.state not in FREE_STATES:
-            raise RemoteProtocolError(f"CollectiveInitiate is not allowed in state {peer.state.name}")
-        if message.tag in peer.tags_in_flight:
-            raise RemoteProtocolError(f"tag {message.tag} is already in flight for this peer")
-        key = (peer.peer_group, message.tag)
-        collective = self._collectives.get(key)
-        if collective is None:
-            collective = _Collective(group=peer.peer_group, tag=message.tag, descriptors={})
-            self._collectives[key] = collective
-        elif collective.seq:
-            # Others are already running this tag without us: our vote is for the
-            # next use of the tag, which cannot start before this one ends.
-            raise RemoteProtocolError(
-                f"CollectiveInitiate for tag {message.tag} while its attempt {collective.seq} "
-                "runs without this peer"
-            )
-        peer.tags_in_flight.add(message.tag)
-        collective.descriptors[peer.peer_id] = message
-
-    def _on_complete(
-        self, peer: Peer, tag: int, seq: int, aborted: bool, invalid: str = ""
-    ) -> None:
-        collective = self._collectives.get((peer.peer_group, tag))
-        if collective is None or not collective.seq or peer.peer_id not in collective.participants:
-            raise RemoteProtocolError(f"CollectiveComplete for tag {tag}, which is not running")
-        if seq != collective.seq:
-            raise RemoteProtocolError(
-                f"CollectiveComplete for attempt {seq} of tag {tag}; attempt {collective.seq} runs"
-            )
-        if peer.peer_id in collective.completed:
-            raise RemoteProtocolError(f"CollectiveComplete twice for tag {tag}")
-        collective.completed.add(peer.peer_id)
-        if invalid and not collective.aborted:
-            collective.rejected = True
-            self._abort(collective, f"peer {peer.peer_id}: {invalid}")
-        elif aborted:
-            self._abort(collective, f"peer {peer.peer_id} failed during the collective")
-
-    def _abort(self, collective: _Collective, reason: str) -> None:
-        """Stop a running collective everywhere; its verdict will be ABORTED."""
-        if collective.aborted:
-            return
-        collective.aborted = True
-        collective.reason = reason
-        log.info("collective tag %d attempt %d aborted: %s", collective.tag, collective.seq, reason)
-        for peer_id in sorted(collective.participants - collective.completed):
-            self._table.send(
-                self._table.peers[peer_id],
-                CollectiveAbort(tag=collective.tag, seq=collective.seq, reason=reason),
-            )
-
-    def _end_collective(self, collective: _Collective, outcome: Outcome, reason: str) -> None:
-        """Send every voter its one verdict and forget the collective."""
-        del self._collectives[(collective.group, collective.tag)]
-        voters = collective.participants if collective.seq else set(collective.descriptors)
-        for peer_id in sorted(voters):
-            peer = self._table.peers.get(peer_id)
-            if peer is None:
-                continue
-            peer.tags_in_flight.discard(collective.tag)
-            self._table.send(
-                peer,
-                CollectiveVerdict(
-                    tag=collective.tag, seq=collective.seq, outcome=outcome, reason=reason
-                ),
-            )
-
-    def _try_collectives(self) -> None:
-        for collective in list(self._collectives.values()):
-            if collective.seq:
-                if collective.participants <= collective.completed:
-                    outcome = (
-                        Outcome.REJECTED if collective.rejected
-                        else Outcome.ABORTED if collective.aborted else Outcome.SUCCESS
-                    )
-                    self._end_collective(collective, outcome, collective.reason)
-                continue
-            members = [
-                p for p in self._table.accepted() if p.peer_group == collective.group
-            ]
-            blocker = find_blocker(Call.ALL_REDUCE, collective.group, members)
-            if blocker is not None:
-                # That peer is blocked in a vote and will never initiate: waiting would
-                # deadlock the group.
-                self._end_collective(
-                    collective,
-                    Outcome.ABORTED,
-                    f"peer {blocker.peer_id} voted to {VOTES[blocker.state][1]} instead of "
-                    f"joining the all-reduce with tag {collective.tag}",
-                )
-                continue
-            if not all(p.peer_id in collective.descriptors for p in members):
-                continue
-            descriptors = {p.peer_id: collective.descriptors[p.peer_id] for p in members}
-            if len({_descriptor_key(d) for d in descriptors.values()}) > 1:
-                views = "; ".join(
-                    f"peer {peer_id}: {d.describe()}" for peer_id, d in sorted(descriptors.items())
-                )
-                self._end_collective(
-                    collective,
-                    Outcome.REJECTED,
-                    f"peers disagree on the all-reduce with tag {collective.tag} ({views}); "
-                    "every peer must pass the same count, dtype, op, quantization and "
-                    "distribution hint",
-                )
-                continue
-            if collective.group in self._book.stale_groups:
-                self._end_collective(
-                    collective,
-                    Outcome.ABORTED,
-                    "the peer group's ring changed (a peer left or a round failed) and must "
-                    "be re-established first",
-                )
-                continue
-            self._commence(collective, members)
-
-    def _commence(self, collective: _Collective, members: Sequence[Peer]) -> None:
-        collective.seq = self._next_seq
-        self._next_seq += 1
-        collective.participants = {p.peer_id for p in members}
-        ring = tuple(self._book.rings.get(collective.group, ()))
-        for peer in members:
-            self._table.send(peer, CollectiveCommence(tag=collective.tag, seq=collective.seq, ring=ring))
 
     # --- time ----------------------------------------------------------------------
 
@@ -565,7 +407,7 @@ class MasterCore:
         while True:
             self._rounds.advance()
             self._pending.advance()
-            self._try_collectives()
+            self._collectives.advance()
             before = len(self._table.peers)
             self._try_optimize()
             self._syncs.advance()
@@ -915,15 +757,6 @@ class MasterCore:
                 for job in current.jobs:
                     self._table.actions.append(CancelSolve(job=job))
                 self._optimization = None
-        for collective in list(self._collectives.values()):
-            if collective.group != peer.peer_group:
-                continue
-            collective.descriptors.pop(peer.peer_id, None)
-            if peer.peer_id in collective.participants:
-                collective.participants.discard(peer.peer_id)
-                collective.completed.discard(peer.peer_id)
-                self._abort(collective, f"peer {peer.peer_id} left the run ({reason})")
-            if not collective.seq and not collective.descriptors:
-                del self._collectives[(collective.group, collective.tag)]
+        self._collectives.peer_left(peer, reason)
         self._book.forget_edges(peer.peer_id)
         self._syncs.peer_left(peer)
