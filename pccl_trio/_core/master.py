@@ -1,43 +1,54 @@
-"""The master's state machine: who is in the run, votes, rounds, kicks and liveness.
+"""The master's state machine: a thin dispatcher over one part per sub-machine.
 
 Theory of operation
 -------------------
 ``MasterCore.handle(event, now)`` takes one event (a connection opened, a message
-arrived, a connection broke or closed, or just time passing) and returns the actions
-the shell must carry out (send a message on a connection, close a connection). It
-never does IO and never reads a clock: ``now`` is an input, and ``next_deadline()``
-tells the shell when to call again with a ``Tick`` even if nothing arrives.
+arrived, a connection broke or closed, a ring search finished, or just time passing)
+and returns the actions the shell must carry out, in order. It never does IO and never
+reads a clock: ``now`` is an input, and ``next_deadline()`` tells the shell when to
+call again with a ``Tick`` even if nothing arrives. Votes are unanimous, and every
+event that removes a peer re-evaluates every pending consensus, so the survivors
+never wait for a peer that is gone.
 
-Each registered peer has a *phase* (REGISTERED until a round admits it, then
-ACCEPTED) and a *state*. All state changes go through ``TRANSITIONS``, one table:
-an event a peer caused that the table does not allow gets that peer kicked with the
-reason; an event the master caused that the table does not allow is a bug here
-(``LocalProtocolError``).
+The parts, one module each; each owns its state, and all append to one outbox:
 
-Votes are unanimous. An *establishment round* (the ring is (re-)built and every
-participant connects to its neighbours) starts once every ACCEPTED peer, in every
-peer group, voted ``VoteEstablish``; REGISTERED peers count as yes. If all voters
-asked to accept new peers, the REGISTERED peers join the round; a peer registering
-while a round runs waits for the next one. When no ACCEPTED peer is left (the first
-peer, or everyone else died), waiting peers are admitted at once. A round succeeds
-if every participant reports its neighbours reachable and none left meanwhile; every
-participant receives the same verdict, and after a failure they vote again. Edges a
-peer could not reach are remembered, and the next ring avoids them; when no ring can,
-the peer with the most unreachable edges is kicked so the run can go on.
+- ``events``: what goes in and comes out (events, actions, ``TopologyView``).
+- ``peers``: peer phases and states, ``TRANSITIONS``, which vote blocks which call
+  (``BLOCKED_BY``), and ``PeerTable``: connections, registration, liveness and
+  heartbeats, kicks and removal, the clock and the outbox.
+- ``rounds``: establishment rounds; the ``RingBook`` (installed rings, unreachable
+  edges, stale groups) the other parts read; the pending-peers vote.
+- ``collectives``: all-reduces, from the initiate votes to the verdicts.
+- ``syncs``: shared-state syncs, from the ballots to ``SharedStateComplete``.
+- ``optimization``: link measurements, ring searches (``Solve``), background
+  searches and their candidate rings, reports, the topology view.
 
-The pending-peers vote is orthogonal to the state: when every ACCEPTED peer asked,
-each gets whether anyone waits to be admitted.
+Each part answers the same small surface: one handler per message it owns (``handle``
+routes a message by its type, ``_routes``), ``advance()`` to re-check its consensus,
+``peer_left()`` to forget a removed peer, and, where it has a timer, ``deadline()``
+and ``kick_late()``. ``next_deadline()`` is the earliest of the parts' deadlines.
 
-Any event that removes a peer (close, break, kick, silence) re-evaluates every
-pending consensus, so the survivors never wait for a peer that is gone. A connection
-that delivers nothing for ``liveness_timeout`` seconds is treated as gone; the
-master sends heartbeats on quiet links every ``heartbeat_interval`` seconds so that
-the peers can judge the master the same way.
+Two orders are behaviour: they decide where ``CollectiveAbort``, ``CancelSolve`` and
+the other actions land in the action list. Each is spelled out once, here:
+
+- *Re-evaluation* (``_reevaluate``), after each event that may complete a consensus:
+  rounds (finish the running one, start the next, until neither happens), the
+  pending-peers vote, collectives, the optimization (and the round that installs its
+  rings), syncs; all again while the last two removed peers (an installing round may
+  kick a peer no ring can include, an election may kick voters).
+- *Removal* (``_peer_left``), once the registry forgot a peer: the running round and
+  the group's stale ring (rounds); the group's links, background search and candidate,
+  then the running optimization; collectives; the peer's unreachable edges (ring
+  book); the group's sync and expected revision (syncs).
+
+A ``Tick`` kicks silent connections, then late round participants, then late link
+measurements; re-evaluates if it kicked anyone; then sends the heartbeats due.
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable, Mapping
+from typing import TypeVar, cast
 
 from .collectives import Collectives
 from .errors import LocalProtocolError, RemoteProtocolError
@@ -112,7 +123,18 @@ __all__ = [
     "transition",
 ]
 
-log = logging.getLogger("pccl_trio.master")
+_M = TypeVar("_M", bound=Message)
+_Handler = Callable[[Peer, Message], None]
+
+
+def _route(kind: type[_M], handler: Callable[[Peer, _M], None]) -> tuple[type[Message], _Handler]:
+    """One row of the routing table; mypy checks that ``handler`` takes ``kind``."""
+    # Safe: _on_message looks handlers up by the exact type of the message.
+    return kind, cast(_Handler, handler)
+
+
+def _registered_twice(peer: Peer, message: Register) -> None:
+    raise RemoteProtocolError("Register on a connection already registered")
 
 
 class MasterCore:
@@ -163,6 +185,19 @@ class MasterCore:
         self._pending = PendingVote(self._table)
         self._collectives = Collectives(self._table, self._book)
         self._syncs = Syncs(self._table)
+        # Every message a registered peer may send, and the part that handles it.
+        self._routes: Mapping[type[Message], _Handler] = dict([
+            _route(Register, _registered_twice),
+            _route(VoteEstablish, self._rounds.on_vote),
+            _route(P2PEstablished, self._rounds.on_established),
+            _route(VotePeersPending, self._pending.on_vote),
+            _route(CollectiveInitiate, self._collectives.on_initiate),
+            _route(CollectiveComplete, self._collectives.on_complete),
+            _route(SharedStateVote, self._syncs.on_vote),
+            _route(SharedStateDone, self._syncs.on_done),
+            _route(VoteOptimizeTopology, self._optimizer.on_vote),
+            _route(LinkMeasured, self._optimizer.on_link_measured),
+        ])
 
     # --- public surface ------------------------------------------------------------
 
@@ -213,10 +248,12 @@ class MasterCore:
 
     @property
     def round_in_progress(self) -> bool:
+        """Whether an establishment round runs."""
         return self._rounds.running
 
     @property
     def optimization_in_progress(self) -> bool:
+        """Whether a topology optimization runs (until its round starts)."""
         return self._optimizer.running
 
     def topology(self, peer_group: int) -> TopologyView:
@@ -226,6 +263,7 @@ class MasterCore:
     # --- messages ------------------------------------------------------------------
 
     def _on_message(self, conn: Conn, message: Message) -> None:
+        """Route a message to its part; kick the peer if the message is illegal."""
         if message.DIRECTION != C2M:
             self._table.kick(conn, f"{type(message).__name__} is not a message a peer may send")
             return
@@ -236,36 +274,18 @@ class MasterCore:
             else:
                 self._table.kick(conn, f"{type(message).__name__} before Register")
             return
+        handler = self._routes.get(type(message))
+        if handler is None:  # pragma: no cover - every C2M kind has a route
+            raise LocalProtocolError(f"unhandled message {message!r}")
         try:
-            match message:
-                case Register():
-                    raise RemoteProtocolError("Register on a connection already registered")
-                case VoteEstablish():
-                    self._rounds.on_vote(peer, message)
-                case P2PEstablished():
-                    self._rounds.on_established(peer, message)
-                case VotePeersPending():
-                    self._pending.on_vote(peer, message)
-                case CollectiveInitiate():
-                    self._collectives.on_initiate(peer, message)
-                case CollectiveComplete():
-                    self._collectives.on_complete(peer, message)
-                case SharedStateVote():
-                    self._syncs.on_vote(peer, message)
-                case SharedStateDone():
-                    self._syncs.on_done(peer, message)
-                case VoteOptimizeTopology():
-                    self._optimizer.on_vote(peer, message)
-                case LinkMeasured():
-                    self._optimizer.on_link_measured(peer, message)
-                case _:  # pragma: no cover - every C2M kind is handled above
-                    raise LocalProtocolError(f"unhandled message {message!r}")
+            handler(peer, message)
         except RemoteProtocolError as exc:
             self._table.kick(conn, f"illegal {type(message).__name__}: {exc}")
 
     # --- time ----------------------------------------------------------------------
 
     def _on_tick(self) -> None:
+        """Kick who fell silent or is late, re-check if anyone was, send heartbeats."""
         # Compare against the same sums next_deadline() returns: ``now - last >= timeout``
         # can be false at ``now == last + timeout`` in floating point, and a Tick at the
         # deadline that does nothing would leave the deadline in the past (a busy loop).
@@ -279,9 +299,8 @@ class MasterCore:
     # --- consensus -----------------------------------------------------------------
 
     def _reevaluate(self) -> None:
-        """Check every consensus that may have become complete."""
-        # A round can end because of an event, and the end of a round can make a new
-        # one startable (e.g. all voters died): loop until nothing changes.
+        """Check every consensus that may have become complete, in the one order (see
+        the module docstring)."""
         while True:
             self._rounds.advance()
             self._pending.advance()
@@ -290,18 +309,18 @@ class MasterCore:
             if self._optimizer.advance(round_running=self._rounds.running):
                 self._rounds.start(accept_new=False)  # installs the optimized rings
             self._syncs.advance()
-            # An election may kick peers, which can complete any other consensus (a
-            # round or a pending vote waiting for them): check everything again.
+            # An election or a round may kick peers, which can complete any other
+            # consensus (a round or a pending vote waiting for them): check again.
             if len(self._table.peers) == before:
                 break
 
     # --- removal -------------------------------------------------------------------
 
     def _peer_left(self, peer: Peer, reason: str) -> None:
-        """Every part forgets ``peer``, which the registry removed; pending consensus is
-        re-checked by the caller."""
-        self._rounds.peer_left(peer)
-        self._optimizer.peer_left(peer)
-        self._collectives.peer_left(peer, reason)
+        """Every part forgets ``peer``, which the registry removed, in the one order (see
+        the module docstring); pending consensus is re-checked by the caller."""
+        self._rounds.peer_left(peer)  # the round fails; the group's ring is stale
+        self._optimizer.peer_left(peer)  # CancelSolve for a search or a last solve
+        self._collectives.peer_left(peer, reason)  # CollectiveAbort to the others
         self._book.forget_edges(peer.peer_id)
         self._syncs.peer_left(peer)
