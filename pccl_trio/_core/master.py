@@ -21,7 +21,8 @@ The parts, one module each; each owns its state, and all append to one outbox:
 - ``collectives``: all-reduces, from the initiate votes to the verdicts.
 - ``syncs``: shared-state syncs, from the ballots to ``SharedStateComplete``.
 - ``optimization``: link measurements, ring searches (``Solve``), background
-  searches and their candidate rings, reports, the topology view.
+  searches and their candidate rings; ``links`` holds what is known of the links
+  (costs, predictions, reports, the topology view).
 
 Each part answers the same small surface: one handler per message it owns (``handle``
 routes a message by its type, ``_routes``), ``advance()`` to re-check its consensus,

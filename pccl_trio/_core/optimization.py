@@ -27,6 +27,8 @@ A first ring not proven optimal is followed by a *background search*
 next round installs if the group still has exactly those members and the ring is still
 clearly faster (``adopt_candidate``). A change of membership cancels the search and
 drops the candidate: they were for the old members.
+
+What is known of the links, and what a ring over them costs, is ``links.Links``.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from collections.abc import Sequence
 
 import numpy
 
-from .bandwidth import BandwidthStore, link_matrices, measurement_rounds, ring_cost
+from .bandwidth import measurement_rounds, ring_cost
 from .errors import RemoteProtocolError
 from .events import CancelSolve, Solve, SolveFinished, TopologyView
-from .messages import MATRIX_LIMIT, LinkMeasured, MeasureLink, TopologyOptimized, VoteOptimizeTopology
+from .links import Links
+from .messages import LinkMeasured, MeasureLink, TopologyOptimized, VoteOptimizeTopology
 from .peers import (
     Call,
     Peer,
@@ -107,25 +110,6 @@ def _clearly_faster(new: float, old: float) -> bool:
     return math.isfinite(new) and new * (1 + KEEP_MARGIN) < old
 
 
-def _format_links(members: Sequence[int], store: BandwidthStore) -> str:
-    """A table of the measured rates (Mbit/s) among ``members``: ``-`` unknown, ``x``
-    unreachable."""
-    width = max(7, *(len(str(p)) + 1 for p in members))
-    lines = [" " * width + "".join(f"{p:>{width}}" for p in members)]
-    for a in members:
-        cells = []
-        for b in members:
-            found = store.link(a, b)
-            if a == b:
-                cells.append("")
-            elif found is not None:
-                cells.append(f"{found.bandwidth * 8e-6:.1f}")
-            else:
-                cells.append("x" if store.unreachable(a, b) else "-")
-        lines.append(f"{a:>{width}}" + "".join(f"{c:>{width}}" for c in cells))
-    return "\n".join(lines)
-
-
 class Optimizer:
     """Topology optimizations and background searches (see the module docstring).
 
@@ -153,8 +137,7 @@ class Optimizer:
         self._round_timeout = round_timeout
         self._solve_seconds = solve_seconds
         self._search_seconds = search_seconds
-        self._reference_bytes = reference_bytes
-        self._bandwidth: dict[int, BandwidthStore] = {}  # group -> what is known of its links
+        self._links = Links(book, reference_bytes=reference_bytes)
         self._current: _Optimization | None = None
         self._next_optimization = 1
         self._next_job = 1
@@ -187,7 +170,7 @@ class Optimizer:
         del current.outstanding[peer.peer_id]
         if message.sender not in self._table.peers:
             return  # the sender left: its links are forgotten
-        store = self._bandwidth.setdefault(peer.peer_group, BandwidthStore())
+        store = self._links.store(peer.peer_group)
         if message.error:
             store.mark_unreachable(message.sender, peer.peer_id)
             log.warning(
@@ -280,7 +263,7 @@ class Optimizer:
         self._next_optimization += 1
         steps: list[list[tuple[int, int]]] = []
         for group, members in sorted(groups(voters).items()):
-            store = self._bandwidth.setdefault(group, BandwidthStore())
+            store = self._links.store(group)
             for edge in store.missing(members):
                 if edge in self._book.unreachable:  # a ring could not use it: nothing to measure
                     store.mark_unreachable(*edge)
@@ -348,7 +331,7 @@ class Optimizer:
         for group, members in sorted(groups(participants).items()):
             solved, proven = current.solved.get(group, ((), False))
             ring = [p for p in solved if p in members]
-            cost = self._cost(group, members)
+            cost = self._links.cost(group, members)
             index = {p: i for i, p in enumerate(members)}
             # What the round would install otherwise: a better ring the background search
             # found for these members, else the installed ring (newcomers appended).
@@ -367,7 +350,7 @@ class Optimizer:
                 optimal = optimal and old <= new
                 ring = kept
             self._book.rings[group] = ring
-            reports[group] = self._report(current.number, group, members, ring, optimal)
+            reports[group] = self._links.report(current.number, group, members, ring, optimal)
             if not proven and len(members) >= 3 and self._search_seconds > 0:
                 searches.append((group, members, ring))
         for peer in participants:
@@ -382,7 +365,7 @@ class Optimizer:
         start: Sequence[int] | None,
     ) -> _Job:
         """Emit a ``Solve`` for ``members`` over what is known of their links now."""
-        cost = self._cost(group, members)
+        cost = self._links.cost(group, members)
         job = _Job(
             number=self._next_job, group=group, peers=tuple(members), cost=cost,
             background=background,
@@ -444,7 +427,7 @@ class Optimizer:
         # unreachable since the search began.
         peers = sorted(members)
         index = {p: i for i, p in enumerate(peers)}
-        cost = self._cost(group, peers)
+        cost = self._links.cost(group, peers)
         installed = [p for p in self._book.rings.get(group, ()) if p in index]
         found = ring_cost(cost, [index[p] for p in candidate.ring])[0]
         if len(installed) == len(peers):
@@ -457,78 +440,13 @@ class Optimizer:
         )
         self._book.rings[group] = list(candidate.ring)
 
-    # --- what is known of the links --------------------------------------------------
-
-    def _cost(self, group: int, members: Sequence[int]) -> numpy.ndarray:
-        """Seconds per chunk of a reference all-reduce over each link among ``members``;
-        infinity where unknown, unmeasurable, or reported unreachable by a round."""
-        store = self._bandwidth.get(group) or BandwidthStore()
-        cost = store.cost_matrix(members, nbytes=self._reference_bytes)
-        index = {p: i for i, p in enumerate(members)}
-        for a, b in self._book.unreachable:
-            if a in index and b in index:
-                cost[index[a], index[b]] = math.inf
-        return cost
-
-    def _predicted(self, group: int, members: Sequence[int], ring: Sequence[int]) -> float:
-        """The predicted seconds of a reference all-reduce over ``ring``."""
-        if len(ring) < 2:
-            return 0.0
-        index = {p: i for i, p in enumerate(members)}
-        bottleneck, _total = ring_cost(self._cost(group, members), [index[p] for p in ring])
-        return 2 * (len(ring) - 1) * bottleneck
-
-    def _report(
-        self, number: int, group: int, members: Sequence[int], ring: Sequence[int], optimal: bool
-    ) -> TopologyOptimized:
-        """Log and build the group's report of optimization ``number``."""
-        store = self._bandwidth.get(group) or BandwidthStore()
-        predicted = self._predicted(group, members, ring)
-        log.info(
-            "optimization %d, peer group %d: ring %s, predicted %s for %d MiB%s; links "
-            "(Mbit/s, sender by row):\n%s",
-            number, group, list(ring),
-            f"{predicted:.3f} s" if math.isfinite(predicted) else "unknown",
-            self._reference_bytes >> 20, " (optimal)" if optimal else "",
-            _format_links(members, store),
-        )
-        bandwidth: list[float] = []
-        latency: list[float] = []
-        unreachable: list[int] = []
-        if len(members) <= MATRIX_LIMIT:
-            bandwidth, latency, unreachable = store.matrices(members)
-            unreachable = sorted(set(unreachable) | set(self._book.blocked_indices(members)))
-        return TopologyOptimized(
-            optimization=number,
-            peers=tuple(members),
-            bandwidth=tuple(bandwidth),
-            latency=tuple(latency),
-            unreachable=tuple(unreachable),
-            ring=tuple(ring),
-            predicted_seconds=predicted if math.isfinite(predicted) else -1.0,
-            reference_bytes=self._reference_bytes,
-            optimal=optimal,
-        )
-
     def topology(self, peer_group: int) -> TopologyView:
         """The links measured among ``peer_group``'s accepted peers and its ring."""
         members = tuple(sorted(
             p.peer_id for p in self._table.accepted() if p.peer_group == peer_group
         ))
-        store = self._bandwidth.get(peer_group, BandwidthStore())
-        bandwidth, latency, unreachable = store.matrices(members)
-        rates, delays = link_matrices(
-            len(members), bandwidth, latency, [*unreachable, *self._book.blocked_indices(members)]
-        )
         ring = tuple(p for p in self._book.rings.get(peer_group, ()) if p in members)
-        return TopologyView(
-            peers=members,
-            bandwidth=rates,
-            latency=delays,
-            ring=ring,
-            predicted_seconds=self._predicted(peer_group, members, ring),
-            reference_bytes=self._reference_bytes,
-        )
+        return self._links.view(peer_group, members, ring)
 
     # --- removal and time ------------------------------------------------------------
 
@@ -538,9 +456,7 @@ class Optimizer:
         if peer.phase is PeerPhase.ACCEPTED:
             # The group's links and rings change: what was measured or searched for
             # its old membership no longer applies.
-            store = self._bandwidth.get(peer.peer_group)
-            if store is not None:
-                store.forget(peer.peer_id)
+            self._links.forget(peer.peer_group, peer.peer_id)
             self._cancel_search(peer.peer_group)
             self._candidates.pop(peer.peer_group, None)
         current = self._current
