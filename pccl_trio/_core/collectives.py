@@ -140,7 +140,7 @@ class Collectives:
                 self._end(
                     collective,
                     Outcome.ABORTED,
-                    f"peer {blocker.peer_id} voted to {VOTES[blocker.state][1]} instead of "
+                    f"peer {blocker.peer_id} voted to {VOTES[blocker.state].purpose} instead of "
                     f"joining the all-reduce with tag {collective.tag}",
                 )
                 continue

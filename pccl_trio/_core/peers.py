@@ -45,6 +45,7 @@ __all__ = [
     "REMOTE_EVENTS",
     "TRANSITIONS",
     "VOTES",
+    "Vote",
     "Call",
     "Conn",
     "Peer",
@@ -67,11 +68,15 @@ log = logging.getLogger("pccl_trio.master")
 
 
 class PeerPhase(enum.Enum):
+    """Whether a peer is a member of the run yet."""
+
     REGISTERED = enum.auto()  # connected, waiting to be admitted by a round
     ACCEPTED = enum.auto()  # a member of the run
 
 
 class PeerState(enum.Enum):
+    """What a peer is doing, as far as the master's votes and rounds are concerned."""
+
     IDLE = enum.auto()
     VOTE_ESTABLISH = enum.auto()  # voted to (re-)establish the ring
     CONNECTING = enum.auto()  # in a round, connecting to its neighbours
@@ -85,6 +90,8 @@ class PeerState(enum.Enum):
 
 
 class PeerEvent(enum.Enum):
+    """What changes a peer's state."""
+
     # caused by the peer
     VOTE_ESTABLISH = enum.auto()
     REPORT_CONNECTED = enum.auto()
@@ -103,6 +110,7 @@ class PeerEvent(enum.Enum):
     OPTIMIZE_REFUSED = enum.auto()
 
 
+#: The events a peer causes: one its state does not allow is the peer's fault.
 REMOTE_EVENTS = frozenset(
     {
         PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED,
@@ -171,12 +179,19 @@ class Scope(enum.Enum):
     RUN = enum.auto()  # every accepted peer: rounds and optimizations span all groups
 
 
-#: The vote states: the call a peer waiting in one made, and what it voted to do. Until
-#: the vote ends it makes no other call.
-VOTES: Mapping[PeerState, tuple[Call, str]] = {
-    PeerState.VOTE_ESTABLISH: (Call.UPDATE_TOPOLOGY, "re-establish the ring"),
-    PeerState.VOTE_SYNC: (Call.SYNC_SHARED_STATE, "synchronize the shared state"),
-    PeerState.VOTE_OPTIMIZE: (Call.OPTIMIZE_TOPOLOGY, "optimize the topology"),
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Vote:
+    """What a peer waiting in a vote state is doing, for error messages."""
+
+    call: Call  # the call it made
+    purpose: str  # what it voted to do
+
+
+#: The vote states. A peer waiting in one makes no other call until the vote ends.
+VOTES: Mapping[PeerState, Vote] = {
+    PeerState.VOTE_ESTABLISH: Vote(call=Call.UPDATE_TOPOLOGY, purpose="re-establish the ring"),
+    PeerState.VOTE_SYNC: Vote(call=Call.SYNC_SHARED_STATE, purpose="synchronize the shared state"),
+    PeerState.VOTE_OPTIMIZE: Vote(call=Call.OPTIMIZE_TOPOLOGY, purpose="optimize the topology"),
 }
 
 _ESTABLISH, _SYNC, _OPTIMIZE = PeerState.VOTE_ESTABLISH, PeerState.VOTE_SYNC, PeerState.VOTE_OPTIMIZE
@@ -221,7 +236,7 @@ def find_blocker(call: Call, group: int, accepted: Iterable[Peer]) -> Peer | Non
 def out_of_order(blocker: Peer, call: Call) -> str:
     """The error for the peers whose ``call`` the vote of ``blocker`` blocks."""
     return (
-        f"peer {blocker.peer_id} called {VOTES[blocker.state][0].value} while this peer "
+        f"peer {blocker.peer_id} called {VOTES[blocker.state].call.value} while this peer "
         f"called {call.value}; every peer must make the same calls in the same order"
     )
 
@@ -231,7 +246,7 @@ def out_of_order(blocker: Peer, call: Call) -> str:
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class Peer:
-    """A registered peer. Its fields beyond the state belong to one vote each."""
+    """A registered peer. The fields after ``state`` belong to one part each."""
 
     peer_id: int
     conn: int
@@ -338,6 +353,7 @@ class PeerTable:
         return actions
 
     def send(self, peer: Peer, message: Message) -> None:
+        """Queue ``message`` to ``peer`` (which makes its link no longer quiet)."""
         conn = self.conns[peer.conn]
         conn.last_sent = self.now
         self.actions.append(Send(conn=conn.conn, message=message))
@@ -345,6 +361,7 @@ class PeerTable:
     # --- connections and registration ------------------------------------------------
 
     def open(self, conn_id: int, host: str) -> None:
+        """A new connection, heard from now."""
         if conn_id in self.conns:
             raise LocalProtocolError(f"connection {conn_id} opened twice")
         self.conns[conn_id] = Conn(conn=conn_id, host=host, last_heard=self.now, last_sent=self.now)
@@ -433,6 +450,7 @@ class PeerTable:
         self.drop(conn, reason)
 
     def kick_peer(self, peer: Peer, reason: str) -> None:
+        """``kick`` the connection of ``peer``."""
         self.kick(self.conns[peer.conn], reason)
 
     def drop(self, conn: Conn, reason: str) -> None:
