@@ -287,9 +287,10 @@ class MasterCore:
 
     def _on_tick(self) -> None:
         """Kick who fell silent or is late, re-check if anyone was, send heartbeats."""
-        # Compare against the same sums next_deadline() returns: ``now - last >= timeout``
-        # can be false at ``now == last + timeout`` in floating point, and a Tick at the
-        # deadline that does nothing would leave the deadline in the past (a busy loop).
+        # Each part compares against the very sums its deadline() returns: ``now - last
+        # >= timeout`` can be false at ``now == last + timeout`` in floating point, and a
+        # Tick at the deadline that does nothing would leave the deadline in the past (a
+        # busy loop).
         silent = self._table.kick_silent()
         late_round = self._rounds.kick_late()
         late_measurement = self._optimizer.kick_late()

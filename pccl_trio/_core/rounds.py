@@ -235,6 +235,8 @@ class Rounds:
             )
 
     def _try_start(self) -> bool:
+        """Start a round once every member voted (with no member, at once if a peer
+        waits to be admitted); whether one started."""
         accepted = self._table.accepted()
         if accepted:
             if not all(p.state is PeerState.VOTE_ESTABLISH for p in accepted):
