@@ -135,6 +135,7 @@ def _route(kind: type[_M], handler: Callable[[Peer, _M], None]) -> tuple[type[Me
 
 
 def _registered_twice(peer: Peer, message: Register) -> None:
+    """A peer registers once per connection."""
     raise RemoteProtocolError("Register on a connection already registered")
 
 

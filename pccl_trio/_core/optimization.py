@@ -75,11 +75,12 @@ class _Optimization:
     number: int
     participants: set[int]
     steps: list[list[tuple[int, int]]]  # links (sender, receiver) measured together
-    step: int = -1
-    solving: bool = False
+    step: int = -1  # the step being measured (-1: none yet)
+    solving: bool = False  # every step is measured; the solver jobs were started
     outstanding: dict[int, int] = dataclasses.field(default_factory=dict)  # receiver -> sender
     step_started: float = 0.0
     jobs: dict[int, _Job] = dataclasses.field(default_factory=dict)  # solver jobs running
+    # Group -> its ring in peer ids (empty: none found) and whether it is proven optimal.
     solved: dict[int, tuple[tuple[int, ...], bool]] = dataclasses.field(default_factory=dict)
 
 
@@ -146,6 +147,7 @@ class Optimizer:
 
     @property
     def running(self) -> bool:
+        """Whether an optimization runs (until it hands its rings to a round)."""
         return self._current is not None
 
     # --- messages and solver answers -------------------------------------------------
@@ -313,6 +315,7 @@ class Optimizer:
         return True
 
     def _start_solves(self, current: _Optimization) -> None:
+        """A solver job per group of three or more; smaller groups have one ring only."""
         participants = (self._table.peers[p] for p in current.participants)
         for group, members in sorted(groups(participants).items()):
             if len(members) < 3:  # one ring only
@@ -410,6 +413,7 @@ class Optimizer:
         return list(ring) if set(ring) == member_set and len(ring) == len(members) else None
 
     def _cancel_search(self, group: int) -> None:
+        """Stop the group's background search, if one runs."""
         search = self._searches.pop(group, None)
         if search is not None:
             self._table.actions.append(CancelSolve(job=search.number))

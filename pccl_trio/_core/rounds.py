@@ -136,6 +136,7 @@ class Rounds:
 
     @property
     def running(self) -> bool:
+        """Whether a round runs (until its verdict is sent)."""
         return self._current is not None
 
     # --- messages --------------------------------------------------------------------

@@ -136,6 +136,7 @@ class Syncs:
             self._expected_revision.pop(peer.peer_group, None)
 
     def _refuse(self, voters: Sequence[Peer], reason: str) -> None:
+        """End the voters' vote with ``reason``; their shared state stays as it is."""
         for peer in voters:
             assert peer.ballot is not None
             peer.apply(PeerEvent.SYNC_REFUSED)
