@@ -17,6 +17,11 @@ round), ``2 n`` for odd ``n``.
 
 :meth:`BandwidthStore.cost_matrix` turns the store into the solver's input for a ring
 of a given size (``topology.hop_costs``), unknown and unreachable links costing infinity.
+
+The links travel flat (:meth:`BandwidthStore.matrices`, as ``TopologyOptimized``
+carries them: row by row, 0 for unknown, unreachable links by flat index);
+:func:`link_matrices` turns them back into the matrices readers see, on the master
+and on the peers alike.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy
 
-__all__ = ["BandwidthStore", "Link", "measurement_rounds", "ring_cost"]
+__all__ = ["BandwidthStore", "Link", "link_matrices", "measurement_rounds", "ring_cost"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -113,6 +118,35 @@ class BandwidthStore:
                 if (a, b) in self._unreachable:
                     unreachable.append(len(bandwidth) - 1)
         return bandwidth, latency, unreachable
+
+
+def link_matrices(
+    size: int, bandwidth: Sequence[float], latency: Sequence[float], unreachable: Iterable[int]
+) -> tuple[numpy.ndarray, numpy.ndarray]:
+    """The flat link lists of ``size`` peers as two ``size x size`` matrices.
+
+    Args:
+        size: how many peers order the rows and columns.
+        bandwidth: bytes per second, row by row (sender, then receiver); 0: unknown.
+            Empty: nothing was carried, and both matrices are NaN.
+        latency: seconds, in the same order.
+        unreachable: flat indices of the links that could not be measured.
+
+    Returns:
+        The bandwidths (NaN: not measured, 0: unreachable) and the latencies (NaN:
+        unknown), NaN on both diagonals.
+    """
+    rates = numpy.full((size, size), math.nan)
+    delays = numpy.full((size, size), math.nan)
+    if bandwidth:
+        rates = numpy.array(bandwidth, dtype=numpy.float64).reshape(size, size)
+        delays = numpy.array(latency, dtype=numpy.float64).reshape(size, size)
+        delays[rates == 0] = math.nan
+        rates[rates == 0] = math.nan
+        rates.flat[list(unreachable)] = 0.0
+        numpy.fill_diagonal(rates, math.nan)
+        numpy.fill_diagonal(delays, math.nan)
+    return rates, delays
 
 
 def ring_cost(cost: numpy.ndarray, order: Sequence[int]) -> tuple[float, float]:

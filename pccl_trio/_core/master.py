@@ -1,90 +1,107 @@
-"""The master's state machine: who is in the run, votes, rounds, kicks and liveness.
+"""The master's state machine: a thin dispatcher over one part per sub-machine.
 
 Theory of operation
 -------------------
 ``MasterCore.handle(event, now)`` takes one event (a connection opened, a message
-arrived, a connection broke or closed, or just time passing) and returns the actions
-the shell must carry out (send a message on a connection, close a connection). It
-never does IO and never reads a clock: ``now`` is an input, and ``next_deadline()``
-tells the shell when to call again with a ``Tick`` even if nothing arrives.
+arrived, a connection broke or closed, a ring search finished, or just time passing)
+and returns the actions the shell must carry out, in order. It never does IO and never
+reads a clock: ``now`` is an input, and ``next_deadline()`` tells the shell when to
+call again with a ``Tick`` even if nothing arrives. Votes are unanimous, and every
+event that removes a peer re-evaluates every pending consensus, so the survivors
+never wait for a peer that is gone.
 
-Each registered peer has a *phase* (REGISTERED until a round admits it, then
-ACCEPTED) and a *state*. All state changes go through ``TRANSITIONS``, one table:
-an event a peer caused that the table does not allow gets that peer kicked with the
-reason; an event the master caused that the table does not allow is a bug here
-(``LocalProtocolError``).
+The parts, one module each; each owns its state, and all append to one outbox:
 
-Votes are unanimous. An *establishment round* (the ring is (re-)built and every
-participant connects to its neighbours) starts once every ACCEPTED peer, in every
-peer group, voted ``VoteEstablish``; REGISTERED peers count as yes. If all voters
-asked to accept new peers, the REGISTERED peers join the round; a peer registering
-while a round runs waits for the next one. When no ACCEPTED peer is left (the first
-peer, or everyone else died), waiting peers are admitted at once. A round succeeds
-if every participant reports its neighbours reachable and none left meanwhile; every
-participant receives the same verdict, and after a failure they vote again. Edges a
-peer could not reach are remembered, and the next ring avoids them; when no ring can,
-the peer with the most unreachable edges is kicked so the run can go on.
+- ``events``: what goes in and comes out (events, actions, ``TopologyView``).
+- ``peers``: peer phases and states, ``TRANSITIONS``, which vote blocks which call
+  (``BLOCKED_BY``), and ``PeerTable``: connections, registration, liveness and
+  heartbeats, kicks and removal, the clock and the outbox.
+- ``rounds``: establishment rounds; the ``RingBook`` (installed rings, unreachable
+  edges, stale groups) the other parts read; the pending-peers vote.
+- ``collectives``: all-reduces, from the initiate votes to the verdicts.
+- ``syncs``: shared-state syncs, from the ballots to ``SharedStateComplete``.
+- ``optimization``: link measurements, ring searches (``Solve``), background
+  searches and their candidate rings; ``links`` holds what is known of the links
+  (costs, predictions, reports, the topology view).
 
-The pending-peers vote is orthogonal to the state: when every ACCEPTED peer asked,
-each gets whether anyone waits to be admitted.
+Each part answers the same small surface: one handler per message it owns (``handle``
+routes a message by its type, ``_routes``), ``advance()`` to re-check its consensus,
+``peer_left()`` to forget a removed peer, and, where it has a timer, ``deadline()``
+and ``kick_late()``. ``next_deadline()`` is the earliest of the parts' deadlines.
 
-Any event that removes a peer (close, break, kick, silence) re-evaluates every
-pending consensus, so the survivors never wait for a peer that is gone. A connection
-that delivers nothing for ``liveness_timeout`` seconds is treated as gone; the
-master sends heartbeats on quiet links every ``heartbeat_interval`` seconds so that
-the peers can judge the master the same way.
+Two orders are behaviour: they decide where ``CollectiveAbort``, ``CancelSolve`` and
+the other actions land in the action list. Each is spelled out once, here:
+
+- *Re-evaluation* (``_reevaluate``), after each event that may complete a consensus:
+  rounds (finish the running one, start the next, until neither happens), the
+  pending-peers vote, collectives, the optimization (and the round that installs its
+  rings), syncs; all again while the last two removed peers (an installing round may
+  kick a peer no ring can include, an election may kick voters).
+- *Removal* (``_peer_left``), once the registry forgot a peer: the running round and
+  the group's stale ring (rounds); the group's links, background search and candidate,
+  then the running optimization; collectives; the peer's unreachable edges (ring
+  book); the group's sync and expected revision (syncs).
+
+A ``Tick`` kicks silent connections, then late round participants, then late link
+measurements; re-evaluates if it kicked anyone; then sends the heartbeats due.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
-import logging
-import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from typing import TypeVar, cast
 
-import numpy
-
-from .bandwidth import BandwidthStore, measurement_rounds, ring_cost
+from .collectives import Collectives
 from .errors import LocalProtocolError, RemoteProtocolError
+from .events import (
+    Action,
+    CancelSolve,
+    Close,
+    ConnectionBroken,
+    ConnectionClosed,
+    ConnectionOpened,
+    Event,
+    MessageReceived,
+    Send,
+    Solve,
+    SolveFinished,
+    Tick,
+    TopologyView,
+)
 from .messages import (
-    ABORTED,
     C2M,
-    MATRIX_LIMIT,
-    PROTOCOL_VERSION,
-    REJECTED,
-    SUCCESS,
-    CollectiveAbort,
-    CollectiveCommence,
     CollectiveComplete,
     CollectiveInitiate,
-    CollectiveVerdict,
     Heartbeat,
-    Kick,
     LinkMeasured,
-    MeasureLink,
     Message,
     P2PEstablished,
-    P2PEstablishResult,
-    P2PInfo,
-    PeerEndpoint,
-    PeersPendingResult,
     Register,
-    SharedStateComplete,
     SharedStateDone,
-    SharedStatePlan,
     SharedStateVote,
-    TopologyOptimized,
     VoteEstablish,
     VoteOptimizeTopology,
     VotePeersPending,
-    Welcome,
-    WorldSizes,
 )
-from .ring import find_ring
-from .shared_state import Ballot, elect
+from .optimization import KEEP_MARGIN, Optimizer
+from .peers import (
+    REMOTE_EVENTS,
+    TRANSITIONS,
+    Conn,
+    Peer,
+    PeerEvent,
+    PeerPhase,
+    PeerState,
+    PeerTable,
+    PeerView,
+    transition,
+)
+from .rounds import PendingVote, RingBook, Rounds
+from .syncs import Syncs
 
 __all__ = [
+    "KEEP_MARGIN",
+    "REMOTE_EVENTS",
     "TRANSITIONS",
     "Action",
     "CancelSolve",
@@ -107,384 +124,19 @@ __all__ = [
     "transition",
 ]
 
-log = logging.getLogger("pccl_trio.master")
+_M = TypeVar("_M", bound=Message)
+_Handler = Callable[[Peer, Message], None]
 
 
-class PeerPhase(enum.Enum):
-    REGISTERED = enum.auto()  # connected, waiting to be admitted by a round
-    ACCEPTED = enum.auto()  # a member of the run
+def _route(kind: type[_M], handler: Callable[[Peer, _M], None]) -> tuple[type[Message], _Handler]:
+    """One row of the routing table; mypy checks that ``handler`` takes ``kind``."""
+    # Safe: _on_message looks handlers up by the exact type of the message.
+    return kind, cast(_Handler, handler)
 
 
-class PeerState(enum.Enum):
-    IDLE = enum.auto()
-    VOTE_ESTABLISH = enum.auto()  # voted to (re-)establish the ring
-    CONNECTING = enum.auto()  # in a round, connecting to its neighbours
-    WAITING = enum.auto()  # in a round, connected; waiting for the others
-    CONNECT_FAILED = enum.auto()  # its last round failed; must vote again
-    VOTE_SYNC = enum.auto()  # voted to synchronize the shared state
-    SYNCING = enum.auto()  # fetching (or serving) the shared state
-    SYNC_DONE = enum.auto()  # done with its part; waiting for the group
-    VOTE_OPTIMIZE = enum.auto()  # voted to optimize the topology
-    OPTIMIZING = enum.auto()  # measuring links, then waiting for the new ring
-
-
-class PeerEvent(enum.Enum):
-    # caused by the peer
-    VOTE_ESTABLISH = enum.auto()
-    REPORT_CONNECTED = enum.auto()
-    REPORT_FAILED = enum.auto()
-    VOTE_SYNC = enum.auto()
-    REPORT_SYNCED = enum.auto()
-    VOTE_OPTIMIZE = enum.auto()
-    # caused by the master
-    ROUND_START = enum.auto()
-    ROUND_SUCCEEDED = enum.auto()
-    ROUND_FAILED = enum.auto()
-    SYNC_START = enum.auto()
-    SYNC_REFUSED = enum.auto()
-    SYNC_COMPLETE = enum.auto()
-    OPTIMIZE_START = enum.auto()
-    OPTIMIZE_REFUSED = enum.auto()
-
-
-REMOTE_EVENTS = frozenset(
-    {
-        PeerEvent.VOTE_ESTABLISH, PeerEvent.REPORT_CONNECTED, PeerEvent.REPORT_FAILED,
-        PeerEvent.VOTE_SYNC, PeerEvent.REPORT_SYNCED, PeerEvent.VOTE_OPTIMIZE,
-    }
-)
-
-#: Every legal state change, in one place.
-TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
-    (PeerState.IDLE, PeerEvent.VOTE_ESTABLISH): PeerState.VOTE_ESTABLISH,
-    (PeerState.CONNECT_FAILED, PeerEvent.VOTE_ESTABLISH): PeerState.VOTE_ESTABLISH,
-    (PeerState.IDLE, PeerEvent.ROUND_START): PeerState.CONNECTING,  # a joiner
-    (PeerState.VOTE_ESTABLISH, PeerEvent.ROUND_START): PeerState.CONNECTING,
-    (PeerState.CONNECTING, PeerEvent.REPORT_CONNECTED): PeerState.WAITING,
-    (PeerState.CONNECTING, PeerEvent.REPORT_FAILED): PeerState.CONNECT_FAILED,
-    (PeerState.WAITING, PeerEvent.ROUND_SUCCEEDED): PeerState.IDLE,
-    (PeerState.WAITING, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
-    (PeerState.CONNECT_FAILED, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
-    (PeerState.IDLE, PeerEvent.VOTE_SYNC): PeerState.VOTE_SYNC,
-    (PeerState.VOTE_SYNC, PeerEvent.SYNC_START): PeerState.SYNCING,
-    (PeerState.VOTE_SYNC, PeerEvent.SYNC_REFUSED): PeerState.IDLE,
-    (PeerState.SYNCING, PeerEvent.REPORT_SYNCED): PeerState.SYNC_DONE,
-    (PeerState.SYNC_DONE, PeerEvent.SYNC_COMPLETE): PeerState.IDLE,
-    (PeerState.IDLE, PeerEvent.VOTE_OPTIMIZE): PeerState.VOTE_OPTIMIZE,
-    (PeerState.VOTE_OPTIMIZE, PeerEvent.OPTIMIZE_START): PeerState.OPTIMIZING,
-    (PeerState.VOTE_OPTIMIZE, PeerEvent.OPTIMIZE_REFUSED): PeerState.IDLE,
-    # The optimization ends with a round that installs the new ring.
-    (PeerState.OPTIMIZING, PeerEvent.ROUND_START): PeerState.CONNECTING,
-}
-
-#: States of a peer blocked in a vote (it initiates no collective until the vote ends).
-_VOTING = {
-    PeerState.VOTE_ESTABLISH: "re-establish the ring",
-    PeerState.VOTE_SYNC: "synchronize the shared state",
-    PeerState.VOTE_OPTIMIZE: "optimize the topology",
-}
-
-#: A solved ring replaces the installed one only if predicted faster by this fraction:
-#: rings within measurement noise of each other are not worth re-connecting for.
-KEEP_MARGIN = 0.05
-
-#: The call a peer blocked in a vote is making, for error messages.
-_CALLS = {
-    PeerState.VOTE_ESTABLISH: "update_topology",
-    PeerState.VOTE_SYNC: "sync_shared_state",
-    PeerState.VOTE_OPTIMIZE: "optimize_topology",
-}
-
-#: States in which a peer may ask whether peers are pending.
-PENDING_VOTE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
-
-
-def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
-    return (
-        message.count, message.dtype, message.op, message.quantized_dtype, message.quantization,
-        message.distribution_hint,
-    )
-
-
-def transition(state: PeerState, event: PeerEvent) -> PeerState:
-    """The state after ``event``.
-
-    Raises:
-        RemoteProtocolError: the peer caused an event its state does not allow.
-        LocalProtocolError: the master did (a bug).
-    """
-    try:
-        return TRANSITIONS[(state, event)]
-    except KeyError:
-        error = RemoteProtocolError if event in REMOTE_EVENTS else LocalProtocolError
-        raise error(
-            f"{event.name.lower().replace('_', ' ')} is not allowed in state {state.name}"
-        ) from None
-
-
-# --- events and actions ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ConnectionOpened:
-    conn: int
-    host: str  # the remote address as the master sees it
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class MessageReceived:
-    conn: int
-    message: Message
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ConnectionBroken:
-    """The connection delivered bytes that are not a valid frame stream."""
-
-    conn: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ConnectionClosed:
-    conn: int
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Tick:
-    """Only time passed."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SolveFinished:
-    """A ``Solve`` job ended: the best ring it found (indices into the job's ``peers``)
-    and whether it is provably optimal; ``order`` empty: it failed (``error`` says why)
-    or was cancelled."""
-
-    job: int
-    order: tuple[int, ...] = ()
-    optimal: bool = False
-    error: str = ""
-
-
-Event = (
-    ConnectionOpened | MessageReceived | ConnectionBroken | ConnectionClosed | Tick | SolveFinished
-)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Send:
-    conn: int
-    message: Message
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class Close:
-    """Close the connection once the frames queued before this action are sent."""
-
-    conn: int
-    reason: str
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True, eq=False)
-class Solve:
-    """Find a ring for ``peers`` over ``cost`` (seconds per ring chunk from row to
-    column; infinity: unusable) off the event loop, for at most ``seconds``; then deliver
-    ``SolveFinished(job=...)``. ``start``: a ring (indices) to improve on. ``background``:
-    the long search after a first answer that was not provably optimal."""
-
-    job: int
-    group: int
-    peers: tuple[int, ...]
-    cost: numpy.ndarray
-    start: tuple[int, ...] | None
-    seconds: float
-    background: bool
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class CancelSolve:
-    """Stop job ``job`` if it still runs; its ``SolveFinished`` is no longer needed."""
-
-    job: int
-
-
-Action = Send | Close | Solve | CancelSolve
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class PeerView:
-    """A read-only snapshot of one peer, for tests, logs and tools."""
-
-    peer_id: int
-    peer_group: int
-    host: str
-    port: int
-    phase: PeerPhase
-    state: PeerState
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class TopologyView:
-    """What the master knows of one peer group's links and ring (for logs and tools).
-
-    ``bandwidth[i, j]`` (bytes per second; NaN: not measured, 0: unreachable) and
-    ``latency[i, j]`` (seconds; NaN: unknown) describe the link from ``peers[i]`` to
-    ``peers[j]``;
-    ``predicted_seconds`` is the installed ring's predicted all-reduce time for
-    ``reference_bytes`` (infinity while some link of it is unknown).
-    """
-
-    peers: tuple[int, ...]
-    bandwidth: numpy.ndarray
-    latency: numpy.ndarray
-    ring: tuple[int, ...]
-    predicted_seconds: float
-    reference_bytes: int
-
-
-# --- internal bookkeeping ----------------------------------------------------------
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Peer:
-    peer_id: int
-    conn: int
-    peer_group: int
-    host: str
-    port: int
-    phase: PeerPhase = PeerPhase.REGISTERED
-    state: PeerState = PeerState.IDLE
-    accept_new_peers: bool = False
-    pending_vote: bool = False
-    collectives: set[int] = dataclasses.field(default_factory=set)  # tags in flight
-    ballot: Ballot | None = None  # its shared-state vote, while VOTE_SYNC
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Sync:
-    """A peer group's shared-state sync, from the election to the last peer's report."""
-
-    number: int
-    members: set[int]
-    done: set[int] = dataclasses.field(default_factory=set)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Optimization:
-    """A topology optimization, from the vote to the round that installs its rings."""
-
-    number: int
-    participants: set[int]
-    steps: list[list[tuple[int, int]]]  # links (sender, receiver) measured together
-    step: int = -1
-    solving: bool = False
-    outstanding: dict[int, int] = dataclasses.field(default_factory=dict)  # receiver -> sender
-    step_started: float = 0.0
-    jobs: dict[int, _Job] = dataclasses.field(default_factory=dict)  # solver jobs running
-    solved: dict[int, tuple[tuple[int, ...], bool]] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Job:
-    """A solver job: the group and members it was asked for, over which costs."""
-
-    number: int
-    group: int
-    peers: tuple[int, ...]
-    cost: numpy.ndarray
-    background: bool
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Candidate:
-    """A better ring found in the background, for the group's next round."""
-
-    members: frozenset[int]
-    ring: tuple[int, ...]
-    cost: numpy.ndarray
-    peers: tuple[int, ...]
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Conn:
-    conn: int
-    host: str
-    last_heard: float
-    last_sent: float
-    peer: _Peer | None = None
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Round:
-    number: int
-    participants: set[int]
-    rings: dict[int, list[int]]
-    started_at: float
-    failed: bool = False
-    dropped: bool = False
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Collective:
-    """One all-reduce of a peer group, from the first initiate vote to the verdicts."""
-
-    group: int
-    tag: int
-    descriptors: dict[int, CollectiveInitiate]  # peer id -> its initiate vote
-    seq: int = 0  # 0 until commenced
-    participants: set[int] = dataclasses.field(default_factory=set)
-    completed: set[int] = dataclasses.field(default_factory=set)
-    aborted: bool = False
-    reason: str = ""
-    # A peer's data could not be reduced: the verdict is REJECTED, not ABORTED.
-    rejected: bool = False
-
-
-#: States in which a peer may initiate a collective (a failed round leaves the ring
-#: stale; the collective then ends at once with an ABORTED verdict).
-COLLECTIVE_STATES = frozenset({PeerState.IDLE, PeerState.CONNECT_FAILED})
-
-
-def _check_member_vote(peer: _Peer, vote: Message) -> None:
-    """A vote that changes the peer's state: only from a member with no collective in
-    flight (it would stall the collective's other peers)."""
-    name = type(vote).__name__
-    if peer.phase is not PeerPhase.ACCEPTED:
-        raise RemoteProtocolError(f"{name} before being accepted into the run")
-    if peer.collectives:
-        raise RemoteProtocolError(
-            f"{name} with collectives in flight (tags {sorted(peer.collectives)})"
-        )
-
-
-def _clearly_faster(new: float, old: float) -> bool:
-    """Whether a ring whose slowest hop costs ``new`` is worth replacing one at ``old``
-    (``KEEP_MARGIN``)."""
-    return math.isfinite(new) and new * (1 + KEEP_MARGIN) < old
-
-
-def _format_links(members: Sequence[int], store: BandwidthStore) -> str:
-    """A table of the measured rates (Mbit/s) among ``members``: ``-`` unknown, ``x``
-    unreachable."""
-    width = max(7, *(len(str(p)) + 1 for p in members))
-    lines = [" " * width + "".join(f"{p:>{width}}" for p in members)]
-    for a in members:
-        cells = []
-        for b in members:
-            found = store.link(a, b)
-            if a == b:
-                cells.append("")
-            elif found is not None:
-                cells.append(f"{found.bandwidth * 8e-6:.1f}")
-            else:
-                cells.append("x" if store.unreachable(a, b) else "-")
-        lines.append(f"{a:>{width}}" + "".join(f"{c:>{width}}" for c in cells))
-    return "\n".join(lines)
-
-
-def _is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("::1", "localhost")
+def _registered_twice(peer: Peer, message: Register) -> None:
+    """A peer registers once per connection."""
+    raise RemoteProtocolError("Register on a connection already registered")
 
 
 class MasterCore:
@@ -518,1172 +170,160 @@ class MasterCore:
             raise ValueError("need round_timeout > 0")
         if not (solve_seconds > 0 and search_seconds >= 0 and reference_bytes > 0):
             raise ValueError("need solve_seconds > 0, search_seconds >= 0, reference_bytes > 0")
-        self._heartbeat_interval = heartbeat_interval
-        self._liveness_timeout = liveness_timeout
-        self._round_timeout = round_timeout
-        self._solve_seconds = solve_seconds
-        self._search_seconds = search_seconds
-        self._reference_bytes = reference_bytes
-        self._conns: dict[int, _Conn] = {}
-        self._peers: dict[int, _Peer] = {}
-        self._next_peer_id = 1
-        self._round_counter = 0
-        self._round: _Round | None = None
-        self._rings: dict[int, list[int]] = {}
-        self._unreachable: set[tuple[int, int]] = set()
-        self._collectives: dict[tuple[int, int], _Collective] = {}
-        self._next_seq = 1
-        # Groups whose ring lost a member or failed to connect since its last
-        # successful round: their collectives cannot run until they re-establish.
-        self._stale_groups: set[int] = set()
-        # Shared state, per peer group: the revision the next sync expects (absent
-        # before the first sync), and the sync in its distribution phase.
-        self._expected_revision: dict[int, int] = {}
-        self._syncs: dict[int, _Sync] = {}
-        self._sync_counter = 0
-        # Topology: what is known of each group's links, the optimization running, the
-        # background searches and the better rings they found.
-        self._bandwidth: dict[int, BandwidthStore] = {}
-        self._optimization: _Optimization | None = None
-        self._optimization_counter = 0
-        self._job_counter = 0
-        self._searches: dict[int, _Job] = {}  # group -> background job
-        self._candidates: dict[int, _Candidate] = {}  # group -> better ring
-        self._actions: list[Action] = []
-        self._now = -math.inf
+        self._table = PeerTable(
+            heartbeat_interval=heartbeat_interval,
+            liveness_timeout=liveness_timeout,
+            on_leave=self._peer_left,
+        )
+        self._book = RingBook()
+        self._optimizer = Optimizer(
+            self._table, self._book, round_timeout=round_timeout, solve_seconds=solve_seconds,
+            search_seconds=search_seconds, reference_bytes=reference_bytes,
+        )
+        self._rounds = Rounds(
+            self._table, self._book, round_timeout=round_timeout,
+            adopt_candidate=self._optimizer.adopt_candidate,
+        )
+        self._pending = PendingVote(self._table)
+        self._collectives = Collectives(self._table, self._book)
+        self._syncs = Syncs(self._table)
+        # Every message a registered peer may send, and the part that handles it.
+        self._routes: Mapping[type[Message], _Handler] = dict([
+            _route(Register, _registered_twice),
+            _route(VoteEstablish, self._rounds.on_vote),
+            _route(P2PEstablished, self._rounds.on_established),
+            _route(VotePeersPending, self._pending.on_vote),
+            _route(CollectiveInitiate, self._collectives.on_initiate),
+            _route(CollectiveComplete, self._collectives.on_complete),
+            _route(SharedStateVote, self._syncs.on_vote),
+            _route(SharedStateDone, self._syncs.on_done),
+            _route(VoteOptimizeTopology, self._optimizer.on_vote),
+            _route(LinkMeasured, self._optimizer.on_link_measured),
+        ])
 
     # --- public surface ------------------------------------------------------------
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Process one event at time ``now``; return the actions to carry out, in order."""
-        self._now = max(self._now, now)
-        self._actions = []
+        self._table.begin(now)
         match event:
             case MessageReceived(conn=conn_id, message=message):
-                conn = self._conns.get(conn_id)
+                conn = self._table.conns.get(conn_id)
                 if conn is not None:
-                    conn.last_heard = self._now
+                    conn.last_heard = self._table.now
                     # Heartbeats only prove a registered peer alive; before Register
                     # they are refused like any other message.
                     if conn.peer is None or not isinstance(message, Heartbeat):
                         self._on_message(conn, message)
                         self._reevaluate()
             case ConnectionOpened(conn=conn_id, host=host):
-                if conn_id in self._conns:
-                    raise LocalProtocolError(f"connection {conn_id} opened twice")
-                self._conns[conn_id] = _Conn(
-                    conn=conn_id, host=host, last_heard=self._now, last_sent=self._now
-                )
+                self._table.open(conn_id, host)
             case ConnectionBroken(conn=conn_id, reason=reason):
-                if conn_id in self._conns:
-                    self._kick(self._conns[conn_id], f"malformed input: {reason}")
+                if conn_id in self._table.conns:
+                    self._table.kick(self._table.conns[conn_id], f"malformed input: {reason}")
                     self._reevaluate()
             case ConnectionClosed(conn=conn_id):
-                if conn_id in self._conns:
-                    self._drop(self._conns[conn_id], "connection closed")
+                if conn_id in self._table.conns:
+                    self._table.drop(self._table.conns[conn_id], "connection closed")
                     self._reevaluate()
             case Tick():
                 self._on_tick()
             case SolveFinished():
-                self._on_solved(event)
+                self._optimizer.on_solved(event)
                 self._reevaluate()
             case _:  # pragma: no cover - exhaustive
                 raise LocalProtocolError(f"unknown event {event!r}")
-        actions, self._actions = self._actions, []
-        return actions
+        return self._table.take_actions()
 
     def next_deadline(self) -> float:
         """When to deliver a ``Tick`` if no other event comes first (``inf``: never)."""
-        deadline = math.inf
-        if self._round is not None:
-            deadline = self._round.started_at + self._round_timeout
-        if self._optimization is not None and self._optimization.outstanding:
-            deadline = min(deadline, self._optimization.step_started + self._round_timeout)
-        for conn in self._conns.values():
-            deadline = min(deadline, conn.last_heard + self._liveness_timeout)
-            if conn.peer is not None:
-                deadline = min(deadline, conn.last_sent + self._heartbeat_interval)
-        return deadline
+        return min(self._rounds.deadline(), self._optimizer.deadline(), self._table.deadline())
 
     def peers(self) -> list[PeerView]:
         """Every registered peer, by id."""
-        return [
-            PeerView(
-                peer_id=p.peer_id,
-                peer_group=p.peer_group,
-                host=p.host,
-                port=p.port,
-                phase=p.phase,
-                state=p.state,
-            )
-            for p in sorted(self._peers.values(), key=lambda p: p.peer_id)
-        ]
+        return self._table.views()
 
     def ring(self, peer_group: int) -> list[int]:
         """The ring order last installed for ``peer_group`` (may name departed peers
         until the next round rebuilds it)."""
-        return list(self._rings.get(peer_group, ()))
+        return list(self._book.rings.get(peer_group, ()))
 
     @property
     def round_in_progress(self) -> bool:
-        return self._round is not None
+        """Whether an establishment round runs."""
+        return self._rounds.running
 
     @property
     def optimization_in_progress(self) -> bool:
-        return self._optimization is not None
+        """Whether a topology optimization runs (until its round starts)."""
+        return self._optimizer.running
 
     def topology(self, peer_group: int) -> TopologyView:
         """The links measured among ``peer_group``'s accepted peers and its ring."""
-        members = tuple(sorted(
-            p.peer_id for p in self._accepted() if p.peer_group == peer_group
-        ))
-        store = self._bandwidth.get(peer_group, BandwidthStore())
-        bandwidth, latency, unreachable = store.matrices(members)
-        n = len(members)
-        rates = numpy.array(bandwidth, dtype=numpy.float64).reshape(n, n)
-        delays = numpy.array(latency, dtype=numpy.float64).reshape(n, n)
-        delays[rates == 0] = math.nan
-        rates[rates == 0] = math.nan
-        rates.flat[[*unreachable, *self._blocked_indices(members)]] = 0.0
-        numpy.fill_diagonal(rates, math.nan)
-        numpy.fill_diagonal(delays, math.nan)
-        ring = tuple(p for p in self._rings.get(peer_group, ()) if p in members)
-        return TopologyView(
-            peers=members,
-            bandwidth=rates,
-            latency=delays,
-            ring=ring,
-            predicted_seconds=self._predicted(peer_group, members, ring),
-            reference_bytes=self._reference_bytes,
-        )
+        return self._optimizer.topology(peer_group)
 
     # --- messages ------------------------------------------------------------------
 
-    def _on_message(self, conn: _Conn, message: Message) -> None:
+    def _on_message(self, conn: Conn, message: Message) -> None:
+        """Route a message to its part; kick the peer if the message is illegal."""
         if message.DIRECTION != C2M:
-            self._kick(conn, f"{type(message).__name__} is not a message a peer may send")
+            self._table.kick(conn, f"{type(message).__name__} is not a message a peer may send")
             return
         peer = conn.peer
         if peer is None:
             if isinstance(message, Register):
-                self._register(conn, message)
+                self._table.register(conn, message)
             else:
-                self._kick(conn, f"{type(message).__name__} before Register")
+                self._table.kick(conn, f"{type(message).__name__} before Register")
             return
+        handler = self._routes.get(type(message))
+        if handler is None:  # pragma: no cover - every C2M kind has a route
+            raise LocalProtocolError(f"unhandled message {message!r}")
         try:
-            match message:
-                case Register():
-                    raise RemoteProtocolError("Register on a connection already registered")
-                case VoteEstablish(accept_new_peers=accept):
-                    _check_member_vote(peer, message)
-                    if self._round is not None and peer.peer_id in self._round.participants:
-                        # CONNECT_FAILED allows a vote, but only once the verdict is out:
-                        # a participant leaving CONNECT_FAILED early would stall the round.
-                        raise RemoteProtocolError(
-                            "VoteEstablish before the result of its establishment round"
-                        )
-                    self._apply(peer, PeerEvent.VOTE_ESTABLISH)
-                    peer.accept_new_peers = accept
-                case P2PEstablished(round=number, success=success, failed_peers=failed):
-                    self._on_established(peer, number, success, failed)
-                case VotePeersPending():
-                    if peer.phase is not PeerPhase.ACCEPTED:
-                        raise RemoteProtocolError(
-                            "VotePeersPending before being accepted into the run"
-                        )
-                    if peer.pending_vote:
-                        raise RemoteProtocolError("VotePeersPending twice in one vote")
-                    if peer.state not in PENDING_VOTE_STATES:
-                        raise RemoteProtocolError(
-                            f"VotePeersPending is not allowed in state {peer.state.name}"
-                        )
-                    peer.pending_vote = True
-                case CollectiveInitiate():
-                    self._on_initiate(peer, message)
-                case CollectiveComplete(tag=tag, seq=seq, aborted=aborted, invalid=invalid):
-                    self._on_complete(peer, tag, seq, aborted, invalid)
-                case SharedStateVote():
-                    self._on_sync_vote(conn, peer, message)
-                case SharedStateDone(sync=number, success=success, reason=reason):
-                    self._on_sync_done(peer, number, success, reason)
-                case VoteOptimizeTopology():
-                    _check_member_vote(peer, message)
-                    self._apply(peer, PeerEvent.VOTE_OPTIMIZE)
-                case LinkMeasured():
-                    self._on_link_measured(peer, message)
-                case _:  # pragma: no cover - every C2M kind is handled above
-                    raise LocalProtocolError(f"unhandled message {message!r}")
+            handler(peer, message)
         except RemoteProtocolError as exc:
-            self._kick(conn, f"illegal {type(message).__name__}: {exc}")
-
-    def _register(self, conn: _Conn, message: Register) -> None:
-        if message.protocol_version != PROTOCOL_VERSION:
-            self._kick(
-                conn,
-                f"protocol version {message.protocol_version} is not supported; this master "
-                f"speaks version {PROTOCOL_VERSION}: run the same pccl_trio version everywhere",
-            )
-            return
-        host = message.advertised_host or conn.host
-        others = [p for p in self._peers.values()]
-        if others and _is_loopback(host) != _is_loopback(others[0].host):
-            self._kick(
-                conn,
-                f"address {host} mixes loopback and non-loopback peers (peer "
-                f"{others[0].peer_id} is at {others[0].host}); peers could not reach each "
-                "other: start the master and peers on real interfaces, or all on loopback",
-            )
-            return
-        peer = _Peer(
-            peer_id=self._next_peer_id,
-            conn=conn.conn,
-            peer_group=message.peer_group,
-            host=host,
-            port=message.p2p_port,
-        )
-        self._next_peer_id += 1
-        conn.peer = peer
-        self._peers[peer.peer_id] = peer
-        log.info(
-            "peer %d registered from %s (group %d, p2p port %d)",
-            peer.peer_id, host, peer.peer_group, peer.port,
-        )
-        self._send(
-            peer,
-            Welcome(
-                peer_id=peer.peer_id,
-                heartbeat_interval=self._heartbeat_interval,
-                liveness_timeout=self._liveness_timeout,
-            ),
-        )
-
-    def _on_established(
-        self, peer: _Peer, number: int, success: bool, failed: Sequence[int]
-    ) -> None:
-        current = self._round
-        if current is None or peer.peer_id not in current.participants:
-            raise RemoteProtocolError("P2PEstablished outside an establishment round")
-        if number != current.number:
-            raise RemoteProtocolError(
-                f"P2PEstablished for round {number}, but round {current.number} is running"
-            )
-        if success:
-            self._apply(peer, PeerEvent.REPORT_CONNECTED)
-            return
-        self._apply(peer, PeerEvent.REPORT_FAILED)
-        current.failed = True
-        # The round has failed already: from now on its rings are stale, not only once
-        # its verdict is out (peers whose report failed may initiate meanwhile).
-        self._stale_groups.update(current.rings)
-        for other in failed:
-            if other in self._peers and other != peer.peer_id:
-                self._unreachable.add((peer.peer_id, other))
-        log.warning("round %d: peer %d could not reach %s", number, peer.peer_id, list(failed))
-
-    # --- collectives ----------------------------------------------------------------
-
-    def _on_initiate(self, peer: _Peer, message: CollectiveInitiate) -> None:
-        if peer.phase is not PeerPhase.ACCEPTED:
-            raise RemoteProtocolError("CollectiveInitiate before being accepted into the run")
-        if peer.state not in COLLECTIVE_STATES:
-            raise RemoteProtocolError(f"CollectiveInitiate is not allowed in state {peer.state.name}")
-        if message.tag in peer.collectives:
-            raise RemoteProtocolError(f"tag {message.tag} is already in flight for this peer")
-        key = (peer.peer_group, message.tag)
-        collective = self._collectives.get(key)
-        if collective is None:
-            collective = _Collective(group=peer.peer_group, tag=message.tag, descriptors={})
-            self._collectives[key] = collective
-        elif collective.seq:
-            # Others are already running this tag without us: our vote is for the
-            # next use of the tag, which cannot start before this one ends.
-            raise RemoteProtocolError(
-                f"CollectiveInitiate for tag {message.tag} while its attempt {collective.seq} "
-                "runs without this peer"
-            )
-        peer.collectives.add(message.tag)
-        collective.descriptors[peer.peer_id] = message
-
-    def _on_complete(
-        self, peer: _Peer, tag: int, seq: int, aborted: bool, invalid: str = ""
-    ) -> None:
-        collective = self._collectives.get((peer.peer_group, tag))
-        if collective is None or not collective.seq or peer.peer_id not in collective.participants:
-            raise RemoteProtocolError(f"CollectiveComplete for tag {tag}, which is not running")
-        if seq != collective.seq:
-            raise RemoteProtocolError(
-                f"CollectiveComplete for attempt {seq} of tag {tag}; attempt {collective.seq} runs"
-            )
-        if peer.peer_id in collective.completed:
-            raise RemoteProtocolError(f"CollectiveComplete twice for tag {tag}")
-        collective.completed.add(peer.peer_id)
-        if invalid and not collective.aborted:
-            collective.rejected = True
-            self._abort(collective, f"peer {peer.peer_id}: {invalid}")
-        elif aborted:
-            self._abort(collective, f"peer {peer.peer_id} failed during the collective")
-
-    def _abort(self, collective: _Collective, reason: str) -> None:
-        """Stop a running collective everywhere; its verdict will be ABORTED."""
-        if collective.aborted:
-            return
-        collective.aborted = True
-        collective.reason = reason
-        log.info("collective tag %d attempt %d aborted: %s", collective.tag, collective.seq, reason)
-        for peer_id in sorted(collective.participants - collective.completed):
-            self._send(
-                self._peers[peer_id],
-                CollectiveAbort(tag=collective.tag, seq=collective.seq, reason=reason),
-            )
-
-    def _end_collective(self, collective: _Collective, outcome: int, reason: str) -> None:
-        """Send every voter its one verdict and forget the collective."""
-        del self._collectives[(collective.group, collective.tag)]
-        voters = collective.participants if collective.seq else set(collective.descriptors)
-        for peer_id in sorted(voters):
-            peer = self._peers.get(peer_id)
-            if peer is None:
-                continue
-            peer.collectives.discard(collective.tag)
-            self._send(
-                peer,
-                CollectiveVerdict(
-                    tag=collective.tag, seq=collective.seq, outcome=outcome, reason=reason
-                ),
-            )
-
-    def _try_collectives(self) -> None:
-        for collective in list(self._collectives.values()):
-            if collective.seq:
-                if collective.participants <= collective.completed:
-                    outcome = (
-                        REJECTED if collective.rejected
-                        else ABORTED if collective.aborted else SUCCESS
-                    )
-                    self._end_collective(collective, outcome, collective.reason)
-                continue
-            members = [
-                p for p in self._accepted() if p.peer_group == collective.group
-            ]
-            blocker = next((p for p in members if p.state in _VOTING), None)
-            if blocker is not None:
-                # That peer is blocked in a vote and will never initiate: waiting would
-                # deadlock the group.
-                self._end_collective(
-                    collective,
-                    ABORTED,
-                    f"peer {blocker.peer_id} voted to {_VOTING[blocker.state]} instead of "
-                    f"joining the all-reduce with tag {collective.tag}",
-                )
-                continue
-            if not all(p.peer_id in collective.descriptors for p in members):
-                continue
-            descriptors = {p.peer_id: collective.descriptors[p.peer_id] for p in members}
-            if len({_descriptor_key(d) for d in descriptors.values()}) > 1:
-                views = "; ".join(
-                    f"peer {peer_id}: {d.describe()}" for peer_id, d in sorted(descriptors.items())
-                )
-                self._end_collective(
-                    collective,
-                    REJECTED,
-                    f"peers disagree on the all-reduce with tag {collective.tag} ({views}); "
-                    "every peer must pass the same count, dtype, op, quantization and "
-                    "distribution hint",
-                )
-                continue
-            if collective.group in self._stale_groups:
-                self._end_collective(
-                    collective,
-                    ABORTED,
-                    "the peer group's ring changed (a peer left or a round failed) and must "
-                    "be re-established first",
-                )
-                continue
-            self._commence(collective, members)
-
-    def _commence(self, collective: _Collective, members: Sequence[_Peer]) -> None:
-        collective.seq = self._next_seq
-        self._next_seq += 1
-        collective.participants = {p.peer_id for p in members}
-        ring = tuple(self._rings.get(collective.group, ()))
-        for peer in members:
-            self._send(peer, CollectiveCommence(tag=collective.tag, seq=collective.seq, ring=ring))
+            self._table.kick(conn, f"illegal {type(message).__name__}: {exc}")
 
     # --- time ----------------------------------------------------------------------
 
     def _on_tick(self) -> None:
-        # Compare against the same sums next_deadline() returns: ``now - last >= timeout``
-        # can be false at ``now == last + timeout`` in floating point, and a Tick at the
-        # deadline that does nothing would leave the deadline in the past (a busy loop).
-        silent = [
-            c for c in self._conns.values()
-            if self._now >= c.last_heard + self._liveness_timeout
-        ]
-        for conn in silent:
-            self._kick(
-                conn,
-                f"no message for {self._now - conn.last_heard:.2f}s "
-                f"(liveness timeout {self._liveness_timeout}s)",
-            )
-        current = self._round
-        late = []
-        if current is not None and self._now >= current.started_at + self._round_timeout:
-            late = [
-                self._peers[p] for p in sorted(current.participants)
-                if self._peers[p].state is PeerState.CONNECTING
-            ]
-            for peer in late:
-                self._kick(
-                    self._conns[peer.conn],
-                    f"did not report on its p2p connections within {self._round_timeout}s "
-                    f"of round {current.number}'s start",
-                )
-        optimization = self._optimization
-        if (
-            optimization is not None
-            and optimization.outstanding
-            and self._now >= optimization.step_started + self._round_timeout
-        ):
-            for receiver in sorted(optimization.outstanding):
-                late.append(self._peers[receiver])
-                self._kick(
-                    self._conns[self._peers[receiver].conn],
-                    f"did not report its link measurement within {self._round_timeout}s",
-                )
-        if silent or late:
+        """Kick who fell silent or is late, re-check if anyone was, send heartbeats."""
+        # Each part compares against the very sums its deadline() returns: ``now - last
+        # >= timeout`` can be false at ``now == last + timeout`` in floating point, and a
+        # Tick at the deadline that does nothing would leave the deadline in the past (a
+        # busy loop).
+        silent = self._table.kick_silent()
+        late_round = self._rounds.kick_late()
+        late_measurement = self._optimizer.kick_late()
+        if silent or late_round or late_measurement:
             self._reevaluate()
-        for conn in self._conns.values():
-            if conn.peer is not None and self._now >= conn.last_sent + self._heartbeat_interval:
-                self._send(conn.peer, Heartbeat())
+        self._table.send_heartbeats()
 
     # --- consensus -----------------------------------------------------------------
 
     def _reevaluate(self) -> None:
-        """Check every consensus that may have become complete."""
-        # A round can end because of an event, and the end of a round can make a new
-        # one startable (e.g. all voters died): loop until nothing changes.
+        """Check every consensus that may have become complete, in the one order (see
+        the module docstring)."""
         while True:
-            while True:
-                if self._round is not None:
-                    if not self._try_finish_round():
-                        break
-                elif not self._try_start_round():
-                    break
-            self._try_answer_pending()
-            self._try_collectives()
-            before = len(self._peers)
-            self._try_optimize()
-            self._try_syncs()
-            # An election may kick peers, which can complete any other consensus (a
-            # round or a pending vote waiting for them): check everything again.
-            if len(self._peers) == before:
+            self._rounds.advance()
+            self._pending.advance()
+            self._collectives.advance()
+            before = len(self._table.peers)
+            if self._optimizer.advance(round_running=self._rounds.running):
+                self._rounds.start(accept_new=False)  # installs the optimized rings
+            self._syncs.advance()
+            # An election or a round may kick peers, which can complete any other
+            # consensus (a round or a pending vote waiting for them): check again.
+            if len(self._table.peers) == before:
                 break
 
-    def _accepted(self) -> list[_Peer]:
-        return [p for p in self._peers.values() if p.phase is PeerPhase.ACCEPTED]
+    # --- removal -------------------------------------------------------------------
 
-    def _try_start_round(self) -> bool:
-        accepted = self._accepted()
-        if accepted:
-            if not all(p.state is PeerState.VOTE_ESTABLISH for p in accepted):
-                return False
-            accept_new = all(p.accept_new_peers for p in accepted)
-        elif any(p.phase is PeerPhase.REGISTERED for p in self._peers.values()):
-            accept_new = True  # nobody to ask: admit the waiting peers
-        else:
-            return False
-        self._start_round(accept_new)
-        return True
-
-    def _start_round(self, accept_new: bool) -> None:
-        while True:
-            participants = [
-                p for p in self._peers.values()
-                if p.phase is PeerPhase.ACCEPTED
-                or (accept_new and p.phase is PeerPhase.REGISTERED)
-            ]
-            rings, unplaceable = self._build_rings(participants)
-            if unplaceable is None:
-                break
-            # No ring avoids the edges reported unreachable: remove the peer most of
-            # them touch so the rest of the run can go on.
-            self._kick(
-                self._conns[unplaceable.conn],
-                "no ring can include this peer: it could not reach, or be reached by, "
-                "enough peers (check firewalls and the address it advertises)",
-            )
-        self._round_counter += 1
-        current = _Round(
-            number=self._round_counter,
-            participants={p.peer_id for p in participants},
-            rings=rings,
-            started_at=self._now,
-        )
-        self._round = current
-        log.info(
-            "round %d: establishing rings %s (accepting new peers: %s)",
-            current.number, rings, accept_new,
-        )
-        worlds = self._world_sizes(participants)
-        for peer in participants:
-            self._apply(peer, PeerEvent.ROUND_START)
-            peer.pending_vote = False
-            ring = rings[peer.peer_group]
-            self._send(
-                peer,
-                P2PInfo(
-                    round=current.number,
-                    ring=tuple(ring),
-                    neighbours=self._neighbours(peer.peer_id, ring),
-                    world=worlds[peer.peer_group],
-                ),
-            )
-
-    def _build_rings(
-        self, participants: Iterable[_Peer]
-    ) -> tuple[dict[int, list[int]], _Peer | None]:
-        """One ring per peer group, or the peer to remove if some group has none."""
-        groups: dict[int, list[int]] = {}
-        for peer in participants:
-            groups.setdefault(peer.peer_group, []).append(peer.peer_id)
-        rings: dict[int, list[int]] = {}
-        for group, members in groups.items():
-            member_set = set(members)
-            self._adopt_candidate(group, member_set)
-            kept = [p for p in self._rings.get(group, ()) if p in member_set]
-            preferred = kept + sorted(member_set.difference(kept))
-            blocked = {
-                (a, b) for (a, b) in self._unreachable if a in member_set and b in member_set
-            }
-            ring = find_ring(preferred, blocked)
-            if ring is None:
-                touches: dict[int, int] = {}
-                for a, b in blocked:
-                    touches[a] = touches.get(a, 0) + 1
-                    touches[b] = touches.get(b, 0) + 1
-                worst = max(touches, key=lambda p: (touches[p], p))
-                return rings, self._peers[worst]
-            rings[group] = ring
-        return rings, None
-
-    def _world_sizes(self, participants: Sequence[_Peer]) -> dict[int, WorldSizes]:
-        sizes: dict[int, int] = {}
-        for peer in participants:
-            sizes[peer.peer_group] = sizes.get(peer.peer_group, 0) + 1
-        return {
-            group: WorldSizes(
-                global_world_size=len(participants),
-                peer_group_world_size=size,
-                num_distinct_peer_groups=len(sizes),
-                largest_peer_group_world_size=max(sizes.values()),
-            )
-            for group, size in sizes.items()
-        }
-
-    def _neighbours(self, peer_id: int, ring: Sequence[int]) -> tuple[PeerEndpoint, ...]:
-        if len(ring) < 2:
-            return ()
-        index = ring.index(peer_id)
-        ids = dict.fromkeys((ring[index - 1], ring[(index + 1) % len(ring)]))
-        return tuple(
-            PeerEndpoint(peer_id=i, host=self._peers[i].host, port=self._peers[i].port)
-            for i in ids
-        )
-
-    def _try_finish_round(self) -> bool:
-        current = self._round
-        assert current is not None
-        members = [self._peers[p] for p in current.participants]
-        if not all(p.state in (PeerState.WAITING, PeerState.CONNECT_FAILED) for p in members):
-            return False
-        self._round = None
-        success = not current.failed and not current.dropped
-        for group, ring in current.rings.items():
-            self._rings[group] = [p for p in ring if p in self._peers]
-        worlds = self._world_sizes(members)
-        if success:
-            self._stale_groups.difference_update(current.rings)
-        else:
-            self._stale_groups.update(current.rings)
-        event = PeerEvent.ROUND_SUCCEEDED if success else PeerEvent.ROUND_FAILED
-        for peer in members:
-            peer.phase = PeerPhase.ACCEPTED
-            self._apply(peer, event)
-            self._send(
-                peer,
-                P2PEstablishResult(
-                    round=current.number,
-                    success=success,
-                    ring=tuple(self._rings[peer.peer_group]),
-                    world=worlds[peer.peer_group],
-                ),
-            )
-        log.info(
-            "round %d %s: %d peers in %d groups",
-            current.number, "succeeded" if success else "failed", len(members), len(worlds),
-        )
-        return True
-
-    def _try_answer_pending(self) -> None:
-        accepted = self._accepted()
-        establishing = next(
-            (p for p in accepted
-             if p.state in (PeerState.VOTE_ESTABLISH, PeerState.VOTE_OPTIMIZE)),
-            None,
-        )
-        refused = False
-        for peer in accepted:
-            if not peer.pending_vote:
-                continue
-            # A peer blocked in a topology vote (any group's: rounds are global) or a
-            # sync vote (its own group's) will never ask: answer those who did with an
-            # error rather than leave both sides waiting for each other.
-            blocker = establishing or next(
-                (p for p in accepted
-                 if p.peer_group == peer.peer_group and p.state is PeerState.VOTE_SYNC),
-                None,
-            )
-            if blocker is None:
-                continue
-            refused = True
-            peer.pending_vote = False
-            call = _CALLS[blocker.state]
-            self._send(
-                peer,
-                PeersPendingResult(
-                    pending=False,
-                    error=f"peer {blocker.peer_id} called {call} while this peer called "
-                    "are_peers_pending; every peer must make the same calls in the same order",
-                ),
-            )
-        if refused or not accepted or not all(p.pending_vote for p in accepted):
-            return
-        pending = any(p.phase is PeerPhase.REGISTERED for p in self._peers.values())
-        for peer in accepted:
-            peer.pending_vote = False
-            self._send(peer, PeersPendingResult(pending=pending))
-
-    # --- shared state ----------------------------------------------------------------
-
-    def _on_sync_vote(self, conn: _Conn, peer: _Peer, message: SharedStateVote) -> None:
-        _check_member_vote(peer, message)
-        self._apply(peer, PeerEvent.VOTE_SYNC)
-        expected = self._expected_revision.get(peer.peer_group)
-        if expected is not None and message.revision > expected:
-            self._kick(
-                conn,
-                f"shared-state revision {message.revision} skips ahead of revision "
-                f"{expected}, the next one of peer group {peer.peer_group}: each sync must "
-                "advance the revision by exactly one",
-            )
-            return
-        peer.ballot = Ballot(
-            revision=message.revision, strategy=message.strategy, entries=message.entries
-        )
-
-    def _on_sync_done(self, peer: _Peer, number: int, success: bool, reason: str) -> None:
-        sync = self._syncs.get(peer.peer_group)
-        if sync is None or sync.number != number or peer.peer_id not in sync.members:
-            raise RemoteProtocolError(f"SharedStateDone for sync {number}, which is not running")
-        self._apply(peer, PeerEvent.REPORT_SYNCED)
-        sync.done.add(peer.peer_id)
-        if not success:
-            log.warning(
-                "sync %d: peer %d could not fetch the shared state: %s",
-                number, peer.peer_id, reason,
-            )
-
-    def _try_syncs(self) -> None:
-        for group, sync in list(self._syncs.items()):
-            if sync.members <= sync.done:
-                del self._syncs[group]
-                for peer_id in sorted(sync.members):
-                    peer = self._peers[peer_id]
-                    self._apply(peer, PeerEvent.SYNC_COMPLETE)
-                    self._send(peer, SharedStateComplete(sync=sync.number))
-                log.info("sync %d of peer group %d complete", sync.number, group)
-        groups: dict[int, list[_Peer]] = {}
-        for peer in self._accepted():
-            groups.setdefault(peer.peer_group, []).append(peer)
-        for group, members in groups.items():
-            voters = [p for p in members if p.state is PeerState.VOTE_SYNC]
-            if not voters:
-                continue
-            blocker = next(
-                (p for p in members
-                 if p.state in (PeerState.VOTE_ESTABLISH, PeerState.VOTE_OPTIMIZE)),
-                None,
-            )
-            if blocker is not None:
-                self._refuse_sync(
-                    voters,
-                    f"peer {blocker.peer_id} called {_CALLS[blocker.state]} while this peer "
-                    "called sync_shared_state; every peer must make the same calls in the "
-                    "same order",
-                )
-            elif len(voters) == len(members):
-                self._start_sync(group, voters)
-
-    def _refuse_sync(self, voters: Sequence[_Peer], reason: str) -> None:
-        for peer in voters:
-            assert peer.ballot is not None
-            self._apply(peer, PeerEvent.SYNC_REFUSED)
-            self._send(
-                peer,
-                SharedStatePlan(
-                    sync=0, revision=peer.ballot.revision, fetches=(), distributors=(),
-                    error=reason,
-                ),
-            )
-            peer.ballot = None
-
-    def _start_sync(self, group: int, voters: Sequence[_Peer]) -> None:
-        ballots = {p.peer_id: p.ballot for p in voters if p.ballot is not None}
-        election = elect(ballots, self._expected_revision.get(group))
-        for peer_id, reason in sorted(election.kicks.items()):
-            self._kick(self._conns[self._peers[peer_id].conn], reason)
-        remaining = [p for p in voters if p.peer_id in election.fetches]
-        if not remaining:
-            return
-        if not election.distributors and any(election.fetches.values()):
-            self._refuse_sync(
-                remaining,
-                "no peer that holds the popular shared state may send it (the peers "
-                "holding it were removed); synchronize again",
-            )
-            return
-        self._sync_counter += 1
-        number = self._sync_counter
-        self._expected_revision[group] = election.revision + 1
-        self._syncs[group] = _Sync(number=number, members={p.peer_id for p in remaining})
-        log.info(
-            "sync %d of peer group %d: revision %d, distributors %s, fetching %s",
-            number, group, election.revision, list(election.distributors),
-            {p: len(f) for p, f in election.fetches.items() if f},
-        )
-        for peer in remaining:
-            self._apply(peer, PeerEvent.SYNC_START)
-            peer.ballot = None
-            distributors = tuple(
-                PeerEndpoint(peer_id=d, host=self._peers[d].host, port=self._peers[d].port)
-                for d in election.distributors
-                if d != peer.peer_id
-            )
-            self._send(
-                peer,
-                SharedStatePlan(
-                    sync=number,
-                    revision=election.revision,
-                    fetches=election.fetches[peer.peer_id],
-                    distributors=distributors,
-                ),
-            )
-
-    # --- topology optimization -------------------------------------------------------
-
-    def _try_optimize(self) -> None:
-        current = self._optimization
-        if current is not None:
-            self._advance_optimization(current)
-            return
-        accepted = self._accepted()
-        voters = [p for p in accepted if p.state is PeerState.VOTE_OPTIMIZE]
-        if not voters:
-            return
-        establishing = [p for p in accepted if p.state is PeerState.VOTE_ESTABLISH]
-        if establishing:
-            # Both votes span every group and neither can complete: refuse this one. Peers
-            # that only re-establish their ring (after an aborted all-reduce, before their
-            # own optimize_topology) are joined, not fought: the voters take part in that
-            # round, then vote again.
-            blocker = establishing[0]
-            rejoin = not any(p.accept_new_peers for p in establishing)
-            if rejoin:
-                error = (
-                    f"peer {blocker.peer_id} re-establishes the ring (after an aborted "
-                    "all-reduce): join that round, then vote again"
-                )
-            else:
-                error = (
-                    f"peer {blocker.peer_id} called update_topology while this peer called "
-                    "optimize_topology; every peer must make the same calls in the same order"
-                )
-            for peer in voters:
-                self._apply(peer, PeerEvent.OPTIMIZE_REFUSED)
-                self._send(peer, TopologyOptimized(optimization=0, error=error, rejoin=rejoin))
-            return
-        if len(voters) == len(accepted) and self._round is None:
-            self._start_optimization(voters)
-
-    def _start_optimization(self, voters: Sequence[_Peer]) -> None:
-        self._optimization_counter += 1
-        steps: list[list[tuple[int, int]]] = []
-        for group, members in sorted(self._groups(voters).items()):
-            store = self._bandwidth.setdefault(group, BandwidthStore())
-            for edge in store.missing(members):
-                if edge in self._unreachable:  # a ring could not use it: nothing to measure
-                    store.mark_unreachable(*edge)
-            self._cancel_search(group)  # the new answer starts from the best ring known
-            for index, links in enumerate(measurement_rounds(store.missing(members))):
-                if index == len(steps):
-                    steps.append([])
-                steps[index].extend(links)
-        current = _Optimization(
-            number=self._optimization_counter,
-            participants={p.peer_id for p in voters},
-            steps=steps,
-        )
-        self._optimization = current
-        log.info(
-            "optimization %d: measuring %d links in %d steps",
-            current.number, sum(map(len, steps)), len(steps),
-        )
-        for peer in voters:
-            self._apply(peer, PeerEvent.OPTIMIZE_START)
-        self._advance_optimization(current)
-
-    def _advance_optimization(self, current: _Optimization) -> None:
-        """Start the next measurement step once the last one is reported, then the
-        solvers once every step is, then the round once every group is solved."""
-        while not current.outstanding and current.step + 1 < len(current.steps):
-            current.step += 1
-            current.step_started = self._now
-            for sender, receiver in current.steps[current.step]:
-                if sender in current.participants and receiver in current.participants:
-                    current.outstanding[receiver] = sender
-                    source = self._peers[sender]
-                    self._send(
-                        self._peers[receiver],
-                        MeasureLink(
-                            optimization=current.number,
-                            source=PeerEndpoint(
-                                peer_id=sender, host=source.host, port=source.port
-                            ),
-                        ),
-                    )
-        if current.outstanding:
-            return
-        if not current.solving:
-            current.solving = True
-            self._start_solves(current)
-        if not current.jobs:
-            self._finish_optimization(current)
-
-    def _on_link_measured(self, peer: _Peer, message: LinkMeasured) -> None:
-        current = self._optimization
-        if (
-            current is None
-            or message.optimization != current.number
-            or current.outstanding.get(peer.peer_id) != message.sender
-        ):
-            raise RemoteProtocolError(
-                f"LinkMeasured for the link from peer {message.sender} in optimization "
-                f"{message.optimization}, which this peer was not asked to measure"
-            )
-        del current.outstanding[peer.peer_id]
-        if message.sender not in self._peers:
-            return  # the sender left: its links are forgotten
-        store = self._bandwidth.setdefault(peer.peer_group, BandwidthStore())
-        if message.error:
-            store.mark_unreachable(message.sender, peer.peer_id)
-            log.warning(
-                "optimization %d: link %d -> %d could not be measured: %s",
-                current.number, message.sender, peer.peer_id, message.error,
-            )
-        else:
-            store.record(message.sender, peer.peer_id, message.bandwidth, message.latency)
-            log.debug(
-                "optimization %d: link %d -> %d: %.1f Mbit/s, %.3f ms",
-                current.number, message.sender, peer.peer_id, message.bandwidth * 8e-6,
-                message.latency * 1e3,
-            )
-
-    def _start_solves(self, current: _Optimization) -> None:
-        for group, members in sorted(self._groups(self._peers[p] for p in current.participants).items()):
-            if len(members) < 3:  # one ring only
-                current.solved[group] = (tuple(members), True)
-                continue
-            job = self._solve(group, members, background=False, start=self._best_known(group, members))
-            current.jobs[job.number] = job
-
-    def _solve(
-        self, group: int, members: Sequence[int], *, background: bool,
-        start: Sequence[int] | None,
-    ) -> _Job:
-        self._job_counter += 1
-        cost = self._cost(group, members)
-        job = _Job(
-            number=self._job_counter, group=group, peers=tuple(members), cost=cost,
-            background=background,
-        )
-        index = {p: i for i, p in enumerate(members)}
-        self._actions.append(
-            Solve(
-                job=job.number,
-                group=group,
-                peers=job.peers,
-                cost=cost,
-                start=None if start is None else tuple(index[p] for p in start),
-                seconds=self._search_seconds if background else self._solve_seconds,
-                background=background,
-            )
-        )
-        return job
-
-    def _best_known(self, group: int, members: Sequence[int]) -> list[int] | None:
-        """The ring to improve on: the background search's, else the installed one
-        (None if neither has exactly these members)."""
-        member_set = set(members)
-        candidate = self._candidates.get(group)
-        if candidate is not None and candidate.members == member_set:
-            return list(candidate.ring)
-        ring = self._rings.get(group, [])
-        return list(ring) if set(ring) == member_set and len(ring) == len(members) else None
-
-    def _on_solved(self, event: SolveFinished) -> None:
-        current = self._optimization
-        if current is not None and event.job in current.jobs:
-            job = current.jobs.pop(event.job)
-            order = self._solution(job, event)
-            current.solved[job.group] = (order, event.optimal) if order else ((), False)
-            return  # _reevaluate advances the optimization
-        search = next((j for j in self._searches.values() if j.number == event.job), None)
-        if search is None:
-            return  # cancelled meanwhile: membership changed
-        del self._searches[search.group]
-        order = self._solution(search, event)
-        members = {p.peer_id for p in self._accepted() if p.peer_group == search.group}
-        installed = self._rings.get(search.group, [])
-        if not order or members != set(search.peers) or set(installed) != members:
-            return
-        index = {p: i for i, p in enumerate(search.peers)}
-        found = ring_cost(search.cost, [index[p] for p in order])
-        before = ring_cost(search.cost, [index[p] for p in installed])
-        if _clearly_faster(found[0], before[0]):
-            self._candidates[search.group] = _Candidate(
-                members=frozenset(members), ring=order, cost=search.cost, peers=search.peers
-            )
-            scale = 2 * (len(order) - 1)
-            log.info(
-                "peer group %d: the background search found a ring %s predicted %.3f s "
-                "(installed: %.3f s); the next update_topology installs it",
-                search.group, list(order), scale * found[0], scale * before[0],
-            )
-
-    def _solution(self, job: _Job, event: SolveFinished) -> tuple[int, ...]:
-        """The job's ring in peer ids, or () if it failed."""
-        if event.error or not event.order:
-            log.warning(
-                "peer group %d: the ring search failed (%s); keeping the installed ring",
-                job.group, event.error or "no ring",
-            )
-            return ()
-        if sorted(event.order) != list(range(len(job.peers))):
-            log.error("peer group %d: the ring search returned %s, not a ring of %d peers",
-                      job.group, list(event.order), len(job.peers))
-            return ()
-        return tuple(job.peers[i] for i in event.order)
-
-    def _finish_optimization(self, current: _Optimization) -> None:
-        self._optimization = None
-        participants = [self._peers[p] for p in sorted(current.participants)]
-        reports: dict[int, TopologyOptimized] = {}
-        searches: list[tuple[int, list[int], list[int]]] = []
-        for group, members in sorted(self._groups(participants).items()):
-            solved, proven = current.solved.get(group, ((), False))
-            ring = [p for p in solved if p in members]
-            cost = self._cost(group, members)
-            index = {p: i for i, p in enumerate(members)}
-            # What the round would install otherwise: a better ring the background search
-            # found for these members, else the installed ring (newcomers appended).
-            kept = self._best_known(group, members)
-            if kept is None:
-                kept = [p for p in self._rings.get(group, ()) if p in index]
-                kept += [p for p in members if p not in kept]
-            self._candidates.pop(group, None)
-            new = math.inf
-            if len(ring) == len(members):
-                new = ring_cost(cost, [index[p] for p in ring])[0]
-            old = ring_cost(cost, [index[p] for p in kept])[0]
-            optimal = proven and math.isfinite(new)
-            if not _clearly_faster(new, old):
-                # Not clearly faster (measurement noise): keep the connections we have.
-                optimal = optimal and old <= new
-                ring = kept
-            self._rings[group] = ring
-            reports[group] = self._report(current.number, group, members, ring, optimal)
-            if not proven and len(members) >= 3 and self._search_seconds > 0:
-                searches.append((group, members, ring))
-        for peer in participants:
-            self._send(peer, reports[peer.peer_group])
-        for group, members, ring in searches:
-            self._searches[group] = self._solve(group, members, background=True, start=ring)
-        self._start_round(accept_new=False)
-
-    def _report(
-        self, number: int, group: int, members: Sequence[int], ring: Sequence[int], optimal: bool
-    ) -> TopologyOptimized:
-        store = self._bandwidth.get(group) or BandwidthStore()
-        predicted = self._predicted(group, members, ring)
-        log.info(
-            "optimization %d, peer group %d: ring %s, predicted %s for %d MiB%s; links "
-            "(Mbit/s, sender by row):\n%s",
-            number, group, list(ring),
-            f"{predicted:.3f} s" if math.isfinite(predicted) else "unknown",
-            self._reference_bytes >> 20, " (optimal)" if optimal else "",
-            _format_links(members, store),
-        )
-        bandwidth: list[float] = []
-        latency: list[float] = []
-        unreachable: list[int] = []
-        if len(members) <= MATRIX_LIMIT:
-            bandwidth, latency, unreachable = store.matrices(members)
-            unreachable = sorted(set(unreachable) | set(self._blocked_indices(members)))
-        return TopologyOptimized(
-            optimization=number,
-            peers=tuple(members),
-            bandwidth=tuple(bandwidth),
-            latency=tuple(latency),
-            unreachable=tuple(unreachable),
-            ring=tuple(ring),
-            predicted_seconds=predicted if math.isfinite(predicted) else -1.0,
-            reference_bytes=self._reference_bytes,
-            optimal=optimal,
-        )
-
-    def _blocked_indices(self, members: Sequence[int]) -> list[int]:
-        """Flat matrix indices of the links among ``members`` a round found unreachable."""
-        index = {p: i for i, p in enumerate(members)}
-        return [
-            index[a] * len(members) + index[b]
-            for a, b in self._unreachable if a in index and b in index
-        ]
-
-    def _cost(self, group: int, members: Sequence[int]) -> numpy.ndarray:
-        """Seconds per chunk of a reference all-reduce over each link among ``members``;
-        infinity where unknown, unmeasurable, or reported unreachable by a round."""
-        store = self._bandwidth.get(group) or BandwidthStore()
-        cost = store.cost_matrix(members, nbytes=self._reference_bytes)
-        index = {p: i for i, p in enumerate(members)}
-        for a, b in self._unreachable:
-            if a in index and b in index:
-                cost[index[a], index[b]] = math.inf
-        return cost
-
-    def _predicted(self, group: int, members: Sequence[int], ring: Sequence[int]) -> float:
-        if len(ring) < 2:
-            return 0.0
-        index = {p: i for i, p in enumerate(members)}
-        bottleneck, _total = ring_cost(self._cost(group, members), [index[p] for p in ring])
-        return 2 * (len(ring) - 1) * bottleneck
-
-    def _cancel_search(self, group: int) -> None:
-        search = self._searches.pop(group, None)
-        if search is not None:
-            self._actions.append(CancelSolve(job=search.number))
-
-    def _adopt_candidate(self, group: int, members: set[int]) -> None:
-        """Before a round: install the background search's better ring if the group
-        still has exactly the members it was found for; otherwise drop it."""
-        search = self._searches.get(group)
-        if search is not None and set(search.peers) != members:
-            self._cancel_search(group)
-        candidate = self._candidates.pop(group, None)
-        if candidate is None or candidate.members != members:
-            return
-        # Judge it on what is known now: a round may have found one of its links
-        # unreachable since the search began.
-        peers = sorted(members)
-        index = {p: i for i, p in enumerate(peers)}
-        cost = self._cost(group, peers)
-        installed = [p for p in self._rings.get(group, ()) if p in index]
-        found = ring_cost(cost, [index[p] for p in candidate.ring])[0]
-        if len(installed) == len(peers):
-            before = ring_cost(cost, [index[p] for p in installed])[0]
-            if not _clearly_faster(found, before):
-                return
-        log.info(
-            "peer group %d: installing the ring %s found by the background search",
-            group, list(candidate.ring),
-        )
-        self._rings[group] = list(candidate.ring)
-
-    @staticmethod
-    def _groups(peers: Iterable[_Peer]) -> dict[int, list[int]]:
-        """Peer ids by group, sorted."""
-        groups: dict[int, list[int]] = {}
-        for peer in peers:
-            groups.setdefault(peer.peer_group, []).append(peer.peer_id)
-        return {group: sorted(ids) for group, ids in groups.items()}
-
-    # --- helpers -------------------------------------------------------------------
-
-    def _apply(self, peer: _Peer, event: PeerEvent) -> None:
-        peer.state = transition(peer.state, event)
-
-    def _send(self, peer: _Peer, message: Message) -> None:
-        conn = self._conns[peer.conn]
-        conn.last_sent = self._now
-        self._actions.append(Send(conn=conn.conn, message=message))
-
-    def _kick(self, conn: _Conn, reason: str) -> None:
-        """Tell the peer why, close its connection, and remove it from the run."""
-        log.warning(
-            "kicking %s: %s",
-            f"peer {conn.peer.peer_id}" if conn.peer else f"connection {conn.conn}", reason,
-        )
-        self._actions.append(Send(conn=conn.conn, message=Kick(reason=reason)))
-        self._drop(conn, reason)
-
-    def _drop(self, conn: _Conn, reason: str) -> None:
-        """Forget a connection and its peer; pending consensus is re-checked by the caller."""
-        del self._conns[conn.conn]
-        self._actions.append(Close(conn=conn.conn, reason=reason))
-        peer = conn.peer
-        if peer is None:
-            return
-        del self._peers[peer.peer_id]
-        log.info("peer %d left: %s", peer.peer_id, reason)
-        if self._round is not None and peer.peer_id in self._round.participants:
-            self._round.participants.discard(peer.peer_id)
-            self._round.dropped = True
-        if peer.phase is PeerPhase.ACCEPTED:
-            self._stale_groups.add(peer.peer_group)
-            # The group's links and rings change: what was measured or searched for
-            # its old membership no longer applies.
-            store = self._bandwidth.get(peer.peer_group)
-            if store is not None:
-                store.forget(peer.peer_id)
-            self._cancel_search(peer.peer_group)
-            self._candidates.pop(peer.peer_group, None)
-        current = self._optimization
-        if current is not None and peer.peer_id in current.participants:
-            current.participants.discard(peer.peer_id)
-            current.outstanding.pop(peer.peer_id, None)  # nothing to wait for
-            if not current.participants:
-                for job in current.jobs:
-                    self._actions.append(CancelSolve(job=job))
-                self._optimization = None
-        for collective in list(self._collectives.values()):
-            if collective.group != peer.peer_group:
-                continue
-            collective.descriptors.pop(peer.peer_id, None)
-            if peer.peer_id in collective.participants:
-                collective.participants.discard(peer.peer_id)
-                collective.completed.discard(peer.peer_id)
-                self._abort(collective, f"peer {peer.peer_id} left the run ({reason})")
-            if not collective.seq and not collective.descriptors:
-                del self._collectives[(collective.group, collective.tag)]
-        self._unreachable = {
-            edge for edge in self._unreachable if peer.peer_id not in edge
-        }
-        sync = self._syncs.get(peer.peer_group)
-        if sync is not None:
-            sync.members.discard(peer.peer_id)
-            sync.done.discard(peer.peer_id)
-        if not any(
-            p.peer_group == peer.peer_group and p.phase is PeerPhase.ACCEPTED
-            for p in self._peers.values()
-        ):
-            # Nobody is left to hold the group's state: a new group may start anywhere.
-            self._expected_revision.pop(peer.peer_group, None)
+    def _peer_left(self, peer: Peer, reason: str) -> None:
+        """Every part forgets ``peer``, which the registry removed, in the one order (see
+        the module docstring); pending consensus is re-checked by the caller."""
+        self._rounds.peer_left(peer)  # the round fails; the group's ring is stale
+        self._optimizer.peer_left(peer)  # CancelSolve for a search or a last solve
+        self._collectives.peer_left(peer, reason)  # CollectiveAbort to the others
+        self._book.forget_edges(peer.peer_id)
+        self._syncs.peer_left(peer)

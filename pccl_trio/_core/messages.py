@@ -19,6 +19,7 @@ accepts only ``M2C`` kinds from the master.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import types
 import typing
@@ -45,6 +46,7 @@ __all__ = [
     "LinkMeasured",
     "MeasureLink",
     "Message",
+    "Outcome",
     "P2PEstablished",
     "P2PEstablishResult",
     "P2PHello",
@@ -62,6 +64,7 @@ __all__ = [
     "SharedStateRequest",
     "SharedStateResponse",
     "SharedStateVote",
+    "SyncStrategy",
     "TopologyOptimized",
     "VoteEstablish",
     "VoteOptimizeTopology",
@@ -84,10 +87,29 @@ DTYPE_NAMES = (
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
 DISTRIBUTION_HINT_NAMES = ("NONE", "NORMAL", "UNIFORM")
-#: ``CollectiveVerdict.outcome`` values.
-SUCCESS, ABORTED, REJECTED = 0, 1, 2
-OUTCOMES = (SUCCESS, ABORTED, REJECTED)
-STRATEGY_NAMES = ("ENFORCE_POPULAR", "RECEIVE_ONLY", "SEND_ONLY")
+
+
+class Outcome(enum.IntEnum):
+    """``CollectiveVerdict.outcome``: how a collective ended, the same for every voter."""
+
+    SUCCESS = 0
+    ABORTED = 1  # a peer failed, left or voted otherwise: retry once the ring is re-established
+    REJECTED = 2  # the peers disagree on the call, or a peer's data could not be reduced
+
+
+class SyncStrategy(enum.IntEnum):
+    """``SharedStateVote.strategy``: what a peer offers and accepts in a shared-state sync
+    (the public ``SharedStateSyncStrategy`` uses the same values)."""
+
+    ENFORCE_POPULAR = 0
+    RECEIVE_ONLY = 1
+    SEND_ONLY = 2
+
+
+OUTCOMES = tuple(Outcome)
+STRATEGY_NAMES = tuple(strategy.name for strategy in SyncStrategy)
+#: The outcomes under their former module-level names (the peer still imports these).
+SUCCESS, ABORTED, REJECTED = Outcome.SUCCESS, Outcome.ABORTED, Outcome.REJECTED
 #: Most bytes one benchmark request may ask for.
 MAX_BENCHMARK_BYTES = 1 << 30
 #: Largest group whose link matrices ``TopologyOptimized`` carries.

@@ -38,11 +38,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from .messages import DTYPE_NAMES, STRATEGY_NAMES, SharedStateEntry, SharedStateFetch
+from .messages import DTYPE_NAMES, SharedStateEntry, SharedStateFetch, SyncStrategy
 
-__all__ = ["ENFORCE_POPULAR", "RECEIVE_ONLY", "SEND_ONLY", "Ballot", "Election", "elect"]
+__all__ = [
+    "ENFORCE_POPULAR", "RECEIVE_ONLY", "SEND_ONLY", "Ballot", "Election", "SyncStrategy", "elect",
+]
 
-ENFORCE_POPULAR, RECEIVE_ONLY, SEND_ONLY = 0, 1, 2
+#: The strategies under their former module-level names (kept for existing imports).
+ENFORCE_POPULAR = SyncStrategy.ENFORCE_POPULAR
+RECEIVE_ONLY = SyncStrategy.RECEIVE_ONLY
+SEND_ONLY = SyncStrategy.SEND_ONLY
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,7 +55,7 @@ class Ballot:
     """One peer's shared-state vote."""
 
     revision: int
-    strategy: int
+    strategy: int  # a SyncStrategy value, as the vote carried it
     entries: tuple[SharedStateEntry, ...]
 
 
@@ -79,17 +84,17 @@ def elect(ballots: Mapping[int, Ballot], expected: int | None) -> Election:
     revision = _target_revision(voters, expected)
 
     strategies = {b.strategy for b in voters.values()}
-    if ENFORCE_POPULAR in strategies and len(strategies) > 1:
+    if SyncStrategy.ENFORCE_POPULAR in strategies and len(strategies) > 1:
         for peer_id, ballot in voters.items():
-            if ballot.strategy != ENFORCE_POPULAR:
+            if ballot.strategy != SyncStrategy.ENFORCE_POPULAR:
                 kicks[peer_id] = (
-                    f"shared-state strategy {STRATEGY_NAMES[ballot.strategy]} cannot be "
+                    f"shared-state strategy {SyncStrategy(ballot.strategy).name} cannot be "
                     "mixed with ENFORCE_POPULAR in one peer group; every peer of the group "
                     "must use ENFORCE_POPULAR, or each SEND_ONLY or RECEIVE_ONLY"
                 )
         voters = {p: b for p, b in voters.items() if p not in kicks}
 
-    candidates = {p: b for p, b in voters.items() if b.strategy != RECEIVE_ONLY}
+    candidates = {p: b for p, b in voters.items() if b.strategy != SyncStrategy.RECEIVE_ONLY}
     if not candidates:
         for peer_id in voters:
             kicks[peer_id] = (
@@ -113,7 +118,7 @@ def elect(ballots: Mapping[int, Ballot], expected: int | None) -> Election:
             if (popular.allow_content_inequality and outdated)
             or (not popular.allow_content_inequality and mine.hash != popular.hash)
         )
-        if ballot.strategy == SEND_ONLY and (dirty or outdated):
+        if ballot.strategy == SyncStrategy.SEND_ONLY and (dirty or outdated):
             kicks[peer_id] = (
                 "a SEND_ONLY peer must hold the popular shared state, but this peer "
                 + (f"is at revision {ballot.revision}, not {revision}" if outdated else
@@ -123,7 +128,7 @@ def elect(ballots: Mapping[int, Ballot], expected: int | None) -> Election:
         fetches[peer_id] = dirty
     distributors = tuple(
         peer_id for peer_id, dirty in fetches.items()
-        if not dirty and voters[peer_id].strategy != RECEIVE_ONLY
+        if not dirty and voters[peer_id].strategy != SyncStrategy.RECEIVE_ONLY
     )
     return Election(kicks=kicks, revision=revision, fetches=fetches, distributors=distributors)
 

@@ -1,0 +1,418 @@
+"""Establishment rounds, the rings they install, and the pending-peers vote.
+
+Theory of operation
+-------------------
+An *establishment round* (re-)builds one ring per peer group and has every
+participant connect to its ring neighbours. It starts once every ACCEPTED peer, in
+every peer group, voted ``VoteEstablish``; REGISTERED peers count as yes. If all
+voters asked to accept new peers, the REGISTERED peers join the round; a peer
+registering while a round runs waits for the next one. When no ACCEPTED peer is left
+(the first peer, or everyone else died), waiting peers are admitted at once.
+
+Each participant gets its ring, neighbours and world sizes (``P2PInfo``, CONNECTING),
+connects, and reports (``P2PEstablished``: WAITING, or CONNECT_FAILED). The round
+succeeds if every participant reports its neighbours reachable and none left
+meanwhile; every participant receives the same verdict (``P2PEstablishResult``) and
+is ACCEPTED from then on; after a failure they vote again. A participant that has not
+reported ``round_timeout`` seconds after the start is kicked, so that one stuck peer
+cannot stall the run.
+
+The :class:`RingBook` keeps what rounds learn for the other parts: the ring last
+installed per group, the edges a peer reported it could not reach (the next ring
+avoids them; when no ring can, the peer with the most unreachable edges is kicked),
+and the groups whose ring is *stale* (it lost a member, or its round failed) until a
+round succeeds: their collectives cannot run before.
+
+Before it builds a group's ring, a round lets the optimizer install a better ring
+found by a background search (``adopt_candidate``); otherwise the installed order is
+kept and newcomers are appended.
+
+The *pending-peers vote* is orthogonal to the states: when every ACCEPTED peer asked
+(``VotePeersPending``, only in ``peers.FREE_STATES``), each gets whether anyone waits
+to be admitted. A peer that waits in a vote blocking it (``peers.BLOCKED_BY``) will
+never ask: those who did are answered with an error instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
+
+from .errors import RemoteProtocolError
+from .messages import (
+    P2PEstablished,
+    P2PEstablishResult,
+    P2PInfo,
+    PeerEndpoint,
+    PeersPendingResult,
+    VoteEstablish,
+    VotePeersPending,
+    WorldSizes,
+)
+from .peers import (
+    FREE_STATES,
+    Call,
+    Peer,
+    PeerEvent,
+    PeerPhase,
+    PeerState,
+    PeerTable,
+    check_member_vote,
+    find_blocker,
+    out_of_order,
+)
+from .ring import find_ring
+
+__all__ = ["PendingVote", "RingBook", "Rounds"]
+
+log = logging.getLogger("pccl_trio.master")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RingBook:
+    """What the rounds learned about the rings, read by collectives and optimization."""
+
+    # Peer group -> the ring last installed (may name departed peers until the next
+    # round rebuilds it).
+    rings: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # (sender, receiver) links a round found unreachable, among peers still present.
+    unreachable: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    # Groups whose ring lost a member or failed to connect since its last successful
+    # round: their collectives cannot run until they re-establish.
+    stale_groups: set[int] = dataclasses.field(default_factory=set)
+
+    def forget_edges(self, peer_id: int) -> None:
+        """``peer_id`` left: its unreachable links no longer constrain any ring."""
+        self.unreachable = {edge for edge in self.unreachable if peer_id not in edge}
+
+    def blocked_indices(self, members: Sequence[int]) -> list[int]:
+        """Flat matrix indices of the links among ``members`` a round found unreachable."""
+        index = {p: i for i, p in enumerate(members)}
+        return [
+            index[a] * len(members) + index[b]
+            for a, b in self.unreachable if a in index and b in index
+        ]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Round:
+    """The establishment round running: who takes part, which rings, since when."""
+
+    number: int
+    participants: set[int]
+    rings: dict[int, list[int]]
+    started_at: float
+    failed: bool = False  # a participant could not reach a neighbour
+    dropped: bool = False  # a participant left
+
+
+class Rounds:
+    """Establishment rounds (see the module docstring).
+
+    Args:
+        table: the registry and outbox.
+        book: the rings, unreachable edges and stale groups this part maintains.
+        round_timeout: seconds a participant has to report after a round starts.
+        adopt_candidate: called before a group's ring is built, with the group and its
+            participants, so that a better ring found meanwhile can be installed.
+    """
+
+    def __init__(
+        self,
+        table: PeerTable,
+        book: RingBook,
+        *,
+        round_timeout: float,
+        adopt_candidate: Callable[[int, set[int]], None],
+    ) -> None:
+        self._table = table
+        self._book = book
+        self._round_timeout = round_timeout
+        self._adopt_candidate = adopt_candidate
+        self._current: _Round | None = None
+        self._next_round = 1
+
+    @property
+    def running(self) -> bool:
+        """Whether a round runs (until its verdict is sent)."""
+        return self._current is not None
+
+    # --- messages --------------------------------------------------------------------
+
+    def on_vote(self, peer: Peer, message: VoteEstablish) -> None:
+        """A member votes to (re-)establish the ring."""
+        check_member_vote(peer, message)
+        if self._current is not None and peer.peer_id in self._current.participants:
+            # CONNECT_FAILED allows a vote, but only once the verdict is out: a
+            # participant leaving CONNECT_FAILED early would stall the round.
+            raise RemoteProtocolError(
+                "VoteEstablish before the result of its establishment round"
+            )
+        peer.apply(PeerEvent.VOTE_ESTABLISH)
+        peer.accept_new_peers = message.accept_new_peers
+
+    def on_established(self, peer: Peer, message: P2PEstablished) -> None:
+        """A participant reports on connecting to its neighbours."""
+        number, failed = message.round, message.failed_peers
+        current = self._current
+        if current is None or peer.peer_id not in current.participants:
+            raise RemoteProtocolError("P2PEstablished outside an establishment round")
+        if number != current.number:
+            raise RemoteProtocolError(
+                f"P2PEstablished for round {number}, but round {current.number} is running"
+            )
+        if message.success:
+            peer.apply(PeerEvent.REPORT_CONNECTED)
+            return
+        peer.apply(PeerEvent.REPORT_FAILED)
+        current.failed = True
+        # The round has failed already: from now on its rings are stale, not only once
+        # its verdict is out (peers whose report failed may initiate meanwhile).
+        self._book.stale_groups.update(current.rings)
+        for other in failed:
+            if other in self._table.peers and other != peer.peer_id:
+                self._book.unreachable.add((peer.peer_id, other))
+        log.warning("round %d: peer %d could not reach %s", number, peer.peer_id, list(failed))
+
+    # --- consensus -------------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Finish the running round once every participant reported, and start the next
+        once every member voted; repeat while either happens (the end of a round can
+        make a new one startable, e.g. when all voters died)."""
+        while True:
+            if self._current is not None:
+                if not self._try_finish():
+                    break
+            elif not self._try_start():
+                break
+
+    def start(self, accept_new: bool) -> None:
+        """Start a round of every ACCEPTED peer, and of the REGISTERED ones if
+        ``accept_new``; first kick any peer no ring can include."""
+        while True:
+            participants = [
+                p for p in self._table.peers.values()
+                if p.phase is PeerPhase.ACCEPTED
+                or (accept_new and p.phase is PeerPhase.REGISTERED)
+            ]
+            rings, unplaceable = self._build_rings(participants)
+            if unplaceable is None:
+                break
+            # No ring avoids the edges reported unreachable: remove the peer most of
+            # them touch so the rest of the run can go on.
+            self._table.kick_peer(
+                unplaceable,
+                "no ring can include this peer: it could not reach, or be reached by, "
+                "enough peers (check firewalls and the address it advertises)",
+            )
+        current = _Round(
+            number=self._next_round,
+            participants={p.peer_id for p in participants},
+            rings=rings,
+            started_at=self._table.now,
+        )
+        self._next_round += 1
+        self._current = current
+        log.info(
+            "round %d: establishing rings %s (accepting new peers: %s)",
+            current.number, rings, accept_new,
+        )
+        worlds = _world_sizes(participants)
+        for peer in participants:
+            peer.apply(PeerEvent.ROUND_START)
+            peer.pending_vote = False
+            ring = rings[peer.peer_group]
+            self._table.send(
+                peer,
+                P2PInfo(
+                    round=current.number,
+                    ring=tuple(ring),
+                    neighbours=self._neighbours(peer.peer_id, ring),
+                    world=worlds[peer.peer_group],
+                ),
+            )
+
+    def _try_start(self) -> bool:
+        """Start a round once every member voted (with no member, at once if a peer
+        waits to be admitted); whether one started."""
+        accepted = self._table.accepted()
+        if accepted:
+            if not all(p.state is PeerState.VOTE_ESTABLISH for p in accepted):
+                return False
+            accept_new = all(p.accept_new_peers for p in accepted)
+        elif self._table.anyone_waiting():
+            accept_new = True  # nobody to ask: admit the waiting peers
+        else:
+            return False
+        self.start(accept_new)
+        return True
+
+    def _build_rings(
+        self, participants: Iterable[Peer]
+    ) -> tuple[dict[int, list[int]], Peer | None]:
+        """One ring per peer group, or the peer to remove if some group has none."""
+        groups: dict[int, list[int]] = {}
+        for peer in participants:
+            groups.setdefault(peer.peer_group, []).append(peer.peer_id)
+        rings: dict[int, list[int]] = {}
+        for group, members in groups.items():
+            member_set = set(members)
+            self._adopt_candidate(group, member_set)
+            kept = [p for p in self._book.rings.get(group, ()) if p in member_set]
+            preferred = kept + sorted(member_set.difference(kept))
+            blocked = {
+                (a, b) for (a, b) in self._book.unreachable
+                if a in member_set and b in member_set
+            }
+            ring = find_ring(preferred, blocked)
+            if ring is None:
+                touches: dict[int, int] = {}
+                for a, b in blocked:
+                    touches[a] = touches.get(a, 0) + 1
+                    touches[b] = touches.get(b, 0) + 1
+                worst = max(touches, key=lambda p: (touches[p], p))
+                return rings, self._table.peers[worst]
+            rings[group] = ring
+        return rings, None
+
+    def _neighbours(self, peer_id: int, ring: Sequence[int]) -> tuple[PeerEndpoint, ...]:
+        """Where ``peer_id``'s ring neighbours listen (once each; none when alone)."""
+        if len(ring) < 2:
+            return ()
+        index = ring.index(peer_id)
+        ids = dict.fromkeys((ring[index - 1], ring[(index + 1) % len(ring)]))
+        return tuple(self._table.endpoint(i) for i in ids)
+
+    def _try_finish(self) -> bool:
+        """Send the verdict once every participant reported; whether it was sent."""
+        current = self._current
+        assert current is not None
+        members = [self._table.peers[p] for p in current.participants]
+        if not all(p.state in (PeerState.WAITING, PeerState.CONNECT_FAILED) for p in members):
+            return False
+        self._current = None
+        success = not current.failed and not current.dropped
+        for group, ring in current.rings.items():
+            self._book.rings[group] = [p for p in ring if p in self._table.peers]
+        worlds = _world_sizes(members)
+        if success:
+            self._book.stale_groups.difference_update(current.rings)
+        else:
+            self._book.stale_groups.update(current.rings)
+        event = PeerEvent.ROUND_SUCCEEDED if success else PeerEvent.ROUND_FAILED
+        for peer in members:
+            peer.phase = PeerPhase.ACCEPTED
+            peer.apply(event)
+            self._table.send(
+                peer,
+                P2PEstablishResult(
+                    round=current.number,
+                    success=success,
+                    ring=tuple(self._book.rings[peer.peer_group]),
+                    world=worlds[peer.peer_group],
+                ),
+            )
+        log.info(
+            "round %d %s: %d peers in %d groups",
+            current.number, "succeeded" if success else "failed", len(members), len(worlds),
+        )
+        return True
+
+    # --- removal and time ------------------------------------------------------------
+
+    def peer_left(self, peer: Peer) -> None:
+        """The running round fails without ``peer``; a member's group ring is stale."""
+        if self._current is not None and peer.peer_id in self._current.participants:
+            self._current.participants.discard(peer.peer_id)
+            self._current.dropped = True
+        if peer.phase is PeerPhase.ACCEPTED:
+            self._book.stale_groups.add(peer.peer_group)
+
+    def deadline(self) -> float:
+        """When the running round times out (``inf``: none runs)."""
+        if self._current is None:
+            return math.inf
+        return self._current.started_at + self._round_timeout
+
+    def kick_late(self) -> bool:
+        """Kick the participants that did not report in time; whether any was late."""
+        current = self._current
+        if current is None or self._table.now < current.started_at + self._round_timeout:
+            return False
+        late = [
+            self._table.peers[p] for p in sorted(current.participants)
+            if self._table.peers[p].state is PeerState.CONNECTING
+        ]
+        for peer in late:
+            self._table.kick_peer(
+                peer,
+                f"did not report on its p2p connections within {self._round_timeout}s "
+                f"of round {current.number}'s start",
+            )
+        return bool(late)
+
+
+def _world_sizes(participants: Sequence[Peer]) -> dict[int, WorldSizes]:
+    """Each group's view of the run's sizes, by group."""
+    sizes: dict[int, int] = {}
+    for peer in participants:
+        sizes[peer.peer_group] = sizes.get(peer.peer_group, 0) + 1
+    return {
+        group: WorldSizes(
+            global_world_size=len(participants),
+            peer_group_world_size=size,
+            num_distinct_peer_groups=len(sizes),
+            largest_peer_group_world_size=max(sizes.values()),
+        )
+        for group, size in sizes.items()
+    }
+
+
+class PendingVote:
+    """The pending-peers vote (see the module docstring)."""
+
+    def __init__(self, table: PeerTable) -> None:
+        self._table = table
+
+    def on_vote(self, peer: Peer, message: VotePeersPending) -> None:
+        """A member asks whether peers wait to be admitted."""
+        if peer.phase is not PeerPhase.ACCEPTED:
+            raise RemoteProtocolError("VotePeersPending before being accepted into the run")
+        if peer.pending_vote:
+            raise RemoteProtocolError("VotePeersPending twice in one vote")
+        if peer.state not in FREE_STATES:
+            raise RemoteProtocolError(
+                f"VotePeersPending is not allowed in state {peer.state.name}"
+            )
+        peer.pending_vote = True
+
+    def advance(self) -> None:
+        """Refuse the askers a vote blocks; answer everyone once every member asked."""
+        accepted = self._table.accepted()
+        refused = False
+        for peer in accepted:
+            if not peer.pending_vote:
+                continue
+            # A peer blocked in a topology vote (any group's: rounds are global) or a
+            # sync vote (its own group's) will never ask: answer those who did with an
+            # error rather than leave both sides waiting for each other.
+            blocker = find_blocker(Call.ARE_PEERS_PENDING, peer.peer_group, accepted)
+            if blocker is None:
+                continue
+            refused = True
+            peer.pending_vote = False
+            self._table.send(
+                peer,
+                PeersPendingResult(
+                    pending=False, error=out_of_order(blocker, Call.ARE_PEERS_PENDING)
+                ),
+            )
+        if refused or not accepted or not all(p.pending_vote for p in accepted):
+            return
+        pending = self._table.anyone_waiting()
+        for peer in accepted:
+            peer.pending_vote = False
+            self._table.send(peer, PeersPendingResult(pending=pending))

@@ -1,0 +1,191 @@
+"""Shared-state syncs: one peer group's vote, election, distribution and completion.
+
+Theory of operation
+-------------------
+A sync is a vote of one peer group. Each member votes ``SharedStateVote`` (VOTE_SYNC)
+with its *ballot*: revision, strategy and one entry per tensor. A vote whose revision
+skips ahead of the one the group expects next is refused at once (the peer is kicked:
+revisions advance by exactly one per sync). Once every accepted member of the group
+voted, :func:`shared_state.elect` decides, as a pure function of the ballots: who is
+kicked, which revision everyone holds afterwards, who fetches which keys, and who may
+distribute them. Every remaining voter gets its ``SharedStatePlan`` (SYNCING), fetches
+from the distributors peer to peer, and reports ``SharedStateDone`` (SYNC_DONE); when
+all have, each gets ``SharedStateComplete`` (IDLE) and the group expects the next
+revision.
+
+A vote the group cannot complete is refused rather than left waiting: when a member
+waits in a topology vote (``peers.BLOCKED_BY``), or when the election left nobody who
+may send the popular state. Refused voters get a plan with ``error`` and are IDLE.
+A peer that leaves is no longer waited for; when a group's last member leaves, its
+expected revision is forgotten (a new group may start from any revision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+
+from .errors import RemoteProtocolError
+from .messages import SharedStateComplete, SharedStateDone, SharedStatePlan, SharedStateVote
+from .peers import (
+    Call,
+    Peer,
+    PeerEvent,
+    PeerPhase,
+    PeerState,
+    PeerTable,
+    check_member_vote,
+    find_blocker,
+    out_of_order,
+)
+from .shared_state import Ballot, elect
+
+__all__ = ["Syncs"]
+
+log = logging.getLogger("pccl_trio.master")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Sync:
+    """A peer group's shared-state sync, from the election to the last peer's report."""
+
+    number: int
+    members: set[int]
+    done: set[int] = dataclasses.field(default_factory=set)
+
+
+class Syncs:
+    """The shared-state syncs of every peer group."""
+
+    def __init__(self, table: PeerTable) -> None:
+        self._table = table
+        # Per peer group: the revision the next sync expects (absent before the first
+        # sync), and the sync in its distribution phase.
+        self._expected_revision: dict[int, int] = {}
+        self._running: dict[int, _Sync] = {}
+        self._next_sync = 1
+
+    def on_vote(self, peer: Peer, message: SharedStateVote) -> None:
+        """A member votes its shared state."""
+        check_member_vote(peer, message)
+        peer.apply(PeerEvent.VOTE_SYNC)
+        expected = self._expected_revision.get(peer.peer_group)
+        if expected is not None and message.revision > expected:
+            self._table.kick_peer(
+                peer,
+                f"shared-state revision {message.revision} skips ahead of revision "
+                f"{expected}, the next one of peer group {peer.peer_group}: each sync must "
+                "advance the revision by exactly one",
+            )
+            return
+        peer.ballot = Ballot(
+            revision=message.revision, strategy=message.strategy, entries=message.entries
+        )
+
+    def on_done(self, peer: Peer, message: SharedStateDone) -> None:
+        """A member finished its part of the running sync (fetched, or failed to)."""
+        number = message.sync
+        sync = self._running.get(peer.peer_group)
+        if sync is None or sync.number != number or peer.peer_id not in sync.members:
+            raise RemoteProtocolError(f"SharedStateDone for sync {number}, which is not running")
+        peer.apply(PeerEvent.REPORT_SYNCED)
+        sync.done.add(peer.peer_id)
+        if not message.success:
+            log.warning(
+                "sync %d: peer %d could not fetch the shared state: %s",
+                number, peer.peer_id, message.reason,
+            )
+
+    def advance(self) -> None:
+        """Complete the syncs every member reported, then refuse or start the votes
+        that can no longer wait or are complete."""
+        for group, sync in list(self._running.items()):
+            if sync.members <= sync.done:
+                del self._running[group]
+                for peer_id in sorted(sync.members):
+                    peer = self._table.peers[peer_id]
+                    peer.apply(PeerEvent.SYNC_COMPLETE)
+                    self._table.send(peer, SharedStateComplete(sync=sync.number))
+                log.info("sync %d of peer group %d complete", sync.number, group)
+        groups: dict[int, list[Peer]] = {}
+        for peer in self._table.accepted():
+            groups.setdefault(peer.peer_group, []).append(peer)
+        for group, members in groups.items():
+            voters = [p for p in members if p.state is PeerState.VOTE_SYNC]
+            if not voters:
+                continue
+            blocker = find_blocker(Call.SYNC_SHARED_STATE, group, members)
+            if blocker is not None:
+                self._refuse(voters, out_of_order(blocker, Call.SYNC_SHARED_STATE))
+            elif len(voters) == len(members):
+                self._start(group, voters)
+
+    def peer_left(self, peer: Peer) -> None:
+        """Stop waiting for ``peer``'s report; forget the group's revision if it was the
+        group's last member."""
+        sync = self._running.get(peer.peer_group)
+        if sync is not None:
+            sync.members.discard(peer.peer_id)
+            sync.done.discard(peer.peer_id)
+        if not any(
+            p.peer_group == peer.peer_group and p.phase is PeerPhase.ACCEPTED
+            for p in self._table.peers.values()
+        ):
+            # Nobody is left to hold the group's state: a new group may start anywhere.
+            self._expected_revision.pop(peer.peer_group, None)
+
+    def _refuse(self, voters: Sequence[Peer], reason: str) -> None:
+        """End the voters' vote with ``reason``; their shared state stays as it is."""
+        for peer in voters:
+            assert peer.ballot is not None
+            peer.apply(PeerEvent.SYNC_REFUSED)
+            self._table.send(
+                peer,
+                SharedStatePlan(
+                    sync=0, revision=peer.ballot.revision, fetches=(), distributors=(),
+                    error=reason,
+                ),
+            )
+            peer.ballot = None
+
+    def _start(self, group: int, voters: Sequence[Peer]) -> None:
+        """Elect and send every remaining voter its plan (see the module docstring)."""
+        ballots = {p.peer_id: p.ballot for p in voters if p.ballot is not None}
+        election = elect(ballots, self._expected_revision.get(group))
+        for peer_id, reason in sorted(election.kicks.items()):
+            self._table.kick_peer(self._table.peers[peer_id], reason)
+        remaining = [p for p in voters if p.peer_id in election.fetches]
+        if not remaining:
+            return
+        if not election.distributors and any(election.fetches.values()):
+            self._refuse(
+                remaining,
+                "no peer that holds the popular shared state may send it (the peers "
+                "holding it were removed); synchronize again",
+            )
+            return
+        number = self._next_sync
+        self._next_sync += 1
+        self._expected_revision[group] = election.revision + 1
+        self._running[group] = _Sync(number=number, members={p.peer_id for p in remaining})
+        log.info(
+            "sync %d of peer group %d: revision %d, distributors %s, fetching %s",
+            number, group, election.revision, list(election.distributors),
+            {p: len(f) for p, f in election.fetches.items() if f},
+        )
+        for peer in remaining:
+            peer.apply(PeerEvent.SYNC_START)
+            peer.ballot = None
+            distributors = tuple(
+                self._table.endpoint(d) for d in election.distributors if d != peer.peer_id
+            )
+            self._table.send(
+                peer,
+                SharedStatePlan(
+                    sync=number,
+                    revision=election.revision,
+                    fetches=election.fetches[peer.peer_id],
+                    distributors=distributors,
+                ),
+            )
