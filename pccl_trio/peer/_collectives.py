@@ -37,14 +37,13 @@ import numpy as np
 import trio
 
 from .._core.messages import (
-    REJECTED,
-    SUCCESS,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
     CollectiveInitiate,
     CollectiveVerdict,
     Message,
+    Outcome,
 )
 from .._errors import (
     CollectiveAborted,
@@ -406,18 +405,18 @@ class AllReduces:
             raise
         self._end(attempt)
         try:
-            if verdict.outcome == SUCCESS and local_ok:
+            if verdict.outcome == Outcome.SUCCESS and local_ok:
                 return ReduceInfo(
                     world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes,
                     clamped=attempt.clamped,
                 )
             await attempt.settle()
-            if verdict.outcome == REJECTED and not verdict.seq:
+            if verdict.outcome == Outcome.REJECTED and not verdict.seq:
                 attempt.restore()  # nothing was written, but keep the rule simple
                 raise _Rejected(verdict.reason)
             reason = verdict.reason or attempt.failure or "a peer failed"
             await self._after_abort(attempt)
-            if verdict.outcome == REJECTED:
+            if verdict.outcome == Outcome.REJECTED:
                 # A peer's data could not be reduced: retrying would fail alike.
                 raise _Rejected(
                     f"the all-reduce with tag {tag} failed for every peer: {reason}; the "

@@ -17,6 +17,7 @@ their arguments and delegate:
 * ``AllReduces`` (``_collectives``): all-reduce calls, attempts and verdicts;
 * ``SharedStateSync`` (``_sync``) and ``TopologyOptimizer`` (``_optimize``).
 
+The four features take the parts below them as one ``PeerContext`` (``_context``).
 Parts depend only on parts listed before them; the two places where a lower part
 must reach a higher one are wired here, as registrations: the master session's
 routes (a ``CollectiveCommence`` makes its attempt reachable, a ``P2PInfo`` admits the

@@ -24,9 +24,9 @@ import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-import numpy as np
 import trio
 
+from .._core.bandwidth import link_matrices
 from .._core.messages import (
     LinkMeasured,
     MeasureLink,
@@ -52,17 +52,9 @@ log = logging.getLogger("pccl_trio.peer")
 
 def _topology_info(message: TopologyOptimized) -> TopologyInfo:
     """The master's report as the public record (matrices of NaN if it left them out)."""
-    n = len(message.peers)
-    bandwidth = np.full((n, n), np.nan)
-    latency = np.full((n, n), np.nan)
-    if message.bandwidth:
-        bandwidth = np.array(message.bandwidth, dtype=np.float64).reshape(n, n)
-        latency = np.array(message.latency, dtype=np.float64).reshape(n, n)
-        latency[bandwidth == 0] = np.nan
-        bandwidth[bandwidth == 0] = np.nan
-        bandwidth.flat[list(message.unreachable)] = 0.0
-        np.fill_diagonal(bandwidth, np.nan)
-        np.fill_diagonal(latency, np.nan)
+    bandwidth, latency = link_matrices(
+        len(message.peers), message.bandwidth, message.latency, message.unreachable
+    )
     return TopologyInfo(
         peers=message.peers,
         bandwidth=bandwidth,
