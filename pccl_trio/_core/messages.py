@@ -11,6 +11,9 @@ was built locally or decoded from the network. Decoding anything else (an unknow
 kind, a wrong field count, a wrong type, an out-of-range integer) raises
 ``RemoteProtocolError`` naming the message and field.
 
+The record machinery (type checks, the kind registry, the msgpack codec) is in
+``records``; this module declares the messages.
+
 Directions: ``C2M`` messages go from a peer to the master, ``M2C`` from the master to
 a peer, ``P2P`` between peers. The master accepts only ``C2M`` kinds from peers; a peer
 accepts only ``M2C`` kinds from the master.
@@ -20,15 +23,23 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
-import types
 import typing
-from collections.abc import Mapping
-from typing import Any, ClassVar, TypeVar
-
-import msgpack
 
 from .errors import RemoteProtocolError
+from .records import (
+    C2M,
+    M2C,
+    P2P,
+    U16_MAX,
+    U32_MAX,
+    Message,
+    Record,
+    decode_message,
+    encode_message,
+    message,
+    message_kinds,
+    record,
+)
 
 __all__ = [
     "BenchmarkRequest",
@@ -73,6 +84,7 @@ __all__ = [
     "WorldSizes",
     "decode_message",
     "encode_message",
+    "message_kinds",
 ]
 
 #: Bumped whenever the wire format or a message changes incompatibly.
@@ -117,105 +129,13 @@ MATRIX_LIMIT = 128
 #: Longest shared-state key, in characters.
 MAX_KEY = 1024
 
-U16_MAX = (1 << 16) - 1
-U32_MAX = (1 << 32) - 1
-U64_MAX = (1 << 64) - 1
-MAX_STRING = 4096
-MAX_SEQUENCE = 1 << 16
-
-
-def _check(value: Any, hint: Any, where: str) -> None:
-    """Raise ``RemoteProtocolError`` unless ``value`` matches the type ``hint``."""
-    origin = typing.get_origin(hint)
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
-    elif hint is float:
-        ok = (
-            isinstance(value, int | float)
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-        )
-    elif hint is str:
-        ok = isinstance(value, str) and len(value) <= MAX_STRING
-    elif hint is bytes:
-        ok = isinstance(value, bytes) and len(value) <= MAX_STRING
-    elif origin is tuple:
-        (item_hint, _ellipsis) = typing.get_args(hint)
-        if not isinstance(value, tuple):
-            raise RemoteProtocolError(f"{where}: expected a sequence, got {type(value).__name__}")
-        if len(value) > MAX_SEQUENCE:
-            raise RemoteProtocolError(
-                f"{where}: {len(value)} items exceed the limit of {MAX_SEQUENCE}"
-            )
-        for index, item in enumerate(value):
-            _check(item, item_hint, f"{where}[{index}]")
-        return
-    elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        ok = isinstance(value, hint)
-    else:  # pragma: no cover - a message declared a field type this module can't check
-        raise TypeError(f"{where}: unsupported field type {hint!r}")
-    if not ok:
-        raise RemoteProtocolError(f"{where}: invalid value {value!r:.80} for a field of type "
-                                  f"{getattr(hint, '__name__', hint)}")
-
-
-class _Record:
-    """Mixin: type-check every field of a frozen dataclass after construction."""
-
-    _HINTS: ClassVar[Mapping[str, Any]] = types.MappingProxyType({})
-
-    def __post_init__(self) -> None:
-        for name, hint in type(self)._HINTS.items():
-            _check(getattr(self, name), hint, f"{type(self).__name__}.{name}")
-        self._validate()
-
-    def _validate(self) -> None:
-        """Extra range checks beyond the field types; raise ``RemoteProtocolError``."""
-
-
-class Message(_Record):
-    """Base of all control messages."""
-
-    KIND: ClassVar[int]
-    DIRECTION: ClassVar[str]
-
-
-C2M = "c2m"
-M2C = "m2c"
-P2P = "p2p"
-
-_BY_KIND: dict[int, type[Message]] = {}
-_R = TypeVar("_R", bound=type[_Record])
-
-
-def _record(cls: _R) -> _R:
-    hints = typing.get_type_hints(cls)
-    cls._HINTS = types.MappingProxyType(
-        {field.name: hints[field.name] for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    )
-    return cls
-
-
-def _message(kind: int, direction: str) -> typing.Callable[[_R], _R]:
-    def register(cls: _R) -> _R:
-        assert issubclass(cls, Message)
-        assert kind not in _BY_KIND, f"message kind {kind} registered twice"
-        cls.KIND = kind
-        cls.DIRECTION = direction
-        _BY_KIND[kind] = cls
-        return _record(cls)
-
-    return register
-
 
 # --- nested records -------------------------------------------------------------
 
 
-@_record
+@record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class PeerEndpoint(_Record):
+class PeerEndpoint(Record):
     """Where a peer accepts p2p connections."""
 
     peer_id: int
@@ -227,9 +147,9 @@ class PeerEndpoint(_Record):
             raise RemoteProtocolError(f"PeerEndpoint.port: {self.port} is not a TCP port")
 
 
-@_record
+@record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class WorldSizes(_Record):
+class WorldSizes(Record):
     """The four world-size attributes of one peer's view of the run."""
 
     global_world_size: int
@@ -243,9 +163,9 @@ def _check_key(key: str, where: str) -> None:
         raise RemoteProtocolError(f"{where}: a shared-state key has 1 to {MAX_KEY} characters")
 
 
-@_record
+@record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateEntry(_Record):
+class SharedStateEntry(Record):
     """One tensor of a peer's shared state, as it votes: what the master compares."""
 
     key: str
@@ -263,9 +183,9 @@ class SharedStateEntry(_Record):
         return f"{self.count} x {DTYPE_NAMES[self.dtype]}"
 
 
-@_record
+@record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateFetch(_Record):
+class SharedStateFetch(Record):
     """A tensor a peer must fetch, and the hash it must have (unless not ``verify``)."""
 
     key: str
@@ -276,9 +196,9 @@ class SharedStateFetch(_Record):
         _check_key(self.key, "SharedStateFetch.key")
 
 
-@_record
+@record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateRange(_Record):
+class SharedStateRange(Record):
     """Bytes ``[offset, offset + nbytes)`` of one shared-state tensor."""
 
     key: str
@@ -289,13 +209,6 @@ class SharedStateRange(_Record):
         _check_key(self.key, "SharedStateRange.key")
 
 
-_NESTED: dict[type, type[_Record]] = {
-    PeerEndpoint: PeerEndpoint,
-    WorldSizes: WorldSizes,
-    SharedStateEntry: SharedStateEntry,
-    SharedStateFetch: SharedStateFetch,
-    SharedStateRange: SharedStateRange,
-}
 
 
 def _check_unique_keys(keys: typing.Iterable[str], where: str) -> None:
@@ -308,7 +221,7 @@ def _check_unique_keys(keys: typing.Iterable[str], where: str) -> None:
 # --- peer -> master ---------------------------------------------------------------
 
 
-@_message(1, C2M)
+@message(1, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Register(Message):
     """First message on a master link: join the run."""
@@ -325,13 +238,13 @@ class Register(Message):
             raise RemoteProtocolError(f"Register.p2p_port: {self.p2p_port} is not a TCP port")
 
 
-@_message(2, C2M)
+@message(2, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Heartbeat(Message):
     """Sent both ways on a quiet master link so silence can be told from calm."""
 
 
-@_message(3, C2M)
+@message(3, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class VoteEstablish(Message):
     """Vote to (re-)establish the ring; ``accept_new_peers`` also admits pending peers."""
@@ -339,7 +252,7 @@ class VoteEstablish(Message):
     accept_new_peers: bool
 
 
-@_message(4, C2M)
+@message(4, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PEstablished(Message):
     """Report on connecting to the ring neighbours the master named in ``round``."""
@@ -349,13 +262,13 @@ class P2PEstablished(Message):
     failed_peers: tuple[int, ...] = ()
 
 
-@_message(5, C2M)
+@message(5, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class VotePeersPending(Message):
     """Vote to learn whether peers are waiting to be accepted."""
 
 
-@_message(6, C2M)
+@message(6, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveInitiate(Message):
     """Vote to run all-reduce ``tag``; every peer of the group must describe it alike."""
@@ -392,7 +305,7 @@ class CollectiveInitiate(Message):
         return text
 
 
-@_message(7, C2M)
+@message(7, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveComplete(Message):
     """This peer is done with attempt ``seq`` of ``tag``; ``aborted``: it failed locally.
@@ -408,7 +321,7 @@ class CollectiveComplete(Message):
     invalid: str = ""  # non-empty implies aborted
 
 
-@_message(8, C2M)
+@message(8, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateVote(Message):
     """Vote to synchronize the shared state: its revision, strategy and entries."""
@@ -423,7 +336,7 @@ class SharedStateVote(Message):
         _check_unique_keys((e.key for e in self.entries), "SharedStateVote.entries")
 
 
-@_message(9, C2M)
+@message(9, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateDone(Message):
     """This peer's part of shared-state sync ``sync`` is over: it holds the state
@@ -434,13 +347,13 @@ class SharedStateDone(Message):
     reason: str = ""
 
 
-@_message(10, C2M)
+@message(10, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class VoteOptimizeTopology(Message):
     """Vote to measure the links not measured yet and re-order the rings by them."""
 
 
-@_message(11, C2M)
+@message(11, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class LinkMeasured(Message):
     """The link from peer ``sender`` to this peer, measured for ``optimization``:
@@ -464,7 +377,7 @@ class LinkMeasured(Message):
 # --- master -> peer ---------------------------------------------------------------
 
 
-@_message(64, M2C)
+@message(64, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Welcome(Message):
     """Registration accepted: the peer's id and the liveness timers to use."""
@@ -474,7 +387,7 @@ class Welcome(Message):
     liveness_timeout: float
 
 
-@_message(65, M2C)
+@message(65, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Kick(Message):
     """The master is removing this peer; the connection closes after this frame."""
@@ -482,7 +395,7 @@ class Kick(Message):
     reason: str
 
 
-@_message(66, M2C)
+@message(66, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PInfo(Message):
     """Start of a p2p establishment round: whom to connect to."""
@@ -493,7 +406,7 @@ class P2PInfo(Message):
     world: WorldSizes
 
 
-@_message(67, M2C)
+@message(67, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PEstablishResult(Message):
     """End of an establishment round, the same verdict for every participant."""
@@ -504,7 +417,7 @@ class P2PEstablishResult(Message):
     world: WorldSizes
 
 
-@_message(68, M2C)
+@message(68, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PeersPendingResult(Message):
     """The answer to a pending-peers vote; ``error`` non-empty: the vote was refused."""
@@ -513,7 +426,7 @@ class PeersPendingResult(Message):
     error: str = ""
 
 
-@_message(69, M2C)
+@message(69, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveCommence(Message):
     """Every peer of the group initiated ``tag`` alike: run it as attempt ``seq``."""
@@ -523,7 +436,7 @@ class CollectiveCommence(Message):
     ring: tuple[int, ...]
 
 
-@_message(70, M2C)
+@message(70, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveAbort(Message):
     """Stop attempt ``seq`` now (the verdict will say aborted); ``reason`` says why."""
@@ -533,7 +446,7 @@ class CollectiveAbort(Message):
     reason: str
 
 
-@_message(71, M2C)
+@message(71, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveVerdict(Message):
     """The one final outcome of a collective for this peer (``seq`` 0: never ran)."""
@@ -548,7 +461,7 @@ class CollectiveVerdict(Message):
             raise RemoteProtocolError(f"CollectiveVerdict.outcome: unknown outcome {self.outcome}")
 
 
-@_message(72, M2C)
+@message(72, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStatePlan(Message):
     """The outcome of a shared-state vote for this peer: after sync ``sync`` it holds
@@ -565,7 +478,7 @@ class SharedStatePlan(Message):
         _check_unique_keys((f.key for f in self.fetches), "SharedStatePlan.fetches")
 
 
-@_message(73, M2C)
+@message(73, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateComplete(Message):
     """Every peer of the group is done with sync ``sync``: distributors stop serving."""
@@ -573,7 +486,7 @@ class SharedStateComplete(Message):
     sync: int
 
 
-@_message(74, M2C)
+@message(74, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MeasureLink(Message):
     """Measure the link from ``source`` to this peer and report it (``LinkMeasured``)."""
@@ -582,7 +495,7 @@ class MeasureLink(Message):
     source: PeerEndpoint
 
 
-@_message(75, M2C)
+@message(75, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class TopologyOptimized(Message):
     """The end of ``optimization`` for this peer's group; an establishment round of the
@@ -631,7 +544,7 @@ class TopologyOptimized(Message):
 # --- peer <-> peer ----------------------------------------------------------------
 
 
-@_message(128, P2P)
+@message(128, P2P)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PHello(Message):
     """First frame of a p2p connection: who connects, and into which pool slot."""
@@ -641,13 +554,13 @@ class P2PHello(Message):
     slot: int
 
 
-@_message(129, P2P)
+@message(129, P2P)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PHelloAck(Message):
     """The listener stored the connection; data may flow."""
 
 
-@_message(130, P2P)
+@message(130, P2P)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateRequest(Message):
     """First frame of a shared-state connection: send me these byte ranges of the state
@@ -664,7 +577,7 @@ class SharedStateRequest(Message):
             raise RemoteProtocolError("SharedStateRequest.frame_bytes: must be at least 1")
 
 
-@_message(131, P2P)
+@message(131, P2P)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateResponse(Message):
     """The answer to a request: ``error`` empty means the ranges follow as data frames,
@@ -673,7 +586,7 @@ class SharedStateResponse(Message):
     error: str = ""
 
 
-@_message(132, P2P)
+@message(132, P2P)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class BenchmarkRequest(Message):
     """On a benchmark connection: send me ``nbytes`` of data frames (each at most
@@ -691,77 +604,3 @@ class BenchmarkRequest(Message):
             )
         if self.frame_bytes == 0:
             raise RemoteProtocolError("BenchmarkRequest.frame_bytes: must be at least 1")
-
-
-# --- codec ------------------------------------------------------------------------
-
-
-def _to_wire(value: Any) -> Any:
-    if isinstance(value, _Record):
-        return [_to_wire(getattr(value, name)) for name in type(value)._HINTS]
-    if isinstance(value, tuple):
-        return [_to_wire(item) for item in value]
-    return value
-
-
-def _from_wire(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise RemoteProtocolError(f"{where}: expected an array, got {type(value).__name__}")
-        (item_hint, _ellipsis) = typing.get_args(hint)
-        return tuple(_from_wire(item, item_hint, f"{where}[{i}]") for i, item in enumerate(value))
-    if isinstance(hint, type) and hint in _NESTED:
-        return _build(hint, value, where)
-    return value
-
-
-def _build(cls: type[_Record], fields: Any, where: str) -> Any:
-    hints = cls._HINTS
-    if not isinstance(fields, list) or len(fields) != len(hints):
-        raise RemoteProtocolError(
-            f"{where}: expected {len(hints)} fields, got "
-            f"{len(fields) if isinstance(fields, list) else type(fields).__name__}"
-        )
-    kwargs = {
-        name: _from_wire(value, hint, f"{where}.{name}")
-        for (name, hint), value in zip(hints.items(), fields, strict=True)
-    }
-    try:
-        return cls(**kwargs)
-    except RemoteProtocolError:
-        raise
-    except (TypeError, ValueError) as exc:  # pragma: no cover - defensive
-        raise RemoteProtocolError(f"{where}: {exc}") from exc
-
-
-def encode_message(message: Message) -> bytes:
-    """Encode the fields of ``message`` (its kind travels in the frame header)."""
-    return msgpack.packb(_to_wire(message), use_bin_type=True)  # type: ignore[no-any-return]
-
-
-def decode_message(kind: int, payload: bytes | memoryview) -> Message:
-    """Decode and validate one control message.
-
-    Raises:
-        RemoteProtocolError: unknown kind, undecodable msgpack, or invalid fields.
-    """
-    cls = _BY_KIND.get(kind)
-    if cls is None:
-        raise RemoteProtocolError(f"unknown message kind {kind}")
-    try:
-        fields = msgpack.unpackb(
-            payload,
-            raw=False,
-            strict_map_key=True,
-            use_list=True,
-        )
-    except Exception as exc:  # msgpack raises a zoo of types for garbage
-        raise RemoteProtocolError(f"{cls.__name__}: undecodable payload ({exc})") from exc
-    message: Message = _build(cls, fields, cls.__name__)
-    return message
-
-
-def message_kinds() -> Mapping[int, type[Message]]:
-    """Every registered message class by kind (for tests and docs)."""
-    return types.MappingProxyType(_BY_KIND)

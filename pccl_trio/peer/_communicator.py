@@ -42,6 +42,7 @@ import trio
 
 from .._config import Config
 from .._core.messages import BenchmarkRequest, CollectiveCommence, P2PHello, P2PInfo, SharedStateRequest
+from .._core.records import U32_MAX
 from .._errors import InvalidArgument, InvalidUsage, MasterConnectionError
 from .._types import (
     Attribute,
@@ -69,8 +70,6 @@ from ._sync import SharedStateSync
 __all__ = ["Communicator", "CommunicatorStatistics"]
 
 log = logging.getLogger("pccl_trio.peer")
-
-U32_MAX = (1 << 32) - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

@@ -37,14 +37,13 @@ import numpy
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
     MAX_KEY,
-    MAX_SEQUENCE,
     PROTOCOL_VERSION,
-    U64_MAX,
     SharedStateEntry,
     SharedStateRange,
     SharedStateRequest,
     SharedStateResponse,
 )
+from .._core.records import MAX_SEQUENCE, U64_MAX
 from .._errors import InvalidArgument
 from .._types import SharedState, TensorInfo
 from ..ops import Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash

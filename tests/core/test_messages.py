@@ -18,16 +18,11 @@ from pccl_trio._core.messages import (
     DISTRIBUTION_HINT_NAMES,
     DTYPE_NAMES,
     M2C,
-    MAX_SEQUENCE,
-    MAX_STRING,
     OP_NAMES,
     OUTCOMES,
     P2P,
     QUANTIZATION_NAMES,
     STRATEGY_NAMES,
-    U16_MAX,
-    U32_MAX,
-    U64_MAX,
     BenchmarkRequest,
     CollectiveInitiate,
     CollectiveVerdict,
@@ -57,6 +52,7 @@ from pccl_trio._core.messages import (
     encode_message,
     message_kinds,
 )
+from pccl_trio._core.records import MAX_SEQUENCE, MAX_STRING, U16_MAX, U32_MAX, U64_MAX
 
 from .support import DETERMINISTIC, NEIGHBOURS, SAMPLES, WORLD, wire_fields
 

@@ -1,0 +1,210 @@
+"""The machinery of control messages: type-checked frozen records, their registry by
+kind, and the msgpack codec.
+
+Theory of operation
+-------------------
+A record is a frozen, keyword-only dataclass whose fields are checked against their
+type hints in ``__post_init__`` (``check_field``: unsigned 64-bit integers, finite
+floats, bounded strings and sequences, nested records), so a record that exists is a
+valid record, whether it was built locally or decoded from the network. ``message``
+registers a ``Message`` under its wire kind and direction. On the wire a record is a
+msgpack array of its field values in declaration order (nested records are arrays
+too); ``decode_message`` rebuilds and so re-validates it, and anything malformed raises
+``RemoteProtocolError`` naming the message and field. The messages themselves are
+declared in ``messages``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from .errors import RemoteProtocolError
+
+__all__ = [
+    "C2M",
+    "M2C",
+    "MAX_SEQUENCE",
+    "MAX_STRING",
+    "P2P",
+    "U16_MAX",
+    "U32_MAX",
+    "U64_MAX",
+    "Message",
+    "Record",
+    "check_field",
+    "decode_message",
+    "encode_message",
+    "message",
+    "message_kinds",
+    "record",
+]
+
+U16_MAX = (1 << 16) - 1
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+MAX_STRING = 4096
+MAX_SEQUENCE = 1 << 16
+
+
+def check_field(value: Any, hint: Any, where: str) -> None:
+    """Raise ``RemoteProtocolError`` unless ``value`` matches the type ``hint``."""
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+    elif hint is float:
+        ok = (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+        )
+    elif hint is str:
+        ok = isinstance(value, str) and len(value) <= MAX_STRING
+    elif hint is bytes:
+        ok = isinstance(value, bytes) and len(value) <= MAX_STRING
+    elif origin is tuple:
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        if not isinstance(value, tuple):
+            raise RemoteProtocolError(f"{where}: expected a sequence, got {type(value).__name__}")
+        if len(value) > MAX_SEQUENCE:
+            raise RemoteProtocolError(
+                f"{where}: {len(value)} items exceed the limit of {MAX_SEQUENCE}"
+            )
+        for index, item in enumerate(value):
+            check_field(item, item_hint, f"{where}[{index}]")
+        return
+    elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        ok = isinstance(value, hint)
+    else:  # pragma: no cover - a message declared a field type this module can't check
+        raise TypeError(f"{where}: unsupported field type {hint!r}")
+    if not ok:
+        raise RemoteProtocolError(f"{where}: invalid value {value!r:.80} for a field of type "
+                                  f"{getattr(hint, '__name__', hint)}")
+
+
+class Record:
+    """Mixin: type-check every field of a frozen dataclass after construction."""
+
+    _HINTS: ClassVar[Mapping[str, Any]] = types.MappingProxyType({})
+
+    def __post_init__(self) -> None:
+        for name, hint in type(self)._HINTS.items():
+            check_field(getattr(self, name), hint, f"{type(self).__name__}.{name}")
+        self._validate()
+
+    def _validate(self) -> None:
+        """Extra range checks beyond the field types; raise ``RemoteProtocolError``."""
+
+
+class Message(Record):
+    """Base of all control messages."""
+
+    KIND: ClassVar[int]
+    DIRECTION: ClassVar[str]
+
+
+C2M = "c2m"
+M2C = "m2c"
+P2P = "p2p"
+
+_BY_KIND: dict[int, type[Message]] = {}
+_R = TypeVar("_R", bound=type[Record])
+
+
+def record(cls: _R) -> _R:
+    hints = typing.get_type_hints(cls)
+    cls._HINTS = types.MappingProxyType(
+        {field.name: hints[field.name] for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    )
+    return cls
+
+
+def message(kind: int, direction: str) -> typing.Callable[[_R], _R]:
+    def register(cls: _R) -> _R:
+        assert issubclass(cls, Message)
+        assert kind not in _BY_KIND, f"message kind {kind} registered twice"
+        cls.KIND = kind
+        cls.DIRECTION = direction
+        _BY_KIND[kind] = cls
+        return record(cls)
+
+    return register
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, Record):
+        return [_to_wire(getattr(value, name)) for name in type(value)._HINTS]
+    if isinstance(value, tuple):
+        return [_to_wire(item) for item in value]
+    return value
+
+
+def _from_wire(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise RemoteProtocolError(f"{where}: expected an array, got {type(value).__name__}")
+        (item_hint, _ellipsis) = typing.get_args(hint)
+        return tuple(_from_wire(item, item_hint, f"{where}[{i}]") for i, item in enumerate(value))
+    if isinstance(hint, type) and issubclass(hint, Record) and not issubclass(hint, Message):
+        return _build(hint, value, where)
+    return value
+
+
+def _build(cls: type[Record], fields: Any, where: str) -> Any:
+    hints = cls._HINTS
+    if not isinstance(fields, list) or len(fields) != len(hints):
+        raise RemoteProtocolError(
+            f"{where}: expected {len(hints)} fields, got "
+            f"{len(fields) if isinstance(fields, list) else type(fields).__name__}"
+        )
+    kwargs = {
+        name: _from_wire(value, hint, f"{where}.{name}")
+        for (name, hint), value in zip(hints.items(), fields, strict=True)
+    }
+    try:
+        return cls(**kwargs)
+    except RemoteProtocolError:
+        raise
+    except (TypeError, ValueError) as exc:  # pragma: no cover - defensive
+        raise RemoteProtocolError(f"{where}: {exc}") from exc
+
+
+def encode_message(message: Message) -> bytes:
+    """Encode the fields of ``message`` (its kind travels in the frame header)."""
+    return msgpack.packb(_to_wire(message), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode_message(kind: int, payload: bytes | memoryview) -> Message:
+    """Decode and validate one control message.
+
+    Raises:
+        RemoteProtocolError: unknown kind, undecodable msgpack, or invalid fields.
+    """
+    cls = _BY_KIND.get(kind)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message kind {kind}")
+    try:
+        fields = msgpack.unpackb(
+            payload,
+            raw=False,
+            strict_map_key=True,
+            use_list=True,
+        )
+    except Exception as exc:  # msgpack raises a zoo of types for garbage
+        raise RemoteProtocolError(f"{cls.__name__}: undecodable payload ({exc})") from exc
+    message: Message = _build(cls, fields, cls.__name__)
+    return message
+
+
+def message_kinds() -> Mapping[int, type[Message]]:
+    """Every registered message class by kind (for tests and docs)."""
+    return types.MappingProxyType(_BY_KIND)
