@@ -12,11 +12,20 @@ from collections.abc import Callable, Collection, Sequence
 
 from .errors import RemoteProtocolError
 
-__all__ = ["RingSchedule", "Segment", "chunk_bounds", "find_ring", "ring_edges"]
+__all__ = ["RingSchedule", "Segment", "chunk_bounds", "find_ring", "neighbours", "ring_edges"]
 
 #: Bound on the search for a ring around blocked edges; past it we give up (and the
 #: master removes a peer) rather than stall the master's event loop.
 SEARCH_BUDGET = 200_000
+
+
+def neighbours(ring: Sequence[int], peer: int) -> tuple[int, int] | None:
+    """``peer``'s ``(predecessor, successor)`` in ``ring`` (the same peer twice in a
+    ring of two); None when it is alone or not in the ring."""
+    if len(ring) < 2 or peer not in ring:
+        return None
+    index = ring.index(peer)
+    return ring[index - 1], ring[(index + 1) % len(ring)]
 
 
 def ring_edges(ring: Sequence[int]) -> list[tuple[int, int]]:

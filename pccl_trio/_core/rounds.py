@@ -63,7 +63,7 @@ from .peers import (
     find_blocker,
     out_of_order,
 )
-from .ring import find_ring
+from .ring import find_ring, neighbours
 
 __all__ = ["PendingVote", "RingBook", "Rounds"]
 
@@ -280,11 +280,8 @@ class Rounds:
 
     def _neighbours(self, peer_id: int, ring: Sequence[int]) -> tuple[PeerEndpoint, ...]:
         """Where ``peer_id``'s ring neighbours listen (once each; none when alone)."""
-        if len(ring) < 2:
-            return ()
-        index = ring.index(peer_id)
-        ids = dict.fromkeys((ring[index - 1], ring[(index + 1) % len(ring)]))
-        return tuple(self._table.endpoint(i) for i in ids)
+        around = neighbours(ring, peer_id)
+        return () if around is None else tuple(self._table.endpoint(i) for i in dict.fromkeys(around))
 
     def _try_finish(self) -> bool:
         """Send the verdict once every participant reported; whether it was sent."""

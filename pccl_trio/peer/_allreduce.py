@@ -139,7 +139,7 @@ class AllReduceAttempt:
         self.op = op
         self.seq = 0  # the master's number for it, once it commences
         self.ring = ring
-        self.predecessor = ring[rank - 1]
+        self.predecessor, self.successor = ring[rank - 1], ring[(rank + 1) % len(ring)]
         world = len(ring)
         self.send_array = send
         self.result = result

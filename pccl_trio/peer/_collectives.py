@@ -479,7 +479,7 @@ class AllReduces:
 
     async def _run_ring(self, attempt: AllReduceAttempt) -> bool:
         """This peer's part of a commenced attempt; True if it completed locally."""
-        successor = attempt.ring[(attempt.schedule.rank + 1) % len(attempt.ring)]
+        successor = attempt.successor
         connections = self._p2p.successor_connections(successor)
         if not connections:
             attempt.fail(f"no open connection to the next peer ({successor})")

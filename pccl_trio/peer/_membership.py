@@ -31,6 +31,7 @@ from .._core.messages import (
     VotePeersPending,
     WorldSizes,
 )
+from .._core.ring import neighbours
 from .._errors import InvalidUsage, MasterConnectionError, UpdateTopologyFailed
 from ._context import PeerContext
 from ._lifecycle import Call
@@ -88,9 +89,7 @@ class Membership:
             raise MasterConnectionError(
                 f"the master's ring {list(ring)} does not include this peer ({me})"
             )
-        index = ring.index(me)
-        successor = ring[(index + 1) % len(ring)] if len(ring) > 1 else None
-        predecessor = ring[index - 1] if len(ring) > 1 else None
+        predecessor, successor = neighbours(ring, me) or (None, None)
         failed = await self._p2p.rewire(
             successor, predecessor, {e.peer_id: e for e in info.neighbours}
         )

@@ -44,6 +44,7 @@ from .._core.messages import (
     PeerEndpoint,
     SharedStateRequest,
 )
+from .._core.ring import neighbours
 from ..transport import (
     Connection,
     FramedStream,
@@ -211,9 +212,9 @@ class P2PConnections:
     def expect_sender(self, info: P2PInfo) -> None:
         """Accept data connections from our predecessor in a round's ring from now on
         (a route of the master session: applied as the info arrives)."""
-        ring, me = info.ring, self._session.peer_id
-        if me in ring and len(ring) > 1:
-            self._expected_senders.add(ring[ring.index(me) - 1])
+        around = neighbours(info.ring, self._session.peer_id or 0)
+        if around is not None:
+            self._expected_senders.add(around[0])
             self._expected_lot.unpark_all()
 
     # --- the ring's pools ----------------------------------------------------------------

@@ -13,6 +13,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .._core.messages import Message, PeerEndpoint
+from .._core.ring import neighbours
 from ..transport import Connection
 from ._allreduce import AllReduceAttempt
 from ._bandwidth import LinkMeasurement
@@ -58,10 +59,8 @@ class PeerSeam:
 
     def sending_connections(self) -> list[Connection]:
         """The open connections to the ring's successor."""
-        ring, me = self._comm.ring, self._comm.peer_id
-        if me not in ring or len(ring) < 2:
-            return []
-        return self._comm._p2p.successor_connections(ring[(ring.index(me) + 1) % len(ring)])
+        around = neighbours(self._comm.ring, self._comm.peer_id or 0)
+        return [] if around is None else self._comm._p2p.successor_connections(around[1])
 
     def attempt(self, tag: int) -> AllReduceAttempt | None:
         """The attempt of the all-reduce with ``tag`` in flight, if any."""
