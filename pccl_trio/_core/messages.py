@@ -120,8 +120,6 @@ class SyncStrategy(enum.IntEnum):
 
 OUTCOMES = tuple(Outcome)
 STRATEGY_NAMES = tuple(strategy.name for strategy in SyncStrategy)
-#: The outcomes under their former module-level names (the peer still imports these).
-SUCCESS, ABORTED, REJECTED = Outcome.SUCCESS, Outcome.ABORTED, Outcome.REJECTED
 #: Most bytes one benchmark request may ask for.
 MAX_BENCHMARK_BYTES = 1 << 30
 #: Largest group whose link matrices ``TopologyOptimized`` carries.

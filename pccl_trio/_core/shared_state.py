@@ -41,13 +41,9 @@ from collections.abc import Mapping, Sequence
 from .messages import DTYPE_NAMES, SharedStateEntry, SharedStateFetch, SyncStrategy
 
 __all__ = [
-    "ENFORCE_POPULAR", "RECEIVE_ONLY", "SEND_ONLY", "Ballot", "Election", "SyncStrategy", "elect",
+    "Ballot", "Election", "SyncStrategy", "elect",
 ]
 
-#: The strategies under their former module-level names (kept for existing imports).
-ENFORCE_POPULAR = SyncStrategy.ENFORCE_POPULAR
-RECEIVE_ONLY = SyncStrategy.RECEIVE_ONLY
-SEND_ONLY = SyncStrategy.SEND_ONLY
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

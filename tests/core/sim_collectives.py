@@ -30,13 +30,11 @@ import dataclasses
 import functools
 
 from pccl_trio._core.messages import (
-    ABORTED,
-    REJECTED,
-    SUCCESS,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveInitiate,
     CollectiveVerdict,
+    Outcome,
     P2PEstablishResult,
     P2PInfo,
 )
@@ -302,16 +300,17 @@ class CollectiveSimulation(ChurnSimulator[CollectivePeer]):
             assert verdict.seq == epoch.seq
             if epoch.seq:
                 assert epoch.participants <= epoch.completed, "verdict before all completed"
-                assert verdict.outcome == (ABORTED if epoch.cause else SUCCESS), (epoch, verdict)
+                expected = Outcome.ABORTED if epoch.cause else Outcome.SUCCESS
+                assert verdict.outcome == expected, (epoch, verdict)
                 epoch.expected = set(epoch.participants)
             else:
                 everyone = members <= epoch.initiates.keys()
                 agree = len({key(d) for d in epoch.initiates.values()}) == 1
                 voting = any(p.status == "voted" for p in self.members(0))
-                if verdict.outcome == REJECTED:
+                if verdict.outcome == Outcome.REJECTED:
                     assert everyone and not agree, epoch
                 else:
-                    assert verdict.outcome == ABORTED, verdict
+                    assert verdict.outcome == Outcome.ABORTED, verdict
                     if STALE_REASON in verdict.reason:
                         assert everyone and agree and self.stale, epoch
                     else:
@@ -327,7 +326,7 @@ class CollectiveSimulation(ChurnSimulator[CollectivePeer]):
         assert peer.peer_id not in epoch.heard
         epoch.heard.add(peer.peer_id)
         del peer.tags[verdict.tag]
-        if verdict.outcome == ABORTED:
+        if verdict.outcome == Outcome.ABORTED:
             peer.ring_stale = True
         self.touched.append(epoch)
 
@@ -433,7 +432,7 @@ class CollectiveSimulation(ChurnSimulator[CollectivePeer]):
             self.do(f"complete:{tag}", peer.conn, aborted=False)
         for peer in members:
             assert self.h.last(peer.conn, CollectiveVerdict) == CollectiveVerdict(
-                tag=tag, seq=seq, outcome=SUCCESS
+                tag=tag, seq=seq, outcome=Outcome.SUCCESS
             )
         assert not self.epochs
 

@@ -9,7 +9,6 @@ import msgpack
 from hypothesis import HealthCheck, settings
 
 from pccl_trio._core.messages import (
-    ABORTED,
     PROTOCOL_VERSION,
     BenchmarkRequest,
     CollectiveAbort,
@@ -22,6 +21,7 @@ from pccl_trio._core.messages import (
     LinkMeasured,
     MeasureLink,
     Message,
+    Outcome,
     P2PEstablished,
     P2PEstablishResult,
     P2PHello,
@@ -88,7 +88,7 @@ SAMPLES: dict[type[Message], Message] = {
     CollectiveComplete: CollectiveComplete(tag=9, seq=4, aborted=True),
     CollectiveCommence: CollectiveCommence(tag=9, seq=4, ring=(5, 1, 2)),
     CollectiveAbort: CollectiveAbort(tag=9, seq=4, reason="peer 5 left"),
-    CollectiveVerdict: CollectiveVerdict(tag=9, seq=4, outcome=ABORTED, reason="peer 5 left"),
+    CollectiveVerdict: CollectiveVerdict(tag=9, seq=4, outcome=Outcome.ABORTED, reason="peer 5 left"),
     P2PHello: P2PHello(protocol_version=PROTOCOL_VERSION, peer_id=3, slot=2),
     P2PHelloAck: P2PHelloAck(),
     SharedStateVote: SharedStateVote(

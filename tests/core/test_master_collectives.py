@@ -16,13 +16,11 @@ from collections.abc import Callable
 import pytest
 
 from pccl_trio._core.messages import (
-    ABORTED,
-    REJECTED,
-    SUCCESS,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
     CollectiveVerdict,
+    Outcome,
     P2PEstablishResult,
     P2PInfo,
     PeersPendingResult,
@@ -118,7 +116,7 @@ def test_collective_succeeds_once_every_participant_completed() -> None:
     assert all(got(h, c) == [] for c in (1, 2, 3))  # no verdict before the last
     h.complete(2, 5)
     for conn in (1, 2, 3):
-        assert got(h, conn) == [CollectiveVerdict(tag=5, seq=seq, outcome=SUCCESS)]
+        assert got(h, conn) == [CollectiveVerdict(tag=5, seq=seq, outcome=Outcome.SUCCESS)]
 
 
 def test_a_tag_is_free_again_after_its_verdict() -> None:
@@ -149,7 +147,7 @@ def test_a_lone_member_runs_alone() -> None:
     accepted(h, 1)
     seq = started(h, 0, 1)
     h.complete(1, 0)
-    assert only_verdict(h, 1) == CollectiveVerdict(tag=0, seq=seq, outcome=SUCCESS)
+    assert only_verdict(h, 1) == CollectiveVerdict(tag=0, seq=seq, outcome=Outcome.SUCCESS)
 
 
 def test_concurrent_tags_commence_in_consensus_order_with_fresh_seqs() -> None:
@@ -174,7 +172,7 @@ def test_concurrent_tags_commence_in_consensus_order_with_fresh_seqs() -> None:
     h.complete(1, 3)
     h.complete(3, 3)
     outcomes = {(v.tag, v.seq, v.outcome) for c in (1, 2, 3) for v in h.received(c, CollectiveVerdict)}
-    assert outcomes == {(1, 3, SUCCESS), (2, 1, SUCCESS), (3, 2, ABORTED)}
+    assert outcomes == {(1, 3, Outcome.SUCCESS), (2, 1, Outcome.SUCCESS), (3, 2, Outcome.ABORTED)}
     assert all(len(h.received(c, CollectiveVerdict)) == 3 for c in (1, 2, 3))
 
 
@@ -187,10 +185,10 @@ def test_the_same_tag_in_two_groups_is_two_collectives() -> None:
     assert got(h, 1) == got(h, 2) == [CollectiveCommence(tag=5, seq=1, ring=(1, 2))]
     assert got(h, 3) == []  # group 1 still waits for peer 4
     h.initiate(4, 5, count=COUNT + 1)  # a disagreement in group 1 only
-    assert only_verdict(h, 3).outcome == only_verdict(h, 4).outcome == REJECTED
+    assert only_verdict(h, 3).outcome == only_verdict(h, 4).outcome == Outcome.REJECTED
     h.complete(1, 5)
     h.complete(2, 5)
-    assert only_verdict(h, 1).outcome == only_verdict(h, 2).outcome == SUCCESS
+    assert only_verdict(h, 1).outcome == only_verdict(h, 2).outcome == Outcome.SUCCESS
 
 
 # --- disagreement -------------------------------------------------------------------
@@ -232,7 +230,7 @@ def test_disagreeing_initiates_are_rejected_for_everyone(field: str, odd: int) -
     verdicts = [only_verdict(h, conn) for conn in (1, 2, 3)]
     assert len(set(verdicts)) == 1
     (verdict,) = set(verdicts)
-    assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, REJECTED)
+    assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, Outcome.REJECTED)
     assert "tag 5" in verdict.reason
     assert all(f"peer {conn}:" in verdict.reason for conn in (1, 2, 3))
     assert all(text in verdict.reason for text in mentions), verdict.reason
@@ -248,7 +246,7 @@ def test_quantized_dtype_counts_even_without_quantization() -> None:
     h.initiate(1, 5, quantized_dtype=FLOAT)
     h.initiate(2, 5, quantized_dtype=DOUBLE)
     verdict = only_verdict(h, 1)
-    assert verdict.outcome == REJECTED and only_verdict(h, 2) == verdict
+    assert verdict.outcome == Outcome.REJECTED and only_verdict(h, 2) == verdict
     assert "peer 1:" in verdict.reason and "peer 2:" in verdict.reason
 
 
@@ -267,7 +265,7 @@ def test_an_invalid_completion_rejects_the_collective_for_everyone() -> None:
     h.complete(3, 5, aborted=True)
     verdicts = {only_verdict(h, conn) for conn in (1, 2, 3)}
     assert verdicts == {
-        CollectiveVerdict(tag=5, seq=seq, outcome=REJECTED, reason="peer 2: NaN among the values")
+        CollectiveVerdict(tag=5, seq=seq, outcome=Outcome.REJECTED, reason="peer 2: NaN among the values")
     }
 
 
@@ -281,7 +279,7 @@ def test_an_invalid_completion_after_an_abort_keeps_the_abort() -> None:
     h.complete(3, 5, aborted=True)
     verdicts = {v for c in (1, 2, 3) for v in h.received(c, CollectiveVerdict)}
     assert {(v.outcome, v.reason) for v in verdicts} == {
-        (ABORTED, "peer 1 failed during the collective")
+        (Outcome.ABORTED, "peer 1 failed during the collective")
     }
 
 
@@ -292,7 +290,7 @@ def test_disagreement_wins_over_a_stale_ring() -> None:
     h.close(3)
     h.initiate(1, 5)
     h.initiate(2, 5, op=AVG)
-    assert only_verdict(h, 1).outcome == only_verdict(h, 2).outcome == REJECTED
+    assert only_verdict(h, 1).outcome == only_verdict(h, 2).outcome == Outcome.REJECTED
 
 
 # --- a stale ring -------------------------------------------------------------------
@@ -371,12 +369,12 @@ def test_stale_ring_aborts_at_consensus_until_reestablished(
     verdicts = {only_verdict(h, conn) for conn in members}
     assert len(verdicts) == 1
     (verdict,) = verdicts
-    assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, ABORTED)
+    assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, Outcome.ABORTED)
     assert STALE_REASON in verdict.reason
     # Still stale for the next tag, until a round succeeds.
     for conn in members:
         h.initiate(conn, 6)
-    assert {only_verdict(h, conn).outcome for conn in members} == {ABORTED}
+    assert {only_verdict(h, conn).outcome for conn in members} == {Outcome.ABORTED}
     reestablish(h, *members)
     started(h, 5, *members)
 
@@ -389,7 +387,7 @@ def test_staleness_reaches_a_collective_already_waiting() -> None:
     assert got(h, 1) == []  # peer 2 has not initiated yet
     h.initiate(2, 5)
     assert only_verdict(h, 1) == only_verdict(h, 2)
-    assert h.last(1, CollectiveVerdict).outcome == ABORTED
+    assert h.last(1, CollectiveVerdict).outcome == Outcome.ABORTED
 
 
 def test_initiators_that_all_left_leave_nothing_behind() -> None:
@@ -399,7 +397,7 @@ def test_initiators_that_all_left_leave_nothing_behind() -> None:
     h.close(1)
     h.initiate(2, 5)
     h.initiate(3, 5)  # peer 1's vote went with it: this is a fresh consensus (stale)
-    assert only_verdict(h, 2).outcome == only_verdict(h, 3).outcome == ABORTED
+    assert only_verdict(h, 2).outcome == only_verdict(h, 3).outcome == Outcome.ABORTED
     reestablish(h, 2, 3)
     started(h, 5, 2, 3)
 
@@ -418,7 +416,7 @@ def test_a_stale_ring_in_another_group_does_not_matter() -> None:
     h.close(4)
     started(h, 5, 1, 2)
     h.initiate(3, 5)  # alone in group 1 now, whose ring is stale
-    assert only_verdict(h, 3).outcome == ABORTED
+    assert only_verdict(h, 3).outcome == Outcome.ABORTED
 
 
 def test_a_new_run_in_an_emptied_group_starts_fresh() -> None:
@@ -473,7 +471,7 @@ def test_a_failure_reported_mid_round_makes_the_ring_stale_at_once(
     h.initiate(2, 5)
     verdicts = [only_verdict(h, conn) for conn in (1, 2)]
     assert verdicts[0] == verdicts[1]
-    assert (verdicts[0].seq, verdicts[0].outcome) == (0, ABORTED)
+    assert (verdicts[0].seq, verdicts[0].outcome) == (0, Outcome.ABORTED)
     for conn in late:
         h.report(conn)
     assert not h.last(1, P2PEstablishResult).success
@@ -495,7 +493,7 @@ def test_a_member_voting_to_reestablish_aborts_the_waiting_collectives() -> None
     one = h.take(1)
     assert all(isinstance(v, CollectiveVerdict) for v in one)
     verdicts = [v for v in one if isinstance(v, CollectiveVerdict)]
-    assert [(v.tag, v.seq, v.outcome) for v in verdicts] == [(5, 0, ABORTED), (6, 0, ABORTED)]
+    assert [(v.tag, v.seq, v.outcome) for v in verdicts] == [(5, 0, Outcome.ABORTED), (6, 0, Outcome.ABORTED)]
     assert only_verdict(h, 2) == verdicts[0]
     assert all("peer 3 voted to re-establish" in v.reason for v in verdicts)
     assert got(h, 3) == []
@@ -511,7 +509,7 @@ def test_initiating_while_a_member_votes_is_aborted_at_once() -> None:
     h.vote(2)
     h.initiate(1, 5)
     verdict = only_verdict(h, 1)
-    assert (verdict.seq, verdict.outcome) == (0, ABORTED) and "peer 2" in verdict.reason
+    assert (verdict.seq, verdict.outcome) == (0, Outcome.ABORTED) and "peer 2" in verdict.reason
 
 
 def test_a_voter_in_another_group_does_not_abort() -> None:
@@ -551,7 +549,7 @@ def test_vote_with_a_collective_in_flight_is_kicked(in_flight: Callable[[MasterH
         (abort,) = got(h, 2)
         assert isinstance(abort, CollectiveAbort) and "peer 1 left" in abort.reason
         h.complete(2, 5)
-        assert only_verdict(h, 2).outcome == ABORTED
+        assert only_verdict(h, 2).outcome == Outcome.ABORTED
 
 
 def test_vote_after_the_verdict_is_fine() -> None:
@@ -640,7 +638,7 @@ def test_an_abort_reaches_every_unfinished_participant_once(
     verdicts = {only_verdict(h, conn) for conn in sorted(survivors)}
     assert len(verdicts) == 1
     (verdict,) = verdicts
-    assert (verdict.tag, verdict.seq, verdict.outcome) == (5, seq, ABORTED)
+    assert (verdict.tag, verdict.seq, verdict.outcome) == (5, seq, Outcome.ABORTED)
     assert verdict.reason.startswith(reason)  # the first cause
     if not stays:
         assert h.received(1, CollectiveVerdict) == []
@@ -659,7 +657,7 @@ def test_a_second_failure_sends_no_second_abort() -> None:
     h.complete(4, 5, aborted=True)
     for conn in (1, 3, 4):
         assert only_verdict(h, conn) == CollectiveVerdict(
-            tag=5, seq=seq, outcome=ABORTED, reason="peer 1 failed during the collective"
+            tag=5, seq=seq, outcome=Outcome.ABORTED, reason="peer 1 failed during the collective"
         )
 
 
@@ -670,7 +668,7 @@ def test_a_collective_every_participant_left_just_ends() -> None:
     h.complete(3, 5)
     h.close(1)
     h.close(2)
-    assert only_verdict(h, 3).outcome == ABORTED
+    assert only_verdict(h, 3).outcome == Outcome.ABORTED
     for conn in (1, 2):
         assert h.received(conn, CollectiveVerdict) == []
 
@@ -815,11 +813,11 @@ def test_initiating_a_tag_in_flight_is_kicked(first: Callable[[MasterHarness], N
     if first is dup_waiting:  # the others' collective goes on, and ends as stale
         h.initiate(2, 5)
         h.initiate(3, 5)
-        assert only_verdict(h, 2).outcome == ABORTED
+        assert only_verdict(h, 2).outcome == Outcome.ABORTED
     else:
         h.complete(2, 5)
         h.complete(3, 5)
-        assert h.last(2, CollectiveVerdict).outcome == ABORTED
+        assert h.last(2, CollectiveVerdict).outcome == Outcome.ABORTED
 
 
 # --- a seeded simulation (``sim_collectives``) -----------------------------------------
@@ -829,7 +827,7 @@ def test_initiating_a_tag_in_flight_is_kicked(first: Callable[[MasterHarness], N
 def test_collective_churn(seed: int) -> None:
     sim = simulate(seed)
     assert sim.stats["commence"] >= 10, sim.stats
-    assert sim.stats[f"verdict-{SUCCESS}-ran"] >= 5, sim.stats
+    assert sim.stats[f"verdict-{Outcome.SUCCESS}-ran"] >= 5, sim.stats
 
 
 def test_simulation_exercises_every_outcome() -> None:
@@ -841,7 +839,8 @@ def test_simulation_exercises_every_outcome() -> None:
         stats += simulate(seed).stats
         kicks += simulate(seed).kicks
     for what in (
-        f"verdict-{SUCCESS}-ran", f"verdict-{ABORTED}-ran", f"verdict-{REJECTED}-seq0",
+        f"verdict-{Outcome.SUCCESS}-ran", f"verdict-{Outcome.ABORTED}-ran",
+        f"verdict-{Outcome.REJECTED}-seq0",
         "stale-abort", "vote-abort", "abort", "pending-refused", "round-ok", "round-failed",
         "left", "initiate-mid-round",
     ):

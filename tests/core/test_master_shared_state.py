@@ -15,12 +15,12 @@ import pytest
 
 from pccl_trio._core.master import Action, PeerState
 from pccl_trio._core.messages import (
-    ABORTED,
     STRATEGY_NAMES,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveVerdict,
     Kick,
+    Outcome,
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
@@ -31,11 +31,9 @@ from pccl_trio._core.messages import (
     SharedStateFetch,
     SharedStatePlan,
     SharedStateVote,
+    SyncStrategy,
 )
 from pccl_trio._core.shared_state import (
-    ENFORCE_POPULAR,
-    RECEIVE_ONLY,
-    SEND_ONLY,
     Ballot,
     Election,
     elect,
@@ -44,7 +42,7 @@ from pccl_trio._core.shared_state import (
 from .master_harness import MasterHarness, only, was_kicked
 from .scenarios import ACC, IDLE, SDONE, SVOTED, SYNCING, accepted, endpoint, got, run_with, started
 
-E, R, S = ENFORCE_POPULAR, RECEIVE_ONLY, SEND_ONLY
+E, R, S = SyncStrategy.ENFORCE_POPULAR, SyncStrategy.RECEIVE_ONLY, SyncStrategy.SEND_ONLY
 FLOAT, DOUBLE = 10, 11
 
 
@@ -924,7 +922,7 @@ def test_a_collective_initiated_while_a_member_votes_to_sync_is_aborted(initiate
         messages = got(h, conn)
         assert len(messages) == 1 and isinstance(messages[0], CollectiveVerdict), messages
         verdict = messages[0]
-        assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, ABORTED)
+        assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, Outcome.ABORTED)
         assert "peer 1" in verdict.reason and "synchronize the shared state" in verdict.reason
     assert got(h, 1) == []
     assert h.where(1) == (ACC, SVOTED)

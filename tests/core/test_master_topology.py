@@ -19,11 +19,11 @@ import pytest
 
 from pccl_trio._core.master import KEEP_MARGIN, Action, CancelSolve, PeerPhase, Solve
 from pccl_trio._core.messages import (
-    ABORTED,
     CollectiveCommence,
     CollectiveVerdict,
     LinkMeasured,
     MeasureLink,
+    Outcome,
     P2PInfo,
     PeersPendingResult,
     SharedStatePlan,
@@ -697,7 +697,7 @@ def test_a_vote_to_optimize_aborts_its_groups_collectives(first: str) -> None:
         h.optimize(2)
         h.initiate(1, 7)
     verdict = h.last(1, CollectiveVerdict)
-    assert (verdict.tag, verdict.seq, verdict.outcome) == (7, 0, ABORTED)
+    assert (verdict.tag, verdict.seq, verdict.outcome) == (7, 0, Outcome.ABORTED)
     assert "peer 2 voted to optimize the topology" in verdict.reason
     # The other group's collective runs.
     h.initiate(3, 7)

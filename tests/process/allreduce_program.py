@@ -64,35 +64,52 @@ async def matrix(comm: pccl.Communicator, world: int, seed: int) -> None:
     emit(event="done")
 
 
+async def off_loop(work, *args):
+    """Big array work (filling, hashing 256 MiB) in a worker thread: on the trio thread
+    it would stop this peer's heartbeats for seconds on a loaded machine, and the
+    master would rightly declare it dead."""
+    return await trio.to_thread.run_sync(work, *args)
+
+
+def fill(count: int, value: float, dtype: type = np.float32) -> np.ndarray:
+    return np.full(count, value, dtype=dtype)
+
+
+def summary(data: np.ndarray) -> tuple[float, bool, str]:
+    return float(data[0]), bool((data == data[0]).all()), digest(data)
+
+
 async def kill_target(comm: pccl.Communicator, megabytes: int) -> None:
     rank = comm.ring.index(comm.peer_id)
     count = megabytes * (1 << 20) // 4
-    data = np.full(count, float(rank + 1), dtype=np.float32)
-    original = digest(data)
+    data = await off_loop(fill, count, float(rank + 1))
+    original = await off_loop(digest, data)
     emit(event="begin")
     try:
         await comm.all_reduce(data)
-        emit(event="verdict", outcome="success", digest=digest(data))
+        emit(event="verdict", outcome="success", digest=await off_loop(digest, data))
     except pccl.CollectiveAborted as exc:
-        emit(event="verdict", outcome="aborted", restored=digest(data) == original,
-             message=str(exc))
+        emit(event="verdict", outcome="aborted",
+             restored=await off_loop(digest, data) == original, message=str(exc))
         await comm.update_topology()
-        data = np.full(count, float(rank + 1), dtype=np.float32)
+        data = await off_loop(fill, count, float(rank + 1))
         await comm.all_reduce(data)
+        first, uniform, result = await off_loop(summary, data)
         emit(event="retry", world=comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE),
-             first=float(data[0]), uniform=bool((data == data[0]).all()), digest=digest(data))
+             first=first, uniform=uniform, digest=result)
 
 
 async def retry(comm: pccl.Communicator, tensors: int, megabytes: int) -> None:
     rank = comm.ring.index(comm.peer_id)
     count = megabytes * (1 << 20) // 8
-    arrays = [np.full(count, float(10 ** rank + t), dtype=np.float64) for t in range(tensors)]
+    arrays = [await off_loop(fill, count, float(10 ** rank + t), np.float64)
+              for t in range(tensors)]
     emit(event="begin")
     await comm.all_reduce_multiple_with_retry(arrays, max_in_flight=4)
+    summaries = [await off_loop(summary, a) for a in arrays]
     emit(event="retried", world=comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE),
-         firsts=[float(a[0]) for a in arrays],
-         uniform=[bool((a == a[0]).all()) for a in arrays],
-         digests=[digest(a) for a in arrays])
+         firsts=[s[0] for s in summaries], uniform=[s[1] for s in summaries],
+         digests=[s[2] for s in summaries])
 
 
 async def main(args: argparse.Namespace) -> None:

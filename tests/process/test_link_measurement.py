@@ -18,7 +18,9 @@ PROGRAM = str(Path(__file__).with_name("link_program.py"))
 
 
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc (network namespaces)")
-@pytest.mark.parametrize("mbit", [40, 400])
+# Rates a loaded 2-core machine still saturates from Python (at 400 mbit a starved
+# sender measured 34 of 50 MB/s: the link was not the bottleneck any more).
+@pytest.mark.parametrize("mbit", [40, 200])
 def test_measurement_is_within_20_percent_of_a_shaped_link(mbit: int) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
