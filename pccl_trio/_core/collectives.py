@@ -34,6 +34,7 @@ from .messages import (
     CollectiveInitiate,
     CollectiveVerdict,
     Outcome,
+    bounded,
 )
 from .peers import FREE_STATES, VOTES, Call, Peer, PeerPhase, PeerTable, find_blocker
 from .rounds import RingBook
@@ -187,7 +188,7 @@ class Collectives:
         if collective.aborted:
             return
         collective.aborted = True
-        collective.reason = reason
+        collective.reason = reason = bounded(reason)
         log.info("collective tag %d attempt %d aborted: %s", collective.tag, collective.seq, reason)
         for peer_id in sorted(collective.participants - collective.completed):
             self._table.send(
@@ -197,6 +198,7 @@ class Collectives:
 
     def _end(self, collective: _Collective, outcome: Outcome, reason: str) -> None:
         """Send every voter its one verdict and forget the collective."""
+        reason = bounded(reason)  # it may list every peer, or quote what one sent
         del self._running[(collective.group, collective.tag)]
         voters = collective.participants if collective.seq else set(collective.descriptors)
         for peer_id in sorted(voters):

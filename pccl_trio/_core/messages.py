@@ -34,6 +34,8 @@ from .records import (
     U32_MAX,
     Message,
     Record,
+    body_limit,
+    bounded,
     decode_message,
     encode_message,
     message,
@@ -82,10 +84,19 @@ __all__ = [
     "VotePeersPending",
     "Welcome",
     "WorldSizes",
+    "body_limits",
+    "bounded",
     "decode_message",
     "encode_message",
     "message_kinds",
 ]
+
+def body_limits(
+    kinds: typing.Iterable[type[Message]], max_control_frame: int
+) -> dict[int, int]:
+    """``{kind: largest body}`` for a reader that accepts only ``kinds``."""
+    return {cls.KIND: body_limit(cls, max_control_frame) for cls in kinds}
+
 
 #: Bumped whenever the wire format or a message changes incompatibly.
 PROTOCOL_VERSION = 4
@@ -126,6 +137,8 @@ MAX_BENCHMARK_BYTES = 1 << 30
 MATRIX_LIMIT = 128
 #: Longest shared-state key, in characters.
 MAX_KEY = 1024
+#: Longest host name (DNS) or address a peer may advertise.
+MAX_HOST = 253
 
 
 # --- nested records -------------------------------------------------------------
@@ -224,12 +237,21 @@ def _check_unique_keys(keys: typing.Iterable[str], where: str) -> None:
 class Register(Message):
     """First message on a master link: join the run."""
 
+    # The only kind a connection may send first, so the only one a stranger reaches
+    # the decoder with: small.
+    BODY_LIMIT: typing.ClassVar[int | None] = 1024
+
     protocol_version: int
     peer_group: int
     p2p_port: int
     advertised_host: str = ""  # empty: use the address the master sees
 
     def _validate(self) -> None:
+        if len(self.advertised_host) > MAX_HOST:
+            raise RemoteProtocolError(
+                f"Register.advertised_host: {len(self.advertised_host)} characters, more "
+                f"than a host name or address can have ({MAX_HOST})"
+            )
         if self.peer_group > U32_MAX:
             raise RemoteProtocolError(f"Register.peer_group: {self.peer_group} exceeds 2**32-1")
         if not 1 <= self.p2p_port <= U16_MAX:

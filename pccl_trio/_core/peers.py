@@ -36,7 +36,16 @@ from collections.abc import Callable, Iterable, Mapping
 
 from .errors import LocalProtocolError, RemoteProtocolError
 from .events import Action, Close, Send
-from .messages import PROTOCOL_VERSION, Heartbeat, Kick, Message, PeerEndpoint, Register, Welcome
+from .messages import (
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Kick,
+    Message,
+    PeerEndpoint,
+    Register,
+    Welcome,
+    bounded,
+)
 from .shared_state import Ballot
 
 __all__ = [
@@ -442,6 +451,7 @@ class PeerTable:
 
     def kick(self, conn: Conn, reason: str) -> None:
         """Tell the peer why, close its connection, and remove it from the run."""
+        reason = bounded(reason)
         log.warning(
             "kicking %s: %s",
             f"peer {conn.peer.peer_id}" if conn.peer else f"connection {conn.conn}", reason,

@@ -12,6 +12,13 @@ msgpack array of its field values in declaration order (nested records are array
 too); ``decode_message`` rebuilds and so re-validates it, and anything malformed raises
 ``RemoteProtocolError`` naming the message and field. The messages themselves are
 declared in ``messages``.
+
+Decoding is bounded before it is spent: msgpack itself refuses maps, extensions and
+oversized arrays, strings and binaries in C, before any object is built; and a
+message without a sequence field can only be small, so ``body_limit`` lets a reader
+refuse an oversized frame of that kind from its header, before reading its body.
+Texts the master builds from what peers sent (reasons, errors) go through
+``bounded``, so no record it builds can exceed the limits it enforces on others.
 """
 
 from __future__ import annotations
@@ -30,14 +37,18 @@ from .errors import RemoteProtocolError
 __all__ = [
     "C2M",
     "M2C",
+    "MAX_REASON",
     "MAX_SEQUENCE",
     "MAX_STRING",
+    "SMALL_BODY",
     "P2P",
     "U16_MAX",
     "U32_MAX",
     "U64_MAX",
     "Message",
     "Record",
+    "body_limit",
+    "bounded",
     "check_field",
     "decode_message",
     "encode_message",
@@ -51,6 +62,20 @@ U32_MAX = (1 << 32) - 1
 U64_MAX = (1 << 64) - 1
 MAX_STRING = 4096
 MAX_SEQUENCE = 1 << 16
+#: Longest text ``bounded`` lets through (well below ``MAX_STRING``, so that a reason
+#: quoting another reason still fits).
+MAX_REASON = 1000
+#: Largest body of a message without a sequence field: its strings at most
+#: ``MAX_STRING`` characters of up to 4 UTF-8 bytes, a few scalars.
+SMALL_BODY = 20 * 1024
+
+
+def bounded(text: str, limit: int = MAX_REASON) -> str:
+    """``text`` cut to at most ``limit`` characters, saying how much was cut."""
+    if len(text) <= limit:
+        return text
+    note = f"... ({len(text) - limit} more characters)"
+    return text[: max(0, limit - len(note))] + note
 
 
 def check_field(value: Any, hint: Any, where: str) -> None:
@@ -109,6 +134,9 @@ class Message(Record):
 
     KIND: ClassVar[int]
     DIRECTION: ClassVar[str]
+    #: Largest body of this kind, header included (None: ``SMALL_BODY`` unless the
+    #: message has a sequence field, then the connection's control-frame limit).
+    BODY_LIMIT: ClassVar[int | None] = None
 
 
 C2M = "c2m"
@@ -137,6 +165,25 @@ def message(kind: int, direction: str) -> typing.Callable[[_R], _R]:
         return record(cls)
 
     return register
+
+
+def _has_sequence(cls: type[Record]) -> bool:
+    for hint in cls._HINTS.values():
+        if typing.get_origin(hint) is tuple:
+            return True
+        if isinstance(hint, type) and issubclass(hint, Record) and _has_sequence(hint):
+            return True
+    return False
+
+
+def body_limit(cls: type[Message], max_control_frame: int) -> int:
+    """The largest control-frame body (kind header included) of a ``cls`` message that
+    a connection limited to ``max_control_frame`` accepts."""
+    if cls.BODY_LIMIT is not None:
+        return min(cls.BODY_LIMIT, max_control_frame)
+    if _has_sequence(cls):
+        return max_control_frame
+    return min(SMALL_BODY, max_control_frame)
 
 
 def _to_wire(value: Any) -> Any:
@@ -198,6 +245,13 @@ def decode_message(kind: int, payload: bytes | memoryview) -> Message:
             raw=False,
             strict_map_key=True,
             use_list=True,
+            # Refused in C before any object is built: records are arrays of scalars
+            # and arrays, never maps or extensions, with bounded strings and sequences.
+            max_array_len=MAX_SEQUENCE,
+            max_str_len=4 * MAX_STRING,
+            max_bin_len=MAX_STRING,
+            max_map_len=0,
+            max_ext_len=0,
         )
     except Exception as exc:  # msgpack raises a zoo of types for garbage
         raise RemoteProtocolError(f"{cls.__name__}: undecodable payload ({exc})") from exc

@@ -27,7 +27,13 @@ import logging
 from collections.abc import Sequence
 
 from .errors import RemoteProtocolError
-from .messages import SharedStateComplete, SharedStateDone, SharedStatePlan, SharedStateVote
+from .messages import (
+    SharedStateComplete,
+    SharedStateDone,
+    SharedStatePlan,
+    SharedStateVote,
+    bounded,
+)
 from .peers import (
     Call,
     Peer,
@@ -144,7 +150,7 @@ class Syncs:
                 peer,
                 SharedStatePlan(
                     sync=0, revision=peer.ballot.revision, fetches=(), distributors=(),
-                    error=reason,
+                    error=bounded(reason),
                 ),
             )
             peer.ballot = None

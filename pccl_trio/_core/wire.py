@@ -20,6 +20,14 @@ The decoder is sans-IO (as h11's ``Connection``): feed it whatever bytes arrived
 byte is fine. Violations (zero or oversized lengths, an unknown frame type, a bad
 message, end of stream inside a frame) raise ``RemoteProtocolError``; after one, the
 decoder is poisoned and the connection must be dropped.
+
+What a reader accepts is decided from a frame's header, before its body is read or
+decoded: an ``Admission`` names the control kinds accepted as a connection's first
+frame and afterwards, each with its largest body (``messages.body_limits``), so a
+stranger's first frame can only be a small one of the expected kind. Readers that take
+one frame at a time grow their buffer with the bytes that
+arrive, never from a length they have not read yet (``parse_control_length``, then
+``parse_control_kind``).
 """
 
 from __future__ import annotations
@@ -27,20 +35,27 @@ from __future__ import annotations
 import dataclasses
 import enum
 import struct
+from collections.abc import Mapping
 
 from .errors import LocalProtocolError, RemoteProtocolError
-from .messages import Message, decode_message, encode_message
+from .messages import Message, decode_message, encode_message, message_kinds
 
 __all__ = [
+    "CONTROL_HEADER_SIZE",
     "DATA_HEADER",
+    "LENGTH_SIZE",
+    "Admission",
     "DataFrame",
     "DecoderState",
     "FrameDecoder",
     "FrameType",
+    "Undecoded",
     "encode_control",
     "encode_data",
     "encode_data_header",
     "max_payload",
+    "parse_control_kind",
+    "parse_control_length",
     "parse_data_header",
 ]
 
@@ -60,6 +75,19 @@ _CONTROL_HEADER = struct.Struct(">BH")
 #: Header of a data frame, including its length prefix.
 DATA_HEADER = struct.Struct(">IBQQQI")
 _DATA_BODY_HEADER = DATA_HEADER.size - _LENGTH.size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Undecoded:
+    """A control frame whose message the reader decodes itself (``decode``), e.g. in a
+    worker thread when validating it may take a while."""
+
+    kind: int
+    fields: bytes
+
+    def decode(self) -> Message:
+        """The message; raises ``RemoteProtocolError`` as ``decode_message`` does."""
+        return decode_message(self.kind, self.fields)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -124,6 +152,42 @@ def parse_data_header(
 
 #: Bytes of the length prefix every frame starts with.
 LENGTH_SIZE = _LENGTH.size
+#: Bytes of a control frame's header after the length prefix (frame type and kind).
+CONTROL_HEADER_SIZE = _CONTROL_HEADER.size
+# The start of a control frame: its length prefix, frame type and message kind.
+_CONTROL_PREFIX = struct.Struct(">IBH")
+
+
+class Admission:
+    """Which control messages a connection accepts: ``first`` (``{kind: largest body}``)
+    for its first control frame, ``then`` for every later one.
+
+    Stateful (it counts the frames it judged): one per connection and direction.
+    """
+
+    def __init__(self, then: Mapping[int, int], first: Mapping[int, int] | None = None) -> None:
+        self._then = then
+        self._first = then if first is None else first
+        self._judged = 0
+
+    def check(self, kind: int, body_length: int) -> None:
+        """Judge the next control frame from its header.
+
+        Raises:
+            RemoteProtocolError: a kind not accepted here (now), or too large for it.
+        """
+        first = self._judged == 0
+        self._judged += 1
+        limit = (self._first if first else self._then).get(kind)
+        known = message_kinds().get(kind)
+        name = known.__name__ if known is not None else f"message kind {kind}"
+        if limit is None:
+            where = "as the first message on this connection" if first else "on this connection"
+            raise RemoteProtocolError(f"{name} is not accepted {where}")
+        if body_length > limit:
+            raise RemoteProtocolError(
+                f"{name} of {body_length} bytes exceeds its {limit}-byte limit"
+            )
 
 
 def parse_control_length(prefix: bytes | bytearray | memoryview, *, max_control_frame: int) -> int:
@@ -142,16 +206,21 @@ def parse_control_length(prefix: bytes | bytearray | memoryview, *, max_control_
     return body_length
 
 
-def decode_control_body(body: bytes | bytearray | memoryview) -> Message:
-    """The message in a control frame's body (the bytes after its length prefix).
+def parse_control_kind(
+    header: bytes | bytearray | memoryview, body_length: int, admission: Admission | None
+) -> int:
+    """The message kind from the ``CONTROL_HEADER_SIZE`` bytes after the length prefix
+    (frame type and kind), judged by ``admission`` given the frame's ``body_length``.
 
     Raises:
-        RemoteProtocolError: not a control frame, or an invalid message.
+        RemoteProtocolError: not a control frame, or refused by ``admission``.
     """
-    (frame_type, kind) = _CONTROL_HEADER.unpack_from(body)
+    (frame_type, kind) = _CONTROL_HEADER.unpack(header)
     if frame_type != FrameType.CONTROL:
         raise RemoteProtocolError(f"expected a control frame, got frame type {frame_type}")
-    return decode_message(kind, bytes(body[_CONTROL_HEADER.size :]))
+    if admission is not None:
+        admission.check(kind, body_length)
+    return kind  # type: ignore[no-any-return]
 
 
 class FrameDecoder:
@@ -161,11 +230,20 @@ class FrameDecoder:
         max_control_frame: largest control-frame body accepted, in bytes.
         max_data_frame: largest data-frame body accepted, in bytes; 0 refuses data
             frames altogether (the master link carries none).
+        admission: which control kinds are accepted, judged once per frame as soon
+            as its header is in (None: any kind up to ``max_control_frame``).
+        decode: False returns control frames as ``Undecoded``.
     """
 
-    def __init__(self, *, max_control_frame: int, max_data_frame: int = 0) -> None:
+    def __init__(
+        self, *, max_control_frame: int, max_data_frame: int = 0,
+        admission: Admission | None = None, decode: bool = True,
+    ) -> None:
+        self._decode = decode
         self._max_control = max_control_frame
         self._max_data = max_data_frame
+        self._admission = admission
+        self._judged = -1  # the buffer offset of the last frame the admission judged
         self._buffer = bytearray()
         self._start = 0
         self._eof = False
@@ -185,10 +263,12 @@ class FrameDecoder:
             return
         if self._start and self._start * 2 >= len(self._buffer):
             del self._buffer[: self._start]
+            if self._judged >= 0:
+                self._judged -= self._start
             self._start = 0
         self._buffer += data
 
-    def next_frame(self) -> Message | DataFrame | DecoderState:
+    def next_frame(self) -> Message | Undecoded | DataFrame | DecoderState:
         """The next complete frame, ``NEED_DATA``, or ``CLOSED`` after a clean end.
 
         Raises:
@@ -202,16 +282,26 @@ class FrameDecoder:
             self._broken = exc
             raise
 
-    def _next_frame(self) -> Message | DataFrame | DecoderState:
+    def _next_frame(self) -> Message | Undecoded | DataFrame | DecoderState:
         available = len(self._buffer) - self._start
         if available >= _LENGTH.size:
             (body_length,) = _LENGTH.unpack_from(self._buffer, self._start)
             self._check_length(body_length)
             if available >= _LENGTH.size + 1:
                 self._check_type(body_length, self._buffer[self._start + _LENGTH.size])
+            if (
+                self._admission is not None
+                and available >= _CONTROL_PREFIX.size
+                and self._judged != self._start
+                and self._buffer[self._start + _LENGTH.size] == FrameType.CONTROL
+            ):
+                self._judged = self._start
+                (_length, _type, kind) = _CONTROL_PREFIX.unpack_from(self._buffer, self._start)
+                self._admission.check(kind, body_length)
             if available >= _LENGTH.size + body_length:
                 body_start = self._start + _LENGTH.size
                 self._start = body_start + body_length
+                self._judged = -1
                 body = memoryview(self._buffer)[body_start : self._start]
                 try:
                     return self._decode_body(body)
@@ -255,10 +345,11 @@ class FrameDecoder:
         else:
             raise RemoteProtocolError(f"unknown frame type {frame_type}")
 
-    def _decode_body(self, body: memoryview) -> Message | DataFrame:
+    def _decode_body(self, body: memoryview) -> Message | Undecoded | DataFrame:
         if body[0] == FrameType.CONTROL:
             (_type, kind) = _CONTROL_HEADER.unpack_from(body)
-            return decode_message(kind, bytes(body[_CONTROL_HEADER.size :]))
+            undecoded = Undecoded(kind=kind, fields=bytes(body[_CONTROL_HEADER.size :]))
+            return undecoded.decode() if self._decode else undecoded
         (_type, tag, seq, offset, nbytes) = struct.unpack_from(">BQQQI", body)
         payload = bytes(body[_DATA_BODY_HEADER:])
         if nbytes != len(payload):

@@ -4,6 +4,14 @@ One task per connection reads frames and turns them into core events; one task
 feeds those events (and the passing of time) to the core, in order, and carries out
 the actions it returns. Each connection has its own writer task fed by a queue, so a
 slow or stuck peer can never block the master's event loop or other peers.
+
+No input may end or freeze the master. A connection's first frame must be a small
+``Register`` and later ones peer-to-master kinds within their size limits, judged from
+the frame header before the body is read (``wire.Admission``); bodies large enough to
+take a while to validate are decoded in a worker thread, one at a time, so the event
+loop keeps serving heartbeats; at most ``MAX_NEW_CONNECTIONS`` connections may wait
+for their first frame at once. If handling one connection's event raises all the
+same (a bug), that connection is dropped and the error logged; the master goes on.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ from .._core.master import (
     SolveFinished,
     Tick,
 )
-from .._core.wire import encode_control
+from .._core.messages import C2M, Register, body_limits, bounded, message_kinds
+from .._core.wire import Admission, encode_control
 from ..transport import FramedStream, TcpNetwork, listener_address, remote_host, threads_allowed
 
 __all__ = ["serve_master", "serve_master_tcp"]
@@ -45,12 +54,25 @@ log = logging.getLogger("pccl_trio.master")
 
 #: Events waiting for the core at most; readers block beyond it.
 EVENT_BACKLOG = 64
+#: Connections that have not sent their first frame yet, at most; more are closed at
+#: once (each costs a task and a buffer until the liveness timeout drops it).
+MAX_NEW_CONNECTIONS = 128
+#: Control bodies at least this large are decoded in a worker thread where threads are
+#: allowed: validating a large vote takes long enough to delay other peers' heartbeats.
+THREAD_DECODE_BYTES = 64 * 1024
 
 
 class _Connection:
     def __init__(self, conn_id: int, stream: trio.abc.Stream, config: Config) -> None:
         self.conn_id = conn_id
-        self.framed = FramedStream(stream, max_control_frame=config.max_control_frame)
+        limit = config.max_control_frame
+        admission = Admission(
+            first=body_limits([Register], limit),
+            then=body_limits([c for c in message_kinds().values() if c.DIRECTION == C2M], limit),
+        )
+        self.framed = FramedStream(stream, max_control_frame=limit, admission=admission,
+                                   decode=False)
+        self.fresh = True  # no frame received yet
         self.outgoing_send, self.outgoing_receive = trio.open_memory_channel[bytes](math.inf)
         self.scope = trio.CancelScope()
         self.flush_timeout = config.liveness_timeout
@@ -83,6 +105,8 @@ class _MasterServer:
         # reproducible). Decided once the run is known (``serve_master``).
         self.threads = True
         self.ready: list[Event] = []  # results of inline searches, for the core
+        self.fresh = 0  # connections that have not sent a frame yet
+        self.decoding = trio.CapacityLimiter(1)  # large bodies, one at a time
 
     async def accept_loop(self, listener: trio.abc.Listener[Any], nursery: trio.Nursery) -> None:
         async with listener:
@@ -96,7 +120,15 @@ class _MasterServer:
                     log.warning("accept failed: %s", exc)
                     await trio.sleep(0.1)
                     continue
+                if self.fresh >= MAX_NEW_CONNECTIONS:
+                    log.warning(
+                        "refusing a connection from %s: %d connections have not sent "
+                        "their first frame yet", remote_host(stream), self.fresh,
+                    )
+                    await trio.aclose_forcefully(stream)
+                    continue
                 conn = _Connection(next(self.ids), stream, self.config)
+                self.fresh += 1
                 self.connections[conn.conn_id] = conn
                 await self.events_send.send(
                     ConnectionOpened(conn=conn.conn_id, host=remote_host(stream))
@@ -111,16 +143,30 @@ class _MasterServer:
                     await self.read_loop(conn)
                     await trio.sleep_forever()  # until the writer finishes the close
         finally:
+            self.settle(conn)
             self.connections.pop(conn.conn_id, None)
             await conn.framed.aclose()
+
+    def settle(self, conn: _Connection) -> None:
+        """``conn`` no longer waits for its first frame."""
+        if conn.fresh:
+            conn.fresh = False
+            self.fresh -= 1
 
     async def read_loop(self, conn: _Connection) -> None:
         try:
             while True:
-                message = await conn.framed.receive_message()
+                frame = await conn.framed.receive_undecoded()
+                self.settle(conn)
+                if self.threads and len(frame.fields) >= THREAD_DECODE_BYTES:
+                    message = await trio.to_thread.run_sync(frame.decode, limiter=self.decoding)
+                else:
+                    message = frame.decode()
                 await self.events_send.send(MessageReceived(conn=conn.conn_id, message=message))
         except RemoteProtocolError as exc:
-            await self.events_send.send(ConnectionBroken(conn=conn.conn_id, reason=str(exc)))
+            await self.events_send.send(
+                ConnectionBroken(conn=conn.conn_id, reason=bounded(str(exc)))
+            )
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.events_send.send(ConnectionClosed(conn=conn.conn_id))
 
@@ -186,9 +232,31 @@ class _MasterServer:
     def feed(self, event: Event) -> None:
         """Hand ``event`` to the core, carry out its actions, then do the same for the
         results of searches that ran inline meanwhile."""
-        self.execute(self.core.handle(event, trio.current_time()))
+        self.execute(self.handle(event))
         while self.ready:
-            self.execute(self.core.handle(self.ready.pop(0), trio.current_time()))
+            self.execute(self.handle(self.ready.pop(0)))
+
+    def handle(self, event: Event) -> Sequence[Action]:
+        """The core's actions for ``event``; if the core fails on it (a bug), the
+        event's connection is dropped instead and the master goes on."""
+        try:
+            return self.core.handle(event, trio.current_time())
+        except Exception:
+            conn_id = getattr(event, "conn", None)
+            log.exception(
+                "the master failed to handle %s; %s", type(event).__name__,
+                "ignoring it" if conn_id is None else f"dropping connection {conn_id}",
+            )
+            if conn_id is None or isinstance(event, ConnectionBroken):
+                return [Close(conn=conn_id, reason="internal error")] if conn_id else []
+        # Kick it the normal way, so every part forgets it; failing that, cut it (its
+        # reader then reports it closed, and the core removes it on that).
+        broken = ConnectionBroken(conn=conn_id, reason="the master could not handle its message")
+        try:
+            return self.core.handle(broken, trio.current_time())
+        except Exception:
+            log.exception("the master failed to drop connection %d", conn_id)
+            return [Close(conn=conn_id, reason="internal error")]
 
     async def run_core(self) -> NoReturn:
         while True:

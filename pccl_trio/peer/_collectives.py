@@ -44,6 +44,7 @@ from .._core.messages import (
     CollectiveVerdict,
     Message,
     Outcome,
+    bounded,
 )
 from .._errors import (
     CollectiveAborted,
@@ -387,7 +388,7 @@ class AllReduces:
                 await self._session.send(
                     CollectiveComplete(
                         tag=tag, seq=attempt.seq, aborted=not local_ok,
-                        invalid=attempt.invalid or "",
+                        invalid=bounded(attempt.invalid or ""),
                     )
                 )
                 verdict = await self._session.wait_for(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import typing
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -43,8 +44,10 @@ from .._core.messages import (
     P2PInfo,
     PeerEndpoint,
     SharedStateRequest,
+    body_limits,
 )
 from .._core.ring import neighbours
+from .._core.wire import Admission
 from ..transport import (
     Connection,
     FramedStream,
@@ -52,6 +55,7 @@ from ..transport import (
     SocketLink,
     format_address,
     listener_address,
+    remote_host,
     threads_allowed,
 )
 from ._lifecycle import Lifecycle
@@ -76,6 +80,9 @@ FirstFrame = P2PHello | SharedStateRequest | BenchmarkRequest
 
 #: Most connections per neighbour (and so the largest slot number plus one).
 MAX_POOL_SIZE = 1024
+#: Accepted connections that have not sent their first frame yet, at most; more are
+#: closed at once (each holds a task and a buffer until ``connect_timeout``).
+MAX_NEW_CONNECTIONS = 64
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -123,6 +130,10 @@ class P2PConnections:
         # Peers allowed to open data connections to us: predecessors named by the master.
         self._expected_senders: set[int] = set()
         self._expected_lot = trio.lowlevel.ParkingLot()
+        self._fresh = 0  # accepted connections waiting for their first frame
+        self._first_frames = body_limits(
+            typing.get_args(FirstFrame), config.max_control_frame
+        )
 
     # --- accepting -----------------------------------------------------------------------
 
@@ -156,13 +167,25 @@ class P2PConnections:
                 log.warning("p2p accept failed: %s", exc)
                 await trio.sleep(0.1)
                 continue
+            if self._fresh >= MAX_NEW_CONNECTIONS:
+                log.warning(
+                    "peer %s: refusing a p2p connection from %s: %d connections have not "
+                    "sent their first frame yet", self._session.peer_id, remote_host(stream),
+                    self._fresh,
+                )
+                await trio.aclose_forcefully(stream)
+                continue
+            self._fresh += 1
             self._life.spawn(self._serve, stream)
 
     async def _serve(self, stream: trio.abc.Stream) -> None:
         framed = self.framed(stream)
         try:
-            with trio.fail_after(self._config.connect_timeout):
-                first = await framed.receive_message_exact()
+            try:
+                with trio.fail_after(self._config.connect_timeout):
+                    first = await framed.receive_message_exact(Admission(self._first_frames))
+            finally:
+                self._fresh -= 1
             handler = self._handlers.get(type(first))
             if handler is None or not isinstance(first, FirstFrame):
                 raise RemoteProtocolError(f"expected P2PHello, got {type(first).__name__}")

@@ -27,7 +27,18 @@ import trio
 
 from .._config import Config
 from .._core.errors import RemoteProtocolError
-from .._core.messages import PROTOCOL_VERSION, Heartbeat, Kick, Message, Register, Welcome
+from .._core.messages import (
+    M2C,
+    PROTOCOL_VERSION,
+    Heartbeat,
+    Kick,
+    Message,
+    Register,
+    Welcome,
+    body_limits,
+    message_kinds,
+)
+from .._core.wire import Admission
 from .._errors import Kicked, MasterConnectionError, PCCLError
 from ..transport import FramedStream, Network, format_address
 from ._lifecycle import Lifecycle
@@ -82,7 +93,16 @@ class MasterSession:
                 f"could not reach the master at {self.address} ({exc or 'timed out'}); "
                 "check that `pccl-trio master` runs there and the address is right"
             ) from exc
-        self._link = FramedStream(stream, max_control_frame=self._config.max_control_frame)
+        limit = self._config.max_control_frame
+        # What a master may send: Welcome or Kick first, then its kinds and heartbeats.
+        from_master = [c for c in message_kinds().values() if c.DIRECTION == M2C]
+        self._link = FramedStream(
+            stream, max_control_frame=limit,
+            admission=Admission(
+                first=body_limits([Welcome, Kick], limit),
+                then=body_limits([*from_master, Heartbeat], limit),
+            ),
+        )
         self._life.spawn(self._read)
         await self.send(
             Register(

@@ -33,6 +33,7 @@ from .._core.messages import (
     SharedStatePlan,
     SharedStateRequest,
     SharedStateVote,
+    bounded,
 )
 from .._core.wire import encode_control, max_payload
 from .._errors import InvalidArgument, SharedStateSyncFailed
@@ -99,7 +100,7 @@ class SharedStateSync:
                 if plan.fetches:
                     received, failure = await self._fetch(plan, tensors)
                 await self._session.send(
-                    SharedStateDone(sync=plan.sync, success=not failure, reason=failure[:1000])
+                    SharedStateDone(sync=plan.sync, success=not failure, reason=bounded(failure))
                 )
                 await self._session.wait_for(SharedStateComplete, lambda m: m.sync == plan.sync)
             finally:

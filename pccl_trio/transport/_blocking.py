@@ -27,17 +27,18 @@ from contextlib import contextmanager
 
 import trio
 
-from .._core.messages import Message
+from .._core.messages import Message, decode_message
 from .._core.wire import (
+    CONTROL_HEADER_SIZE,
     DATA_HEADER,
     LENGTH_SIZE,
-    decode_control_body,
     encode_control,
     encode_data_header,
+    parse_control_kind,
     parse_control_length,
     parse_data_header,
 )
-from ._framed import FramedStream, drop_sent, readable_now
+from ._framed import RECEIVE_CHUNK, FramedStream, drop_sent, readable_now
 
 __all__ = ["SocketLink"]
 
@@ -192,9 +193,17 @@ class SocketLink:
         """
         prefix = bytearray(LENGTH_SIZE)
         self.receive_into(memoryview(prefix))
-        body = bytearray(parse_control_length(prefix, max_control_frame=self._max_control_frame))
-        self.receive_into(memoryview(body))
-        return decode_control_body(body)
+        length = parse_control_length(prefix, max_control_frame=self._max_control_frame)
+        header = bytearray(CONTROL_HEADER_SIZE)
+        self.receive_into(memoryview(header))
+        kind = parse_control_kind(header, length, None)
+        remaining = length - CONTROL_HEADER_SIZE
+        body = bytearray()
+        while len(body) < remaining:  # the buffer grows with what arrived
+            start = len(body)
+            body.extend(bytes(min(RECEIVE_CHUNK, remaining - start)))
+            self.receive_into(memoryview(body)[start:])
+        return decode_message(kind, bytes(body))
 
     def receive_data_header(self) -> tuple[int, int, int, int]:
         """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame.

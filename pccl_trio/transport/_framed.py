@@ -17,16 +17,19 @@ from typing import TYPE_CHECKING, TypeAlias
 import trio
 
 from .._core.errors import RemoteProtocolError
-from .._core.messages import Message
+from .._core.messages import Message, decode_message
 from .._core.wire import (
+    CONTROL_HEADER_SIZE,
     DATA_HEADER,
     LENGTH_SIZE,
+    Admission,
     DataFrame,
     DecoderState,
     FrameDecoder,
-    decode_control_body,
+    Undecoded,
     encode_control,
     encode_data_header,
+    parse_control_kind,
     parse_control_length,
     parse_data_header,
 )
@@ -35,9 +38,11 @@ from ._network import InMemoryStream
 if TYPE_CHECKING:
     from ._blocking import SocketLink
 
-__all__ = ["Connection", "FramedStream", "drop_sent", "readable_now"]
+__all__ = ["RECEIVE_CHUNK", "Connection", "FramedStream", "drop_sent", "readable_now"]
 
 RECEIVE_SIZE = 1 << 16
+#: Step by which a one-frame reader grows its buffer: allocation follows arrival.
+RECEIVE_CHUNK = 1 << 16
 
 
 def readable_now(sock: socket.socket | trio.socket.SocketType) -> bool:
@@ -70,7 +75,8 @@ class FramedStream:
     """
 
     def __init__(
-        self, stream: trio.abc.Stream, *, max_control_frame: int, max_data_frame: int = 0
+        self, stream: trio.abc.Stream, *, max_control_frame: int, max_data_frame: int = 0,
+        admission: Admission | None = None, decode: bool = True,
     ) -> None:
         self.stream = stream
         self._max_data_frame = max_data_frame
@@ -81,7 +87,8 @@ class FramedStream:
         )
         self._header = bytearray(DATA_HEADER.size)
         self._decoder = FrameDecoder(
-            max_control_frame=max_control_frame, max_data_frame=max_data_frame
+            max_control_frame=max_control_frame, max_data_frame=max_data_frame,
+            admission=admission, decode=decode,
         )
         self._send_lock = trio.StrictFIFOLock()
         self._closed = False
@@ -177,8 +184,9 @@ class FramedStream:
                 raise trio.BrokenResourceError("connection closed by the other side")
             received += n
 
-    async def receive(self) -> Message | DataFrame:
-        """The next frame.
+    async def receive(self) -> Message | Undecoded | DataFrame:
+        """The next frame (control frames ``Undecoded`` if the stream was made with
+        ``decode=False``).
 
         Raises:
             trio.BrokenResourceError: the other side closed the connection or broke it.
@@ -194,27 +202,47 @@ class FramedStream:
             data = await self.stream.receive_some(RECEIVE_SIZE)
             self._decoder.receive_data(data)
 
-    async def receive_message_exact(self) -> Message:
+    async def receive_message_exact(self, admission: Admission | None = None) -> Message:
         """The next frame, which must be a control message, read without taking any byte
         beyond it (data frames that follow can then be received straight into place).
 
+        Args:
+            admission: the kinds accepted, judged from the frame's header.
+
         Raises:
             trio.BrokenResourceError: the stream ended first.
-            RemoteProtocolError: not a valid control frame, or bytes already buffered.
+            RemoteProtocolError: not a valid control frame, refused by ``admission``,
+                or bytes already buffered.
         """
         if self._decoder.buffered:
             raise RemoteProtocolError("unexpected bytes before the control frame")
         prefix = bytearray(LENGTH_SIZE)
         await self.receive_into(memoryview(prefix))
-        body = bytearray(parse_control_length(prefix, max_control_frame=self._max_control_frame))
-        await self.receive_into(memoryview(body))
-        return decode_control_body(body)
+        length = parse_control_length(prefix, max_control_frame=self._max_control_frame)
+        header = bytearray(CONTROL_HEADER_SIZE)
+        await self.receive_into(memoryview(header))
+        kind = parse_control_kind(header, length, admission)
+        remaining = length - CONTROL_HEADER_SIZE
+        body = bytearray()
+        while len(body) < remaining:  # the buffer grows with what arrived
+            start = len(body)
+            body.extend(bytes(min(RECEIVE_CHUNK, remaining - start)))
+            await self.receive_into(memoryview(body)[start:])
+        return decode_message(kind, bytes(body))
 
     async def receive_message(self) -> Message:
         """The next frame, which must be a control message."""
         frame = await self.receive()
         if isinstance(frame, DataFrame):
             raise RemoteProtocolError("data frame where a control message was expected")
+        return frame.decode() if isinstance(frame, Undecoded) else frame
+
+    async def receive_undecoded(self) -> Undecoded:
+        """The next frame, which must be a control frame, as the stream received it
+        (made with ``decode=False``)."""
+        frame = await self.receive()
+        if not isinstance(frame, Undecoded):
+            raise RemoteProtocolError("a control frame was expected")
         return frame
 
     async def aclose(self) -> None:

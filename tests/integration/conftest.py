@@ -15,6 +15,8 @@ import trio
 import trio.testing
 
 import pccl_trio as pccl
+from pccl_trio._core.messages import Message
+from pccl_trio._core.wire import FrameDecoder
 from pccl_trio.testing import MemoryNetwork, PeerSeam
 from pccl_trio.transport import Network, TcpNetwork, format_address
 
@@ -154,6 +156,32 @@ async def form_run(
 
 
 # --- helpers shared by the integration tests ------------------------------------------
+
+
+def first_reply(data: bytes) -> Message | None:
+    """The first frame the master sent before hanging up, if any."""
+    decoder = FrameDecoder(max_control_frame=1 << 20)
+    decoder.receive_data(data)
+    frame = decoder.next_frame()
+    return frame if isinstance(frame, Message) else None
+
+
+async def exchange_raw(cluster: Cluster, host: str, *frames: bytes) -> Message | None:
+    """Send ``frames`` to the master on a fresh connection from ``host``, read until
+    the master hangs up, and return the first message it sent (None: none)."""
+    master_host, port = cluster.master_address.rsplit(":", 1)
+    stream = await cluster.network(host).connect(master_host, int(port))
+    received = b""
+    try:
+        for frame in frames:
+            await stream.send_all(frame)
+        while chunk := await stream.receive_some(1 << 16):
+            received += chunk
+    except trio.BrokenResourceError:
+        pass  # it hung up while we still sent: what it said before is what counts
+    finally:
+        await stream.aclose()
+    return first_reply(received)
 
 SMALL = pccl.Config(slice_bytes=256)  # many slices even for small buffers
 FINE = pccl.Config(slice_bytes=4096)

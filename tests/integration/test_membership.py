@@ -8,19 +8,10 @@ import trio.lowlevel
 import trio.testing
 
 import pccl_trio as pccl
-from pccl_trio._core.messages import Kick, Message
-from pccl_trio._core.wire import FrameDecoder
+from pccl_trio._core.messages import Kick
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, all_do, form_run
-
-
-def decode_one(data: bytes) -> Message | None:
-    """The first frame the master sent before hanging up, if any."""
-    decoder = FrameDecoder(max_control_frame=1 << 20)
-    decoder.receive_data(data)
-    frame = decoder.next_frame()
-    return frame if isinstance(frame, Message) else None
+from .conftest import Cluster, all_do, first_reply, form_run
 
 A = pccl.Attribute
 
@@ -155,7 +146,7 @@ async def test_master_survives_garbage_and_serves_new_peers(
             while chunk := await stream.receive_some(1 << 16):
                 received += chunk
             await stream.aclose()
-            kick = decode_one(received)
+            kick = first_reply(received)
             assert isinstance(kick, Kick) and "malformed input" in kick.reason, kick
         late = cluster.communicator("p1")
         async with trio.open_nursery() as nursery:
