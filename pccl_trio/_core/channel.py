@@ -1,0 +1,294 @@
+"""Authenticated connections: the run-secret handshake and the per-frame protection
+that follows it (sans-IO).
+
+Theory of operation
+-------------------
+Every peer and the master of a run share one *run secret*. Each TCP connection opens
+with a handshake of three fixed-size messages, exchanged before any frame is parsed:
+
+* ``HELLO`` (client -> server, ``HELLO_SIZE`` bytes): the magic ``PCTS``, the
+  handshake version, the connection's *purpose* (master link, ring pool, shared
+  state, benchmark), reserved flags, and a fresh 32-byte client nonce.
+* ``REPLY`` (server -> client, ``REPLY_SIZE`` bytes): a fresh 32-byte server nonce and
+  the server's proof, an HMAC-SHA256 over the transcript (``HELLO`` and the server
+  nonce) under the handshake's authentication key.
+* ``FINISH`` (client -> server, ``FINISH_SIZE`` bytes): the client's proof over the
+  same transcript, under the same key but another label.
+
+The keys come from HKDF-SHA256 over the run secret, salted with both nonces and bound
+to the purpose: an authentication key and one AES-256-GCM key per direction, new for
+every connection. Each side checks the other's proof before it sends anything more, so
+the handshake is mutual: a peer learns that it talks to the run's master, and a
+listener that its client holds the secret. A failed proof closes the connection
+without a word (no error text that could serve as an oracle).
+
+Afterwards a ``Channel`` protects every frame. Each direction counts its frames from
+zero; the count is the AES-GCM nonce, so a replayed, dropped or reordered frame fails
+its tag. A control frame's fields are encrypted and tagged, with its 7-byte header
+(length, type, kind) as associated data, so the header is still judged before the
+body is read (``wire.Admission``) and cannot be altered. A data frame keeps its header
+and payload readable (the payload is written straight into tensor memory, zero-copy)
+and carries a 16-byte GMAC tag over both after the payload; with ``encrypt_data`` the
+payload is encrypted too, at the price of one copy per frame.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import os
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from .errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "FINISH_SIZE",
+    "HELLO_SIZE",
+    "MIN_SECRET_BYTES",
+    "REPLY_SIZE",
+    "TAG_SIZE",
+    "Channel",
+    "ClientHandshake",
+    "HandshakeFailed",
+    "Purpose",
+    "ServerHandshake",
+    "check_secret",
+]
+
+MAGIC = b"PCTS"
+HANDSHAKE_VERSION = 1
+NONCE_SIZE = 32
+PROOF_SIZE = 32
+#: Bytes of the GCM tag on every protected frame.
+TAG_SIZE = 16
+#: Shortest run secret accepted: the handshake's proofs can be attacked offline by
+#: guessing the secret, so it must not be guessable.
+MIN_SECRET_BYTES = 16
+
+_HELLO = struct.Struct(f">4sBBH{NONCE_SIZE}s")
+HELLO_SIZE = _HELLO.size
+REPLY_SIZE = NONCE_SIZE + PROOF_SIZE
+FINISH_SIZE = PROOF_SIZE
+_COUNTER = struct.Struct(">4xQ")  # the 96-bit GCM nonce: 32 zero bits, a 64-bit count
+
+
+class Purpose(enum.IntEnum):
+    """What a connection is for; part of its keys, so a connection opened for one
+    purpose cannot be replayed as another."""
+
+    MASTER = 1
+    RING = 2
+    SHARED_STATE = 3
+    BENCHMARK = 4
+
+
+class HandshakeFailed(RemoteProtocolError):
+    """The other side does not hold the run secret, or did not speak the handshake."""
+
+
+def check_secret(secret: bytes) -> bytes:
+    """``secret`` if it can serve as a run secret.
+
+    Raises:
+        ValueError: too short to resist guessing.
+    """
+    if not isinstance(secret, bytes) or len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"a run secret must be at least {MIN_SECRET_BYTES} bytes (32 random bytes, "
+            "e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`)"
+        )
+    return secret
+
+
+def _keys(secret: bytes, hello: bytes, server_nonce: bytes, purpose: int) -> tuple[bytes, ...]:
+    """(authentication key, client->server key, server->client key)."""
+    client_nonce = hello[-NONCE_SIZE:]
+    material = HKDF(
+        algorithm=hashes.SHA256(),
+        length=96,
+        salt=client_nonce + server_nonce,
+        info=b"pccl-trio handshake %d purpose %d" % (HANDSHAKE_VERSION, purpose),
+    ).derive(secret)
+    return material[:32], material[32:64], material[64:]
+
+
+def _proof(key: bytes, label: bytes, hello: bytes, server_nonce: bytes) -> bytes:
+    return hmac.new(key, label + hello + server_nonce, "sha256").digest()
+
+
+class ClientHandshake:
+    """The connecting side: ``hello()``, then ``finish(reply)``; then ``channel``."""
+
+    def __init__(self, secret: bytes, purpose: Purpose, *, encrypt_data: bool = False) -> None:
+        self._secret = check_secret(secret)
+        self._purpose = purpose
+        self._encrypt_data = encrypt_data
+        self._hello = _HELLO.pack(MAGIC, HANDSHAKE_VERSION, purpose, 0, os.urandom(NONCE_SIZE))
+        self.channel: Channel | None = None
+
+    def hello(self) -> bytes:
+        return self._hello
+
+    def finish(self, reply: bytes) -> bytes:
+        """Check the server's proof in ``reply``; the ``FINISH`` message to send.
+
+        Raises:
+            HandshakeFailed: the server does not hold the run secret.
+        """
+        if len(reply) != REPLY_SIZE:
+            raise LocalProtocolError(f"a handshake reply is {REPLY_SIZE} bytes, got {len(reply)}")
+        server_nonce, proof = reply[:NONCE_SIZE], reply[NONCE_SIZE:]
+        auth, c2s, s2c = _keys(self._secret, self._hello, server_nonce, self._purpose)
+        if not hmac.compare_digest(proof, _proof(auth, b"server", self._hello, server_nonce)):
+            raise HandshakeFailed("the other side does not hold this run's secret")
+        self.channel = Channel(send_key=c2s, receive_key=s2c, encrypt_data=self._encrypt_data)
+        return _proof(auth, b"client", self._hello, server_nonce)
+
+
+class ServerHandshake:
+    """The accepting side: ``reply(hello)``, then ``finish(finish)``; then ``channel``.
+
+    Args:
+        purposes: the purposes this listener serves (a master serves only
+            ``MASTER``); a hello for another is refused.
+    """
+
+    def __init__(
+        self, secret: bytes, purposes: frozenset[Purpose], *, encrypt_data: bool = False
+    ) -> None:
+        self._secret = check_secret(secret)
+        self._purposes = purposes
+        self._encrypt_data = encrypt_data
+        self._hello = b""
+        self._nonce = b""
+        self._keys: tuple[bytes, ...] = ()
+        self.purpose: Purpose | None = None
+        self.channel: Channel | None = None
+
+    def reply(self, hello: bytes) -> bytes:
+        """The ``REPLY`` to a client's ``HELLO``.
+
+        Raises:
+            HandshakeFailed: not a hello of this protocol, or for a purpose not served.
+        """
+        if len(hello) != HELLO_SIZE:
+            raise LocalProtocolError(f"a handshake hello is {HELLO_SIZE} bytes, got {len(hello)}")
+        magic, version, purpose, _flags, _nonce = _HELLO.unpack(hello)
+        if magic != MAGIC or version != HANDSHAKE_VERSION:
+            raise HandshakeFailed("not a pccl_trio handshake of this version")
+        if purpose not in self._purposes:
+            raise HandshakeFailed(f"purpose {purpose} is not served here")
+        self.purpose = Purpose(purpose)
+        self._hello = bytes(hello)
+        self._nonce = os.urandom(NONCE_SIZE)
+        self._keys = _keys(self._secret, self._hello, self._nonce, purpose)
+        return self._nonce + _proof(self._keys[0], b"server", self._hello, self._nonce)
+
+    def finish(self, finish: bytes) -> None:
+        """Check the client's proof; ``channel`` is ready afterwards.
+
+        Raises:
+            HandshakeFailed: the client does not hold the run secret.
+        """
+        if not self._keys:
+            raise LocalProtocolError("finish before reply")
+        auth, c2s, s2c = self._keys
+        if not hmac.compare_digest(bytes(finish), _proof(auth, b"client", self._hello, self._nonce)):
+            raise HandshakeFailed("the other side does not hold this run's secret")
+        self.channel = Channel(send_key=s2c, receive_key=c2s, encrypt_data=self._encrypt_data)
+
+
+class Channel:
+    """The protection of one connection's frames after its handshake.
+
+    Not thread-safe on its own: each direction is used by one sender and one receiver
+    at a time (the connection's send lock and its single reader), in frame order.
+    """
+
+    def __init__(self, *, send_key: bytes, receive_key: bytes, encrypt_data: bool) -> None:
+        self._send_key = send_key
+        self._receive_key = receive_key
+        self._send_aead = AESGCM(send_key)
+        self._receive_aead = AESGCM(receive_key)
+        self._sent = 0
+        self._received = 0
+        self.encrypt_data = encrypt_data
+
+    def _next_send(self) -> bytes:
+        nonce = _COUNTER.pack(self._sent)
+        self._sent += 1
+        return nonce
+
+    def _next_receive(self) -> bytes:
+        nonce = _COUNTER.pack(self._received)
+        self._received += 1
+        return nonce
+
+    # --- control frames ---------------------------------------------------------------
+
+    def seal_control(self, header: bytes, fields: bytes) -> bytes:
+        """``fields`` encrypted and tagged (``TAG_SIZE`` bytes longer), bound to the
+        frame's ``header`` (its length prefix already counting the tag)."""
+        return self._send_aead.encrypt(self._next_send(), fields, header)
+
+    def open_control(self, header: bytes, sealed: bytes | bytearray | memoryview) -> bytes:
+        """The fields of a sealed control frame.
+
+        Raises:
+            RemoteProtocolError: the frame was forged, altered, replayed or reordered.
+        """
+        try:
+            return self._receive_aead.decrypt(self._next_receive(), bytes(sealed), header)
+        except InvalidTag:
+            raise RemoteProtocolError("a control frame failed its authentication") from None
+
+    # --- data frames ------------------------------------------------------------------
+
+    def tag_data(self, header: bytes, payload: memoryview) -> bytes:
+        """The tag that follows a data frame's payload (``encrypt_data`` off)."""
+        tagger = Cipher(algorithms.AES(self._send_key), modes.GCM(self._next_send())).encryptor()
+        tagger.authenticate_additional_data(header)
+        tagger.authenticate_additional_data(payload)
+        tagger.finalize()
+        return tagger.tag
+
+    def check_data(self, header: bytes, payload: memoryview, tag: bytes | bytearray) -> None:
+        """Raise ``RemoteProtocolError`` unless ``tag`` is the data frame's tag."""
+        checker = Cipher(
+            algorithms.AES(self._receive_key), modes.GCM(self._next_receive(), bytes(tag))
+        ).decryptor()
+        checker.authenticate_additional_data(header)
+        checker.authenticate_additional_data(payload)
+        try:
+            checker.finalize()
+        except InvalidTag:
+            raise RemoteProtocolError("a data frame failed its authentication") from None
+
+    def encrypt_data_into(self, header: bytes, payload: memoryview, out: memoryview) -> bytes:
+        """Encrypt ``payload`` into ``out`` (as long); the tag (``encrypt_data`` on)."""
+        encryptor = Cipher(algorithms.AES(self._send_key), modes.GCM(self._next_send())).encryptor()
+        encryptor.authenticate_additional_data(header)
+        encryptor.update_into(payload, out)  # GCM is a stream mode: exactly as long
+        encryptor.finalize()
+        return encryptor.tag
+
+    def decrypt_data_into(
+        self, header: bytes, ciphertext: memoryview, out: memoryview, tag: bytes | bytearray
+    ) -> None:
+        """Decrypt ``ciphertext`` into ``out``; raise ``RemoteProtocolError`` if the
+        tag fails (``out`` then holds garbage the caller must discard)."""
+        decryptor = Cipher(
+            algorithms.AES(self._receive_key), modes.GCM(self._next_receive(), bytes(tag))
+        ).decryptor()
+        decryptor.authenticate_additional_data(header)
+        decryptor.update_into(ciphertext, out)
+        try:
+            decryptor.finalize()
+        except InvalidTag:
+            raise RemoteProtocolError("a data frame failed its authentication") from None
