@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ._core.messages import MAX_TIMER
+
 __all__ = ["Config"]
 
 
@@ -73,6 +75,11 @@ class Config:
                 "Config.heartbeat_interval must be shorter than Config.liveness_timeout "
                 f"({self.heartbeat_interval} >= {self.liveness_timeout}); otherwise a healthy, "
                 "quiet link would be declared dead"
+            )
+        if self.liveness_timeout > MAX_TIMER:
+            raise ValueError(
+                f"Config.liveness_timeout must be at most {MAX_TIMER}s, got "
+                f"{self.liveness_timeout}; peers refuse longer timers from a master"
             )
         for name in ("topology_solve_seconds", "topology_search_seconds"):
             value = getattr(self, name)

@@ -52,6 +52,7 @@ __all__ = [
     "CollectiveInitiate",
     "CollectiveVerdict",
     "M2C",
+    "MAX_TIMER",
     "P2P",
     "PROTOCOL_VERSION",
     "Heartbeat",
@@ -137,6 +138,8 @@ MAX_BENCHMARK_BYTES = 1 << 30
 MATRIX_LIMIT = 128
 #: Longest shared-state key, in characters.
 MAX_KEY = 1024
+#: Longest liveness timeout a master may impose, in seconds.
+MAX_TIMER = 3600.0
 #: Longest host name (DNS) or address a peer may advertise.
 MAX_HOST = 253
 
@@ -405,6 +408,14 @@ class Welcome(Message):
     peer_id: int
     heartbeat_interval: float
     liveness_timeout: float
+
+    def _validate(self) -> None:
+        if not 0 < self.heartbeat_interval < self.liveness_timeout <= MAX_TIMER:
+            raise RemoteProtocolError(
+                f"Welcome: heartbeat interval {self.heartbeat_interval!r}s and liveness "
+                f"timeout {self.liveness_timeout!r}s are not 0 < interval < timeout <= "
+                f"{MAX_TIMER}s"
+            )
 
 
 @message(65, M2C)

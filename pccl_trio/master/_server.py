@@ -44,7 +44,7 @@ from .._core.master import (
     SolveFinished,
     Tick,
 )
-from .._core.messages import C2M, Register, body_limits, bounded, message_kinds
+from .._core.messages import C2M, Heartbeat, Register, body_limits, bounded, message_kinds
 from .._core.wire import Admission, encode_control
 from ..transport import FramedStream, TcpNetwork, listener_address, remote_host, threads_allowed
 
@@ -159,6 +159,11 @@ class _MasterServer:
                 frame = await conn.framed.receive_undecoded()
                 self.settle(conn)
                 if self.threads and len(frame.fields) >= THREAD_DECODE_BYTES:
+                    # The frame arrived, which proves the sender alive while it waits
+                    # for a decoder (never the first frame: that is a small Register).
+                    await self.events_send.send(
+                        MessageReceived(conn=conn.conn_id, message=Heartbeat())
+                    )
                     message = await trio.to_thread.run_sync(frame.decode, limiter=self.decoding)
                 else:
                     message = frame.decode()

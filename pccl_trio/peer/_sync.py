@@ -138,6 +138,12 @@ class SharedStateSync:
             failure every fetched tensor holds its old bytes again.
         """
         by_key = {t.key: t for t in tensors}
+        unknown = [f.key for f in plan.fetches if f.key not in by_key]
+        if unknown:  # a master of another run, or a broken one: fetch nothing
+            return 0, (
+                f"the master's plan names {len(unknown)} tensor(s) this peer's shared state "
+                f"does not have (first: {unknown[0]!r})"
+            )
         targets = [by_key[f.key] for f in plan.fetches]
         expected = {f.key: f.hash for f in plan.fetches if f.verify}
         assert self._session.peer_id is not None

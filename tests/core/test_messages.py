@@ -18,6 +18,7 @@ from pccl_trio._core.messages import (
     DISTRIBUTION_HINT_NAMES,
     DTYPE_NAMES,
     M2C,
+    MAX_TIMER,
     OP_NAMES,
     OUTCOMES,
     P2P,
@@ -259,6 +260,10 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     (Welcome, [1, 1.0, math.inf], "Welcome.liveness_timeout"),
     (Welcome, [1, -math.inf, 2.0], "Welcome.heartbeat_interval"),
     (Welcome, [1, None, 2.0], "Welcome.heartbeat_interval"),
+    # A master (or an impostor) could make peers spin on heartbeats or never time out.
+    (Welcome, [1, 0.0, 2.0], r"Welcome: heartbeat interval 0.0s .* not 0 < interval"),
+    (Welcome, [1, 3.0, 2.0], r"not 0 < interval < timeout"),
+    (Welcome, [1, 1.0, 1e9], r"timeout <= 3600.0s"),
     (P2PEstablished, [1, True, {"2": 2}], "P2PEstablished: undecodable payload .*max_map_len"),
     (P2PEstablished, [1, True, [2, None]], r"P2PEstablished.failed_peers\[1\]"),
     (P2PEstablished, [1, True, list(range(MAX_SEQUENCE + 1))],
@@ -404,9 +409,22 @@ def topology_reports(draw: st.DrawFn) -> TopologyOptimized:
 
 
 #: Messages whose fields constrain each other: built whole.
+def welcomes() -> st.SearchStrategy[Welcome]:
+    """Timers with 0 < heartbeat interval < liveness timeout <= MAX_TIMER."""
+    return st.builds(
+        lambda peer_id, timeout, share: Welcome(
+            peer_id=peer_id, heartbeat_interval=timeout * share, liveness_timeout=timeout
+        ),
+        st.integers(0, U64_MAX),
+        st.floats(min_value=0.001, max_value=MAX_TIMER),
+        st.floats(min_value=0.01, max_value=0.99),
+    )
+
+
 JOINT: dict[type[Any], st.SearchStrategy[Any]] = {
     LinkMeasured: link_measurements(),
     TopologyOptimized: topology_reports(),
+    Welcome: welcomes(),
 }
 
 
