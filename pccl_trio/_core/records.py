@@ -230,7 +230,7 @@ def encode_message(message: Message) -> bytes:
     return msgpack.packb(_to_wire(message), use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def decode_message(kind: int, payload: bytes | memoryview) -> Message:
+def decode_message(kind: int, payload: bytes | bytearray | memoryview) -> Message:
     """Decode and validate one control message.
 
     Raises:

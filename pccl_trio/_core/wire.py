@@ -179,6 +179,8 @@ class Admission:
         first = self._judged == 0
         self._judged += 1
         limit = (self._first if first else self._then).get(kind)
+        if limit is not None and body_length <= limit:
+            return
         known = message_kinds().get(kind)
         name = known.__name__ if known is not None else f"message kind {kind}"
         if limit is None:

@@ -63,15 +63,14 @@ THREAD_DECODE_BYTES = 64 * 1024
 
 
 class _Connection:
-    def __init__(self, conn_id: int, stream: trio.abc.Stream, config: Config) -> None:
+    def __init__(
+        self, conn_id: int, stream: trio.abc.Stream, config: Config, admission: Admission
+    ) -> None:
         self.conn_id = conn_id
-        limit = config.max_control_frame
-        admission = Admission(
-            first=body_limits([Register], limit),
-            then=body_limits([c for c in message_kinds().values() if c.DIRECTION == C2M], limit),
+        self.framed = FramedStream(
+            stream, max_control_frame=config.max_control_frame, admission=admission,
+            decode=False,
         )
-        self.framed = FramedStream(stream, max_control_frame=limit, admission=admission,
-                                   decode=False)
         self.fresh = True  # no frame received yet
         self.outgoing_send, self.outgoing_receive = trio.open_memory_channel[bytes](math.inf)
         self.scope = trio.CancelScope()
@@ -107,6 +106,12 @@ class _MasterServer:
         self.ready: list[Event] = []  # results of inline searches, for the core
         self.fresh = 0  # connections that have not sent a frame yet
         self.decoding = trio.CapacityLimiter(1)  # large bodies, one at a time
+        # What a connection may send: a small Register first, then peer kinds.
+        limit = config.max_control_frame
+        self.first_kinds = body_limits([Register], limit)
+        self.peer_kinds = body_limits(
+            [c for c in message_kinds().values() if c.DIRECTION == C2M], limit
+        )
 
     async def accept_loop(self, listener: trio.abc.Listener[Any], nursery: trio.Nursery) -> None:
         async with listener:
@@ -127,7 +132,10 @@ class _MasterServer:
                     )
                     await trio.aclose_forcefully(stream)
                     continue
-                conn = _Connection(next(self.ids), stream, self.config)
+                conn = _Connection(
+                    next(self.ids), stream, self.config,
+                    Admission(first=self.first_kinds, then=self.peer_kinds),
+                )
                 self.fresh += 1
                 self.connections[conn.conn_id] = conn
                 await self.events_send.send(
@@ -247,21 +255,24 @@ class _MasterServer:
         try:
             return self.core.handle(event, trio.current_time())
         except Exception:
-            conn_id = getattr(event, "conn", None)
+            conn_id: int | None = getattr(event, "conn", None)
             log.exception(
                 "the master failed to handle %s; %s", type(event).__name__,
                 "ignoring it" if conn_id is None else f"dropping connection {conn_id}",
             )
-            if conn_id is None or isinstance(event, ConnectionBroken):
-                return [Close(conn=conn_id, reason="internal error")] if conn_id else []
-        # Kick it the normal way, so every part forgets it; failing that, cut it (its
-        # reader then reports it closed, and the core removes it on that).
-        broken = ConnectionBroken(conn=conn_id, reason="the master could not handle its message")
-        try:
-            return self.core.handle(broken, trio.current_time())
-        except Exception:
-            log.exception("the master failed to drop connection %d", conn_id)
-            return [Close(conn=conn_id, reason="internal error")]
+        if conn_id is None:
+            return []
+        if not isinstance(event, ConnectionBroken):
+            # Kick it the normal way, so every part forgets it.
+            broken = ConnectionBroken(
+                conn=conn_id, reason="the master could not handle its message"
+            )
+            try:
+                return self.core.handle(broken, trio.current_time())
+            except Exception:
+                log.exception("the master failed to drop connection %d", conn_id)
+        # Cut it: its reader reports it closed, and the core removes it on that.
+        return [Close(conn=conn_id, reason="internal error")]
 
     async def run_core(self) -> NoReturn:
         while True:

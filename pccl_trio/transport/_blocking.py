@@ -203,7 +203,7 @@ class SocketLink:
             start = len(body)
             body.extend(bytes(min(RECEIVE_CHUNK, remaining - start)))
             self.receive_into(memoryview(body)[start:])
-        return decode_message(kind, bytes(body))
+        return decode_message(kind, body)
 
     def receive_data_header(self) -> tuple[int, int, int, int]:
         """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame.

@@ -228,7 +228,7 @@ class FramedStream:
             start = len(body)
             body.extend(bytes(min(RECEIVE_CHUNK, remaining - start)))
             await self.receive_into(memoryview(body)[start:])
-        return decode_message(kind, bytes(body))
+        return decode_message(kind, body)
 
     async def receive_message(self) -> Message:
         """The next frame, which must be a control message."""
