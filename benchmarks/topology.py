@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -145,7 +146,8 @@ async def _worker(master: str, host: str, world: int, size: int, iters: int) -> 
 def run(topology: wan.Topology, size: int, iters: int, timeout: float) -> dict[str, object]:
     """One run: master and peers started in host order; returns the results in host
     indices (rings, matrix rows and columns)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # Hosts on a shared network: the run holds a secret, as such a run should.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PCCL_TRIO_RUN_SECRET=secrets.token_hex(32))
     placement = topology.placement()
     master = subprocess.Popen(
         [*placement.master_prefix, sys.executable, "-m", "pccl_trio.master", "--listen",

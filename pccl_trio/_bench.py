@@ -8,7 +8,10 @@ processes; the table shows the median over repeats of the per-repeat medians.
 algbw = size / time; busbw = algbw * 2(W-1)/W (the NCCL-tests convention).
 
 ``--gloo`` also runs the Gloo anchor (torch.distributed, from the given script) in
-the same session, alternating with pccl_trio, and prints the ratio.
+the same session, alternating with pccl_trio, and prints the ratio. ``--protection``
+runs pccl_trio once per data protection listed (``none``: no run secret; ``mac``: a
+run secret, every frame authenticated; ``encrypt``: payloads encrypted too), alternating
+within each repeat, and prints each one's speed relative to the first.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -26,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["bench_main"]
+
+PROTECTIONS = ("none", "mac", "encrypt")
 
 
 def parse_size(text: str) -> int:
@@ -50,7 +56,7 @@ def format_size(n: int) -> str:
 
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
-                  algorithm: str) -> None:
+                  algorithm: str, protection: str) -> None:
     import numpy as np
 
     import pccl_trio as pccl
@@ -61,7 +67,12 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
             quantized_datatype=pccl.DataType[quantize.upper()],
             algorithm=pccl.QuantizationAlgorithm[algorithm.upper()],
         )
-    config = pccl.Config(slice_bytes=slice_bytes, liveness_timeout=10.0, heartbeat_interval=1.0)
+    # The run secret, if any, comes from the environment the driver set.
+    config = pccl.Config(
+        slice_bytes=slice_bytes, liveness_timeout=10.0, heartbeat_interval=1.0,
+        data_protection="encrypt" if protection == "encrypt" else "mac",
+        insecure=protection == "none",
+    )
     async with pccl.Communicator(master, 0, pool, config=config, p2p_host=host) as comm:
         while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
             await comm.update_topology()
@@ -109,10 +120,12 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--quantize", default="none")
     parser.add_argument("--algorithm", default="min_max")
+    parser.add_argument("--protection", choices=PROTECTIONS, default="none")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
-             args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm)
+             args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm,
+             args.protection)
     return 0
 
 
@@ -136,16 +149,22 @@ class Placement:
 
 
 def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
-              placement: Placement = Placement()) -> dict[int, Any]:
+              placement: Placement = Placement(), protection: str = "none") -> dict[int, Any]:
     """One repeat: a master and ``world`` worker processes; the first worker's results.
 
     ``args`` needs iters, warmup, pool, slice_bytes, into_recv, timeout and
-    (optionally) quantize and algorithm.
+    (optionally) quantize and algorithm. Without protection the run has no secret (and
+    is started insecure, for placements off loopback); with it, a fresh secret.
     """
+    from ._config import SECRET_ENVIRONMENT
+
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop(SECRET_ENVIRONMENT, None)
+    if protection != "none":
+        env[SECRET_ENVIRONMENT] = secrets.token_hex(32)
     master = subprocess.Popen(
         [*placement.master_prefix, sys.executable, "-m", "pccl_trio.master",
-         "--listen", placement.master_listen,
+         "--listen", placement.master_listen, *(["--insecure"] if protection == "none" else []),
          "--log-level", "ERROR", "--liveness-timeout", "10", "--heartbeat-interval", "1"],
         stdout=subprocess.PIPE, text=True, env=env,
     )
@@ -162,6 +181,7 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
                  "--pool", str(args.pool), "--slice-bytes", str(args.slice_bytes),
                  "--host", host, "--quantize", getattr(args, "quantize", "none"),
                  "--algorithm", getattr(args, "algorithm", "min_max"),
+                 "--protection", protection,
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
             ))
@@ -214,54 +234,65 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                         help="path to the Gloo anchor (gloo_allreduce.py); needs torch")
     parser.add_argument("--gloo-python", metavar="PYTHON", default=None,
                         help="interpreter with torch for the Gloo anchor (default: this one)")
+    parser.add_argument("--protection", default="none",
+                        help="comma list of data protections to compare: none (no run "
+                             "secret), mac (a run secret; frames authenticated), encrypt "
+                             "(payloads encrypted too); default none")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     args = parser.parse_args(argv)
     worlds = [int(w) for w in args.world.split(",")]
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    protections = args.protection.split(",")
+    if not protections or any(p not in PROTECTIONS for p in protections):
+        parser.error(f"--protection takes a comma list of {', '.join(PROTECTIONS)}")
+    labels = {p: "pccl_trio" if p == "none" else f"pccl+{p}" for p in protections}
 
     quantized = "" if args.quantize == "none" else f" quantized {args.algorithm}->{args.quantize}"
     print(f"# all-reduce float32 SUM{quantized} {'into recv' if args.into_recv else 'in place'} "
           "on 127.0.0.1, "
           f"iters={args.iters} warmup={args.warmup} "
           f"repeats={args.repeats} pool={args.pool or 'default'} (GB = 1e9 bytes)")
-    header = f"{'W':>2} {'size':>9} {'library':>10} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
-    if args.gloo:
-        header += f" {'vs gloo':>8}"
+    header = f"{'W':>2} {'size':>9} {'library':>13} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+    if args.gloo or len(protections) > 1:
+        header += f" {'vs ' + ('gloo' if args.gloo else protections[0]):>12}"
     print(header)
     print("-" * len(header))
     rows = []
     for world in worlds:
-        medians: dict[str, dict[int, list[float]]] = {"pccl_trio": {}, "gloo": {}}
+        medians: dict[str, dict[int, list[float]]] = {p: {} for p in [*protections, "gloo"]}
         for _ in range(args.repeats):
-            # Alternate the libraries so drift on a shared machine hits both alike.
-            result = _run_pccl(world, sizes, args)
-            for size in sizes:
-                if not result[size]["ok"]:
-                    raise RuntimeError(f"wrong all-reduce result at W={world}, {size} bytes")
-                medians["pccl_trio"].setdefault(size, []).append(
-                    statistics.median(result[size]["times"]))
+            # Alternate the runs so drift on a shared machine hits all alike.
+            for protection in protections:
+                result = _run_pccl(world, sizes, args, protection=protection)
+                for size in sizes:
+                    if not result[size]["ok"]:
+                        raise RuntimeError(f"wrong all-reduce result at W={world}, {size} bytes")
+                    medians[protection].setdefault(size, []).append(
+                        statistics.median(result[size]["times"]))
             if args.gloo:
                 gloo = _run_gloo(args.gloo, world, sizes, args)
                 for size in sizes:
                     medians["gloo"].setdefault(size, []).append(statistics.median(gloo[size]["times"]))
+        factor = 2 * (world - 1) / world
         for size in sizes:
-            factor = 2 * (world - 1) / world
-            ours = statistics.median(medians["pccl_trio"][size])
-            row = {"world": world, "size": size, "pccl_trio_s": ours,
-                   "pccl_trio_busbw": size / ours * factor}
-            line = (f"{world:>2} {format_size(size):>9} {'pccl_trio':>10} {ours * 1e3:>10.2f} "
-                    f"{size / ours / 1e9:>11.3f} {size / ours * factor / 1e9:>11.3f}")
+            anchor = statistics.median(medians["gloo" if args.gloo else protections[0]][size])
+            for protection in protections:
+                ours = statistics.median(medians[protection][size])
+                row = {"world": world, "size": size, "protection": protection,
+                       "pccl_trio_s": ours, "pccl_trio_busbw": size / ours * factor}
+                line = (f"{world:>2} {format_size(size):>9} {labels[protection]:>13} "
+                        f"{ours * 1e3:>10.2f} {size / ours / 1e9:>11.3f} "
+                        f"{size / ours * factor / 1e9:>11.3f}")
+                if args.gloo or len(protections) > 1:
+                    line += f" {anchor / ours:>11.2f}x"
+                if args.gloo:
+                    row.update(gloo_s=anchor, gloo_busbw=size / anchor * factor)
+                print(line)
+                rows.append(row)
             if args.gloo:
-                theirs = statistics.median(medians["gloo"][size])
-                row.update(gloo_s=theirs, gloo_busbw=size / theirs * factor)
-                line += f" {theirs / ours:>7.2f}x"
-                print(line)
-                print(f"{world:>2} {format_size(size):>9} {'gloo':>10} {theirs * 1e3:>10.2f} "
-                      f"{size / theirs / 1e9:>11.3f} {size / theirs * factor / 1e9:>11.3f}")
-            else:
-                print(line)
-            rows.append(row)
+                print(f"{world:>2} {format_size(size):>9} {'gloo':>13} {anchor * 1e3:>10.2f} "
+                      f"{size / anchor / 1e9:>11.3f} {size / anchor * factor / 1e9:>11.3f}")
             sys.stdout.flush()
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -12,9 +13,9 @@ from collections.abc import Sequence
 import trio
 
 from ._bench import parse_size
-from ._config import Config
+from ._config import SECRET_ENVIRONMENT, Config
 from .master import serve_master
-from .transport import TcpNetwork, format_address, listener_address, parse_address
+from .transport import TcpNetwork, format_address, listen_host, listener_address, parse_address
 
 __all__ = ["main", "master_main"]
 
@@ -37,6 +38,18 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
         choices=["TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"],
         type=str.upper,
         help="log verbosity on stderr (default INFO)",
+    )
+    parser.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="file holding the run secret shared with every peer (default: "
+        f"${SECRET_ENVIRONMENT}); with one, every connection is authenticated",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="without a run secret, listen on other interfaces than loopback anyway "
+        "(anyone who reaches the port can join the run)",
     )
     defaults = Config()
     parser.add_argument(
@@ -81,6 +94,21 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def _read_secret(path: str | None) -> str | bytes | None:
+    """The run secret from ``path`` (surrounding whitespace dropped) or, without one,
+    from the environment; None if neither names one."""
+    if path is None:
+        return os.environ.get(SECRET_ENVIRONMENT) or None
+    try:
+        with open(path, "rb") as file:
+            secret = file.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the run secret from {path}: {exc.strerror}") from None
+    if not secret:
+        raise ValueError(f"the secret file {path} is empty")
+    return secret
+
+
 async def _run_master(host: str, port: int, config: Config) -> None:
     # Bind before anything else so "address in use" surfaces as a plain OSError.
     listener = await TcpNetwork().listen(host, port)
@@ -109,6 +137,8 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
             topology_solve_seconds=args.topology_solve_seconds,
             topology_search_seconds=args.topology_search_seconds,
             topology_reference_bytes=args.topology_reference_size,
+            run_secret=_read_secret(args.secret_file),
+            insecure=args.insecure,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -116,6 +146,12 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    try:
+        host = listen_host(
+            host, secured=config.secret is not None, insecure=config.insecure, who="the master"
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     try:
         trio.run(_run_master, host, port, config)
     except OSError as exc:

@@ -8,10 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from typing import Literal
 
+from ._core.channel import check_secret
 from ._core.messages import MAX_TIMER
 
-__all__ = ["Config"]
+__all__ = ["SECRET_ENVIRONMENT", "Config"]
+
+#: The environment variable the master CLI and ``Communicator`` read the run secret from
+#: when none is given otherwise.
+SECRET_ENVIRONMENT = "PCCL_TRIO_RUN_SECRET"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,6 +56,18 @@ class Config:
             follows a first ring not provably optimal (0: none).
         topology_reference_bytes: (master) the all-reduce size rings are optimized and
             their time predicted for; it weighs latency against bandwidth.
+        run_secret: the credential shared by the master and every peer of one run
+            (``bytes``, or a ``str`` taken as its UTF-8 bytes; at least 16 bytes, e.g.
+            32 random bytes as hex). With it, every connection starts with a mutual
+            handshake and its frames are authenticated (see ``docs/security.md``).
+            ``Communicator`` falls back to ``$PCCL_TRIO_RUN_SECRET``. Never shown in
+            ``repr``.
+        data_protection: with a run secret, ``"mac"`` tags every data frame (the
+            payload still goes zero-copy) and ``"encrypt"`` encrypts payloads too, at
+            one copy per frame; control frames are always encrypted.
+        insecure: without a run secret, listen on every interface and connect to
+            masters on other hosts anyway (unauthenticated); without it, a run with no
+            secret stays on loopback.
     """
 
     heartbeat_interval: float = 0.5
@@ -64,6 +83,23 @@ class Config:
     topology_solve_seconds: float = 1.0
     topology_search_seconds: float = 60.0
     topology_reference_bytes: int = 64 << 20
+    run_secret: bytes | str | None = dataclasses.field(default=None, repr=False)
+    data_protection: Literal["mac", "encrypt"] = "mac"
+    insecure: bool = False
+
+    @property
+    def secret(self) -> bytes | None:
+        """``run_secret`` as bytes (None without one)."""
+        if isinstance(self.run_secret, str):
+            return self.run_secret.encode()
+        return self.run_secret
+
+    def with_environment_secret(self) -> Config:
+        """This config, with ``$PCCL_TRIO_RUN_SECRET`` as its run secret if it has none
+        and the variable is set (and not empty)."""
+        if self.run_secret is not None or not os.environ.get(SECRET_ENVIRONMENT):
+            return self
+        return dataclasses.replace(self, run_secret=os.environ[SECRET_ENVIRONMENT])
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout"):
@@ -101,3 +137,15 @@ class Config:
             )
         if self.slice_bytes + 64 > self.max_data_frame:
             raise ValueError("Config.slice_bytes must fit in Config.max_data_frame")
+        if self.run_secret is not None:
+            if not isinstance(self.run_secret, bytes | str):
+                raise ValueError(
+                    f"Config.run_secret must be bytes or str, got {type(self.run_secret).__name__}"
+                )
+            check_secret(self.secret or b"")
+        if self.data_protection not in ("mac", "encrypt"):
+            raise ValueError(
+                f"Config.data_protection must be 'mac' or 'encrypt', got {self.data_protection!r}"
+            )
+        if not isinstance(self.insecure, bool):
+            raise ValueError(f"Config.insecure must be a bool, got {self.insecure!r}")

@@ -8,10 +8,10 @@ with a handshake of three fixed-size messages, exchanged before any frame is par
 
 * ``HELLO`` (client -> server, ``HELLO_SIZE`` bytes): the magic ``PCTS``, the
   handshake version, the connection's *purpose* (master link, ring pool, shared
-  state, benchmark), reserved flags, and a fresh 32-byte client nonce.
-* ``REPLY`` (server -> client, ``REPLY_SIZE`` bytes): a fresh 32-byte server nonce and
-  the server's proof, an HMAC-SHA256 over the transcript (``HELLO`` and the server
-  nonce) under the handshake's authentication key.
+  state, benchmark), the client's flags, and a fresh 32-byte client nonce.
+* ``REPLY`` (server -> client, ``REPLY_SIZE`` bytes): a fresh 32-byte server nonce,
+  the server's flags, and the server's proof, an HMAC-SHA256 over the transcript
+  (``HELLO``, the server nonce and flags) under the handshake's authentication key.
 * ``FINISH`` (client -> server, ``FINISH_SIZE`` bytes): the client's proof over the
   same transcript, under the same key but another label.
 
@@ -29,7 +29,9 @@ its tag. A control frame's fields are encrypted and tagged, with its 7-byte head
 body is read (``wire.Admission``) and cannot be altered. A data frame keeps its header
 and payload readable (the payload is written straight into tensor memory, zero-copy)
 and carries a 16-byte GMAC tag over both after the payload; with ``encrypt_data`` the
-payload is encrypted too, at the price of one copy per frame.
+payload is encrypted too, at the price of one copy per frame. The flags carry each
+side's wish (``FLAG_ENCRYPT_DATA``): a connection encrypts its data if either side asks,
+so both ends always agree.
 """
 
 from __future__ import annotations
@@ -71,9 +73,13 @@ TAG_SIZE = 16
 #: guessing the secret, so it must not be guessable.
 MIN_SECRET_BYTES = 16
 
+#: Flag bit: this side wants data payloads encrypted.
+FLAG_ENCRYPT_DATA = 1
+
 _HELLO = struct.Struct(f">4sBBH{NONCE_SIZE}s")
+_FLAGS = struct.Struct(">H")
 HELLO_SIZE = _HELLO.size
-REPLY_SIZE = NONCE_SIZE + PROOF_SIZE
+REPLY_SIZE = NONCE_SIZE + _FLAGS.size + PROOF_SIZE
 FINISH_SIZE = PROOF_SIZE
 _COUNTER = struct.Struct(">4xQ")  # the 96-bit GCM nonce: 32 zero bits, a 64-bit count
 
@@ -118,8 +124,9 @@ def _keys(secret: bytes, hello: bytes, server_nonce: bytes, purpose: int) -> tup
     return material[:32], material[32:64], material[64:]
 
 
-def _proof(key: bytes, label: bytes, hello: bytes, server_nonce: bytes) -> bytes:
-    return hmac.new(key, label + hello + server_nonce, "sha256").digest()
+def _proof(key: bytes, label: bytes, hello: bytes, server_part: bytes) -> bytes:
+    """The proof over the transcript: ``hello``, then the server's nonce and flags."""
+    return hmac.new(key, label + hello + server_part, "sha256").digest()
 
 
 class ClientHandshake:
@@ -129,7 +136,8 @@ class ClientHandshake:
         self._secret = check_secret(secret)
         self._purpose = purpose
         self._encrypt_data = encrypt_data
-        self._hello = _HELLO.pack(MAGIC, HANDSHAKE_VERSION, purpose, 0, os.urandom(NONCE_SIZE))
+        flags = FLAG_ENCRYPT_DATA if encrypt_data else 0
+        self._hello = _HELLO.pack(MAGIC, HANDSHAKE_VERSION, purpose, flags, os.urandom(NONCE_SIZE))
         self.channel: Channel | None = None
 
     def hello(self) -> bytes:
@@ -143,12 +151,15 @@ class ClientHandshake:
         """
         if len(reply) != REPLY_SIZE:
             raise LocalProtocolError(f"a handshake reply is {REPLY_SIZE} bytes, got {len(reply)}")
-        server_nonce, proof = reply[:NONCE_SIZE], reply[NONCE_SIZE:]
+        server_part, proof = bytes(reply[:-PROOF_SIZE]), bytes(reply[-PROOF_SIZE:])
+        server_nonce = server_part[:NONCE_SIZE]
         auth, c2s, s2c = _keys(self._secret, self._hello, server_nonce, self._purpose)
-        if not hmac.compare_digest(proof, _proof(auth, b"server", self._hello, server_nonce)):
+        if not hmac.compare_digest(proof, _proof(auth, b"server", self._hello, server_part)):
             raise HandshakeFailed("the other side does not hold this run's secret")
-        self.channel = Channel(send_key=c2s, receive_key=s2c, encrypt_data=self._encrypt_data)
-        return _proof(auth, b"client", self._hello, server_nonce)
+        (server_flags,) = _FLAGS.unpack_from(server_part, NONCE_SIZE)
+        encrypt = self._encrypt_data or bool(server_flags & FLAG_ENCRYPT_DATA)
+        self.channel = Channel(send_key=c2s, receive_key=s2c, encrypt_data=encrypt)
+        return _proof(auth, b"client", self._hello, server_part)
 
 
 class ServerHandshake:
@@ -166,7 +177,7 @@ class ServerHandshake:
         self._purposes = purposes
         self._encrypt_data = encrypt_data
         self._hello = b""
-        self._nonce = b""
+        self._server_part = b""
         self._keys: tuple[bytes, ...] = ()
         self.purpose: Purpose | None = None
         self.channel: Channel | None = None
@@ -179,16 +190,18 @@ class ServerHandshake:
         """
         if len(hello) != HELLO_SIZE:
             raise LocalProtocolError(f"a handshake hello is {HELLO_SIZE} bytes, got {len(hello)}")
-        magic, version, purpose, _flags, _nonce = _HELLO.unpack(hello)
+        magic, version, purpose, flags, _nonce = _HELLO.unpack(hello)
         if magic != MAGIC or version != HANDSHAKE_VERSION:
             raise HandshakeFailed("not a pccl_trio handshake of this version")
         if purpose not in self._purposes:
             raise HandshakeFailed(f"purpose {purpose} is not served here")
         self.purpose = Purpose(purpose)
         self._hello = bytes(hello)
-        self._nonce = os.urandom(NONCE_SIZE)
-        self._keys = _keys(self._secret, self._hello, self._nonce, purpose)
-        return self._nonce + _proof(self._keys[0], b"server", self._hello, self._nonce)
+        self._encrypt_data = self._encrypt_data or bool(flags & FLAG_ENCRYPT_DATA)
+        nonce = os.urandom(NONCE_SIZE)
+        self._server_part = nonce + _FLAGS.pack(FLAG_ENCRYPT_DATA if self._encrypt_data else 0)
+        self._keys = _keys(self._secret, self._hello, nonce, purpose)
+        return self._server_part + _proof(self._keys[0], b"server", self._hello, self._server_part)
 
     def finish(self, finish: bytes) -> None:
         """Check the client's proof; ``channel`` is ready afterwards.
@@ -199,7 +212,8 @@ class ServerHandshake:
         if not self._keys:
             raise LocalProtocolError("finish before reply")
         auth, c2s, s2c = self._keys
-        if not hmac.compare_digest(bytes(finish), _proof(auth, b"client", self._hello, self._nonce)):
+        expected = _proof(auth, b"client", self._hello, self._server_part)
+        if not hmac.compare_digest(bytes(finish), expected):
             raise HandshakeFailed("the other side does not hold this run's secret")
         self.channel = Channel(send_key=s2c, receive_key=c2s, encrypt_data=self._encrypt_data)
 
@@ -258,7 +272,9 @@ class Channel:
         tagger.finalize()
         return tagger.tag
 
-    def check_data(self, header: bytes, payload: memoryview, tag: bytes | bytearray) -> None:
+    def check_data(
+        self, header: bytes, payload: memoryview, tag: bytes | bytearray | memoryview
+    ) -> None:
         """Raise ``RemoteProtocolError`` unless ``tag`` is the data frame's tag."""
         checker = Cipher(
             algorithms.AES(self._receive_key), modes.GCM(self._next_receive(), bytes(tag))
@@ -279,7 +295,8 @@ class Channel:
         return encryptor.tag
 
     def decrypt_data_into(
-        self, header: bytes, ciphertext: memoryview, out: memoryview, tag: bytes | bytearray
+        self, header: bytes, ciphertext: memoryview, out: memoryview,
+        tag: bytes | bytearray | memoryview,
     ) -> None:
         """Decrypt ``ciphertext`` into ``out``; raise ``RemoteProtocolError`` if the
         tag fails (``out`` then holds garbage the caller must discard)."""
@@ -292,3 +309,29 @@ class Channel:
             decryptor.finalize()
         except InvalidTag:
             raise RemoteProtocolError("a data frame failed its authentication") from None
+
+    # --- a data frame as the transport sends and receives it ------------------------------
+
+    def protect_data(self, header: bytes, payload: memoryview) -> list[memoryview]:
+        """What to send for a data frame: ``[header, payload, tag]``, the payload
+        encrypted into a new buffer with ``encrypt_data`` (else sent from where it is)."""
+        if not self.encrypt_data:
+            return [memoryview(header), payload, memoryview(self.tag_data(header, payload))]
+        ciphertext = memoryview(bytearray(len(payload)))
+        tag = self.encrypt_data_into(header, payload, ciphertext)
+        return [memoryview(header), ciphertext, memoryview(tag)]
+
+    def accept_data(
+        self, header: bytes, payload: memoryview, tag: bytes | bytearray | memoryview
+    ) -> None:
+        """Check a received data frame's ``payload`` (decrypted in place with
+        ``encrypt_data``).
+
+        Raises:
+            RemoteProtocolError: forged, altered, replayed or reordered; ``payload``
+                then holds bytes that must not be used.
+        """
+        if self.encrypt_data:
+            self.decrypt_data_into(header, payload, payload, tag)
+        else:
+            self.check_data(header, payload, tag)

@@ -100,7 +100,7 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 #: Names by wire value; the public enums in ``pccl_trio._types`` use the same values
 #: (a test holds them together).

@@ -14,6 +14,12 @@ type:
   its length (which must equal the rest of the body). At most ``max_data_frame``
   bytes of body.
 
+On a connection protected by a run secret (``channel.Channel``), every body ends with a
+``TAG_SIZE``-byte authentication tag that its length counts: a control frame's fields
+are sealed (encrypted and tagged, bound to its 7-byte prefix), a data frame's payload
+is followed by the tag over its header and payload (or, with ``encrypt_data``, the
+payload is encrypted too). Admission limits still count the fields alone.
+
 The decoder is sans-IO (as h11's ``Connection``): feed it whatever bytes arrived with
 ``receive_data`` (``b""`` for end of stream), then call ``next_frame`` until it says
 ``NEED_DATA``. It keeps state across calls, so a length prefix or header split at any
@@ -37,6 +43,7 @@ import enum
 import struct
 from collections.abc import Mapping
 
+from .channel import TAG_SIZE, Channel
 from .errors import LocalProtocolError, RemoteProtocolError
 from .messages import Message, decode_message, encode_message, message_kinds
 
@@ -54,6 +61,7 @@ __all__ = [
     "encode_data",
     "encode_data_header",
     "max_payload",
+    "open_control",
     "parse_control_kind",
     "parse_control_length",
     "parse_data_header",
@@ -98,26 +106,50 @@ class DataFrame:
     payload: bytes
 
 
-def encode_control(message: Message) -> bytes:
-    """One complete control frame for ``message``."""
+def encode_control(message: Message, channel: Channel | None = None) -> bytes:
+    """One complete control frame for ``message``, sealed by ``channel`` if given (which
+    then counts it as sent: frames must go out in the order they were encoded)."""
     fields = encode_message(message)
-    body_length = _CONTROL_HEADER.size + len(fields)
-    return _LENGTH.pack(body_length) + _CONTROL_HEADER.pack(FrameType.CONTROL, message.KIND) + fields
+    if channel is None:
+        return _CONTROL_PREFIX.pack(
+            _CONTROL_HEADER.size + len(fields), FrameType.CONTROL, message.KIND
+        ) + fields
+    header = _CONTROL_PREFIX.pack(
+        _CONTROL_HEADER.size + len(fields) + TAG_SIZE, FrameType.CONTROL, message.KIND
+    )
+    return header + channel.seal_control(header, fields)
 
 
-def encode_data_header(*, tag: int, seq: int, offset: int, nbytes: int) -> bytes:
-    """The header of a data frame whose ``nbytes`` payload the caller sends right after.
+def open_control(
+    prefix: bytes | bytearray | memoryview, sealed: bytes | bytearray | memoryview,
+    channel: Channel,
+) -> bytes:
+    """The fields of a sealed control frame, from its 7-byte prefix (length, type and
+    kind) and the rest of its body.
+
+    Raises:
+        RemoteProtocolError: forged, altered, replayed or reordered.
+    """
+    return channel.open_control(bytes(prefix), sealed)
+
+
+def encode_data_header(*, tag: int, seq: int, offset: int, nbytes: int, trailer: int = 0) -> bytes:
+    """The header of a data frame whose ``nbytes`` payload (and ``trailer`` bytes of
+    authentication tag) the caller sends right after.
 
     Sending header and payload separately keeps tensor bytes zero-copy.
     """
-    if nbytes < 0 or nbytes > 0xFFFFFFFF - _DATA_BODY_HEADER:
+    if nbytes < 0 or nbytes > 0xFFFFFFFF - _DATA_BODY_HEADER - trailer:
         raise LocalProtocolError(f"data payload of {nbytes} bytes does not fit in one frame")
-    return DATA_HEADER.pack(_DATA_BODY_HEADER + nbytes, FrameType.DATA, tag, seq, offset, nbytes)
+    return DATA_HEADER.pack(
+        _DATA_BODY_HEADER + nbytes + trailer, FrameType.DATA, tag, seq, offset, nbytes
+    )
 
 
 def max_payload(max_data_frame: int) -> int:
-    """The largest payload a data frame may carry under a ``max_data_frame`` limit."""
-    return max_data_frame - _DATA_BODY_HEADER
+    """The largest payload a data frame may carry under a ``max_data_frame`` limit
+    (whether or not the connection adds an authentication tag)."""
+    return max_data_frame - _DATA_BODY_HEADER - TAG_SIZE
 
 
 def encode_data(*, tag: int, seq: int, offset: int, payload: bytes | memoryview) -> bytes:
@@ -127,9 +159,10 @@ def encode_data(*, tag: int, seq: int, offset: int, payload: bytes | memoryview)
 
 
 def parse_data_header(
-    header: bytes | bytearray | memoryview, *, max_data_frame: int
+    header: bytes | bytearray | memoryview, *, max_data_frame: int, trailer: int = 0
 ) -> tuple[int, int, int, int]:
-    """``(tag, seq, offset, nbytes)`` of a data frame from its ``DATA_HEADER.size`` bytes.
+    """``(tag, seq, offset, nbytes)`` of a data frame from its ``DATA_HEADER.size`` bytes
+    (its body followed by ``trailer`` bytes of authentication tag).
 
     For readers that receive payloads straight into their own buffers.
 
@@ -139,7 +172,7 @@ def parse_data_header(
     (body_length, frame_type, tag, seq, offset, nbytes) = DATA_HEADER.unpack(header)
     if frame_type != FrameType.DATA:
         raise RemoteProtocolError(f"expected a data frame, got frame type {frame_type}")
-    if body_length != _DATA_BODY_HEADER + nbytes:
+    if body_length != _DATA_BODY_HEADER + nbytes + trailer:
         raise RemoteProtocolError(
             f"data frame declares {nbytes} payload bytes in a {body_length}-byte body"
         )
@@ -209,10 +242,12 @@ def parse_control_length(prefix: bytes | bytearray | memoryview, *, max_control_
 
 
 def parse_control_kind(
-    header: bytes | bytearray | memoryview, body_length: int, admission: Admission | None
+    header: bytes | bytearray | memoryview, body_length: int, admission: Admission | None,
+    *, trailer: int = 0,
 ) -> int:
     """The message kind from the ``CONTROL_HEADER_SIZE`` bytes after the length prefix
-    (frame type and kind), judged by ``admission`` given the frame's ``body_length``.
+    (frame type and kind), judged by ``admission`` given the frame's ``body_length``
+    (of which ``trailer`` bytes are its authentication tag).
 
     Raises:
         RemoteProtocolError: not a control frame, or refused by ``admission``.
@@ -220,8 +255,10 @@ def parse_control_kind(
     (frame_type, kind) = _CONTROL_HEADER.unpack(header)
     if frame_type != FrameType.CONTROL:
         raise RemoteProtocolError(f"expected a control frame, got frame type {frame_type}")
+    if body_length < _CONTROL_HEADER.size + trailer:
+        raise RemoteProtocolError(f"control frame of {body_length} bytes is too short")
     if admission is not None:
-        admission.check(kind, body_length)
+        admission.check(kind, body_length - trailer)
     return kind  # type: ignore[no-any-return]
 
 
@@ -235,15 +272,20 @@ class FrameDecoder:
         admission: which control kinds are accepted, judged once per frame as soon
             as its header is in (None: any kind up to ``max_control_frame``).
         decode: False returns control frames as ``Undecoded``.
+        channel: the connection's protection after a run-secret handshake (None: the
+            frames are plain). Every frame is checked, in order, as it is returned.
     """
 
     def __init__(
         self, *, max_control_frame: int, max_data_frame: int = 0,
         admission: Admission | None = None, decode: bool = True,
+        channel: Channel | None = None,
     ) -> None:
         self._decode = decode
-        self._max_control = max_control_frame
-        self._max_data = max_data_frame
+        self._channel = channel
+        self._trailer = 0 if channel is None else TAG_SIZE
+        self._max_control = max_control_frame + self._trailer
+        self._max_data = max_data_frame and max_data_frame + self._trailer
         self._admission = admission
         self._judged = -1  # the buffer offset of the last frame the admission judged
         self._buffer = bytearray()
@@ -299,16 +341,16 @@ class FrameDecoder:
             ):
                 self._judged = self._start
                 (_length, _type, kind) = _CONTROL_PREFIX.unpack_from(self._buffer, self._start)
-                self._admission.check(kind, body_length)
+                self._admission.check(kind, body_length - self._trailer)
             if available >= _LENGTH.size + body_length:
                 body_start = self._start + _LENGTH.size
                 self._start = body_start + body_length
                 self._judged = -1
-                body = memoryview(self._buffer)[body_start : self._start]
+                frame = memoryview(self._buffer)[body_start - _LENGTH.size : self._start]
                 try:
-                    return self._decode_body(body)
+                    return self._decode_body(frame)
                 finally:
-                    body.release()
+                    frame.release()
         if self._eof:
             if available:
                 raise RemoteProtocolError(
@@ -333,7 +375,7 @@ class FrameDecoder:
                     f"control frame of {body_length} bytes exceeds the "
                     f"{self._max_control}-byte limit"
                 )
-            if body_length < _CONTROL_HEADER.size:
+            if body_length < _CONTROL_HEADER.size + self._trailer:
                 raise RemoteProtocolError(f"control frame of {body_length} bytes is too short")
         elif frame_type == FrameType.DATA:
             if self._max_data == 0:
@@ -342,20 +384,33 @@ class FrameDecoder:
                 raise RemoteProtocolError(
                     f"data frame of {body_length} bytes exceeds the {self._max_data}-byte limit"
                 )
-            if body_length < _DATA_BODY_HEADER:
+            if body_length < _DATA_BODY_HEADER + self._trailer:
                 raise RemoteProtocolError(f"data frame of {body_length} bytes is too short")
         else:
             raise RemoteProtocolError(f"unknown frame type {frame_type}")
 
-    def _decode_body(self, body: memoryview) -> Message | Undecoded | DataFrame:
+    def _decode_body(self, frame: memoryview) -> Message | Undecoded | DataFrame:
+        """The frame in ``frame`` (its length prefix and body), checked by the channel."""
+        body = frame[_LENGTH.size :]
         if body[0] == FrameType.CONTROL:
             (_type, kind) = _CONTROL_HEADER.unpack_from(body)
-            undecoded = Undecoded(kind=kind, fields=bytes(body[_CONTROL_HEADER.size :]))
+            fields = body[_CONTROL_HEADER.size :]
+            if self._channel is None:
+                undecoded = Undecoded(kind=kind, fields=bytes(fields))
+            else:
+                prefix = frame[: _CONTROL_PREFIX.size]
+                undecoded = Undecoded(kind=kind, fields=open_control(prefix, fields, self._channel))
             return undecoded.decode() if self._decode else undecoded
         (_type, tag, seq, offset, nbytes) = struct.unpack_from(">BQQQI", body)
-        payload = bytes(body[_DATA_BODY_HEADER:])
-        if nbytes != len(payload):
+        end = len(body) - self._trailer
+        if nbytes != end - _DATA_BODY_HEADER:
             raise RemoteProtocolError(
-                f"data frame declares {nbytes} payload bytes but carries {len(payload)}"
+                f"data frame declares {nbytes} payload bytes but carries "
+                f"{end - _DATA_BODY_HEADER}"
             )
-        return DataFrame(tag=tag, seq=seq, offset=offset, payload=payload)
+        payload = body[_DATA_BODY_HEADER:end]
+        if self._channel is None:
+            return DataFrame(tag=tag, seq=seq, offset=offset, payload=bytes(payload))
+        received = bytearray(payload)
+        self._channel.accept_data(bytes(frame[: DATA_HEADER.size]), memoryview(received), body[end:])
+        return DataFrame(tag=tag, seq=seq, offset=offset, payload=bytes(received))

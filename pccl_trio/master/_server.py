@@ -5,6 +5,10 @@ feeds those events (and the passing of time) to the core, in order, and carries 
 the actions it returns. Each connection has its own writer task fed by a queue, so a
 slow or stuck peer can never block the master's event loop or other peers.
 
+With a run secret, a connection first completes the handshake (``transport.secure_server``)
+within ``connect_timeout``, or is closed without a word; only then does the core hear of
+it, and every frame after it is authenticated by the connection's channel.
+
 No input may end or freeze the master. A connection's first frame must be a small
 ``Register`` and later ones peer-to-master kinds within their size limits, judged from
 the frame header before the body is read (``wire.Admission``); bodies large enough to
@@ -28,6 +32,7 @@ import trio
 
 from .. import topology
 from .._config import Config
+from .._core.channel import Channel, HandshakeFailed, Purpose
 from .._core.errors import RemoteProtocolError
 from .._core.master import (
     Action,
@@ -46,7 +51,16 @@ from .._core.master import (
 )
 from .._core.messages import C2M, Heartbeat, Register, body_limits, bounded, message_kinds
 from .._core.wire import Admission, encode_control
-from ..transport import FramedStream, TcpNetwork, listener_address, remote_host, threads_allowed
+from ..transport import (
+    Credential,
+    FramedStream,
+    TcpNetwork,
+    listen_host,
+    listener_address,
+    remote_host,
+    secure_server,
+    threads_allowed,
+)
 
 __all__ = ["serve_master", "serve_master_tcp"]
 
@@ -57,6 +71,11 @@ EVENT_BACKLOG = 64
 #: Connections that have not sent their first frame yet, at most; more are closed at
 #: once (each costs a task and a buffer until the liveness timeout drops it).
 MAX_NEW_CONNECTIONS = 128
+#: How a client fails the run-secret handshake.
+HANDSHAKE_ERRORS = (
+    HandshakeFailed, RemoteProtocolError, trio.TooSlowError, trio.BrokenResourceError,
+    trio.ClosedResourceError,
+)
 #: Control bodies at least this large are decoded in a worker thread where threads are
 #: allowed: validating a large vote takes long enough to delay other peers' heartbeats.
 THREAD_DECODE_BYTES = 64 * 1024
@@ -64,12 +83,13 @@ THREAD_DECODE_BYTES = 64 * 1024
 
 class _Connection:
     def __init__(
-        self, conn_id: int, stream: trio.abc.Stream, config: Config, admission: Admission
+        self, conn_id: int, stream: trio.abc.Stream, config: Config, admission: Admission,
+        channel: Channel | None,
     ) -> None:
         self.conn_id = conn_id
         self.framed = FramedStream(
             stream, max_control_frame=config.max_control_frame, admission=admission,
-            decode=False,
+            decode=False, channel=channel,
         )
         self.fresh = True  # no frame received yet
         self.outgoing_send, self.outgoing_receive = trio.open_memory_channel[bytes](math.inf)
@@ -83,6 +103,7 @@ class _Connection:
 class _MasterServer:
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.credential = Credential.of(config)
         self.core = MasterCore(
             heartbeat_interval=config.heartbeat_interval,
             liveness_timeout=config.liveness_timeout,
@@ -132,19 +153,31 @@ class _MasterServer:
                     )
                     await trio.aclose_forcefully(stream)
                     continue
-                conn = _Connection(
-                    next(self.ids), stream, self.config,
-                    Admission(first=self.first_kinds, then=self.peer_kinds),
-                )
                 self.fresh += 1
-                self.connections[conn.conn_id] = conn
-                await self.events_send.send(
-                    ConnectionOpened(conn=conn.conn_id, host=remote_host(stream))
-                )
-                nursery.start_soon(self.serve_connection, conn)
+                nursery.start_soon(self.serve_connection, stream)
 
-    async def serve_connection(self, conn: _Connection) -> None:
+    async def serve_connection(self, stream: trio.abc.Stream) -> None:
+        channel: Channel | None = None
         try:
+            if self.credential is not None:
+                _purpose, channel = await secure_server(
+                    stream, self.credential, frozenset({Purpose.MASTER})
+                )
+        except BaseException as exc:
+            self.fresh -= 1
+            await trio.aclose_forcefully(stream)
+            if isinstance(exc, HANDSHAKE_ERRORS):  # closed without a word
+                log.info("closing a connection from %s: no run-secret handshake (%s)",
+                         remote_host(stream), exc or "too slow")
+                return
+            raise
+        conn = _Connection(
+            next(self.ids), stream, self.config,
+            Admission(first=self.first_kinds, then=self.peer_kinds), channel,
+        )
+        self.connections[conn.conn_id] = conn
+        try:
+            await self.events_send.send(ConnectionOpened(conn=conn.conn_id, host=remote_host(stream)))
             with conn.scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.write_loop, conn)
@@ -218,7 +251,8 @@ class _MasterServer:
             match action:
                 case Send(message=message):
                     try:
-                        conn.outgoing_send.send_nowait(encode_control(message))
+                        # Sealed here, in queue order: the order the writer sends them.
+                        conn.outgoing_send.send_nowait(encode_control(message, conn.framed.channel))
                     except trio.ClosedResourceError:
                         pass
                 case Close(reason=reason):
@@ -367,7 +401,18 @@ async def serve_master_tcp(
     config: Config | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
-    """Run a master on TCP ``host:port`` until cancelled; started with the bound address."""
+    """Run a master on TCP ``host:port`` until cancelled; started with the bound address.
+
+    Without a run secret in ``config`` (and not ``insecure``), a wildcard ``host``
+    listens on loopback only.
+
+    Raises:
+        ValueError: an explicit non-loopback ``host`` without a run secret.
+    """
+    config = config or Config()
+    host = listen_host(
+        host, secured=config.secret is not None, insecure=config.insecure, who="the master"
+    )
     listener = await TcpNetwork().listen(host, port)
     await serve_master(
         [listener], config=config, task_status=_StartedWith(task_status, listener_address(listener))

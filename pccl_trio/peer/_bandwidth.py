@@ -31,8 +31,8 @@ from ._protocol import (
     Protocol,
     ReadClock,
     ReceiveHeader,
-    ReceiveInto,
     ReceiveMessage,
+    ReceivePayload,
     Send,
     SendData,
 )
@@ -115,7 +115,7 @@ def measure_link(
                     f"benchmark frame at byte {offset} of {size} bytes does not continue "
                     f"byte {got} of {nbytes}"
                 )
-            yield ReceiveInto(sink[:size].data)
+            yield ReceivePayload(sink[:size].data)
             if not got:
                 first_at, first_size = (yield ReadClock()), size
             got += size

@@ -54,7 +54,14 @@ from .._types import (
     SharedStateSyncStrategy,
     TopologyInfo,
 )
-from ..transport import FramedStream, Network, TcpNetwork, parse_address
+from ..transport import (
+    FramedStream,
+    Network,
+    TcpNetwork,
+    check_remote_host,
+    listen_host,
+    parse_address,
+)
 from ._allreduce import AsyncReduceHandle
 from ._bandwidth import serve_benchmark
 from ._collectives import AllReduces, check_reduce_arguments
@@ -100,9 +107,13 @@ class Communicator:
             membership span all groups.
         p2p_connection_pool_size: TCP connections per ring neighbour; 0 picks
             ``Config.p2p_connection_pool_size``.
-        config: timers and limits (the master's liveness timers replace these once
-            registered).
-        network: where connections come from; real TCP by default.
+        config: timers, limits and the run secret (the master's liveness timers
+            replace these once registered); without a ``run_secret``,
+            ``$PCCL_TRIO_RUN_SECRET`` is used if set.
+        network: where connections come from; real TCP by default. Over TCP, a run
+            without a secret stays on loopback unless ``config.insecure``: the master
+            must be on this machine, and a wildcard ``p2p_host`` listens on
+            127.0.0.1.
         p2p_host: interface for the p2p listener.
         p2p_port: port for the p2p listener (0: any free port).
         advertised_host: the address other peers should use to reach this one; by
@@ -137,8 +148,16 @@ class Communicator:
             )
         if not (isinstance(p2p_port, int) and 0 <= p2p_port <= 65535):
             raise InvalidArgument(f"p2p_port must be 0-65535, got {p2p_port!r}")
-        config = config or Config()
+        config = (config or Config()).with_environment_secret()
         network = network if network is not None else TcpNetwork()
+        if isinstance(network, TcpNetwork):
+            # Without a run secret a run stays on this machine unless told otherwise.
+            secured, insecure = config.secret is not None, config.insecure
+            try:
+                check_remote_host(master_host, secured=secured, insecure=insecure, what="the master")
+                p2p_host = listen_host(p2p_host, secured=secured, insecure=insecure, who="this peer")
+            except ValueError as exc:
+                raise InvalidArgument(str(exc)) from None
         self._peer_group = peer_group
         self._p2p_host = p2p_host
         self._p2p_port = p2p_port

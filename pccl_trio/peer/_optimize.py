@@ -27,6 +27,7 @@ from typing import Any
 import trio
 
 from .._core.bandwidth import link_matrices
+from .._core.channel import Purpose
 from .._core.messages import (
     LinkMeasured,
     MeasureLink,
@@ -162,7 +163,7 @@ class TopologyOptimizer:
         """
         assert self._session.peer_id is not None
         return await self._p2p.run_protocol(
-            await self._p2p.connect(endpoint),
+            await self._p2p.connect(endpoint, Purpose.BENCHMARK),
             measurement.measure_link(
                 peer_id=self._session.peer_id,
                 frame_bytes=max_payload(self._config.max_data_frame),

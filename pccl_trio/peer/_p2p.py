@@ -7,6 +7,9 @@ for, and the listener hands it to the handler registered for that frame's kind
 (``handle``): ``P2PHello`` for a ring neighbour's data connection, ``SharedStateRequest``
 for a peer fetching shared state, ``BenchmarkRequest`` for a peer measuring the link.
 Each first frame carries the protocol version, checked here once for all of them.
+With a run secret, the run-secret handshake comes before the first frame, within
+``connect_timeout``, and names the connection's purpose, which must match the first
+frame's kind; a connection that fails it is closed without a word.
 
 The ring's connections are *pools*: ``pool_size`` connections to the next peer of the
 ring (tx), and as many from the previous one (rx), each named by its slot. A data
@@ -34,6 +37,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._config import Config
+from .._core.channel import Channel, HandshakeFailed, Purpose
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
     PROTOCOL_VERSION,
@@ -50,12 +54,15 @@ from .._core.ring import neighbours
 from .._core.wire import Admission
 from ..transport import (
     Connection,
+    Credential,
     FramedStream,
     Network,
     SocketLink,
     format_address,
     listener_address,
     remote_host,
+    secure_client,
+    secure_server,
     threads_allowed,
 )
 from ._lifecycle import Lifecycle
@@ -77,6 +84,12 @@ LINK_ERRORS = (
 
 #: The first frames a p2p connection may open with.
 FirstFrame = P2PHello | SharedStateRequest | BenchmarkRequest
+#: The handshake purpose each first frame needs.
+PURPOSES: dict[type[Message], Purpose] = {
+    P2PHello: Purpose.RING,
+    SharedStateRequest: Purpose.SHARED_STATE,
+    BenchmarkRequest: Purpose.BENCHMARK,
+}
 
 #: Most connections per neighbour (and so the largest slot number plus one).
 MAX_POOL_SIZE = 1024
@@ -130,6 +143,7 @@ class P2PConnections:
         # Peers allowed to open data connections to us: predecessors named by the master.
         self._expected_senders: set[int] = set()
         self._expected_lot = trio.lowlevel.ParkingLot()
+        self._credential = Credential.of(config)
         self._fresh = 0  # accepted connections waiting for their first frame
         self._first_frames = body_limits(
             typing.get_args(FirstFrame), config.max_control_frame
@@ -179,22 +193,29 @@ class P2PConnections:
             self._life.spawn(self._serve, stream)
 
     async def _serve(self, stream: trio.abc.Stream) -> None:
-        framed = self.framed(stream)
+        framed: FramedStream | None = None
         try:
             try:
                 with trio.fail_after(self._config.connect_timeout):
+                    purpose, framed = await self._accept_handshake(stream)
                     first = await framed.receive_message_exact(Admission(self._first_frames))
             finally:
                 self._fresh -= 1
             handler = self._handlers.get(type(first))
             if handler is None or not isinstance(first, FirstFrame):
                 raise RemoteProtocolError(f"expected P2PHello, got {type(first).__name__}")
+            if purpose is not None and PURPOSES[type(first)] is not purpose:
+                raise RemoteProtocolError(
+                    f"{type(first).__name__} on a connection opened for {purpose.name}"
+                )
             if first.protocol_version != PROTOCOL_VERSION:
                 raise RemoteProtocolError(
                     f"peer {first.peer_id} speaks protocol {first.protocol_version}, "
                     f"this peer {PROTOCOL_VERSION}"
                 )
             await handler(framed, first)
+        except HandshakeFailed as exc:
+            log.info("closing a p2p connection from %s: %s", remote_host(stream), exc)
         except (RemoteProtocolError, trio.TooSlowError) as exc:
             log.warning("dropping a p2p connection: %s", exc)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -202,7 +223,17 @@ class P2PConnections:
         except Exception:  # a bug here must cost one connection, not the peer
             log.exception("peer %s: p2p connection handler failed", self._session.peer_id)
         finally:
-            await framed.aclose()
+            if framed is not None:
+                await framed.aclose()
+            else:
+                await trio.aclose_forcefully(stream)
+
+    async def _accept_handshake(self, stream: trio.abc.Stream) -> tuple[Purpose | None, FramedStream]:
+        """The purpose the client named (None without a run secret) and the stream."""
+        if self._credential is None:
+            return None, self.framed(stream)
+        purpose, channel = await secure_server(stream, self._credential, frozenset(PURPOSES.values()))
+        return purpose, self.framed(stream, channel)
 
     async def admit(self, framed: FramedStream, hello: P2PHello) -> Connection:
         """Admit a ring neighbour's data connection into its rx pool and acknowledge it;
@@ -285,7 +316,7 @@ class P2PConnections:
             framed: FramedStream | None = None
             try:
                 with trio.fail_after(self._config.connect_timeout):
-                    framed = await self.connect(endpoint)
+                    framed = await self.connect(endpoint, Purpose.RING)
                     await framed.send_message(
                         P2PHello(protocol_version=PROTOCOL_VERSION,
                                  peer_id=self._session.peer_id or 0, slot=slot)
@@ -318,20 +349,34 @@ class P2PConnections:
 
     # --- one-shot protocols ----------------------------------------------------------------
 
-    def framed(self, stream: trio.abc.Stream) -> FramedStream:
+    def framed(self, stream: trio.abc.Stream, channel: Channel | None = None) -> FramedStream:
         """A p2p stream that speaks frames, with this peer's frame limits."""
         return FramedStream(
             stream,
             max_control_frame=self._config.max_control_frame,
             max_data_frame=self._config.max_data_frame,
+            channel=channel,
         )
 
-    async def connect(self, endpoint: PeerEndpoint) -> FramedStream:
-        """A new connection to ``endpoint``'s p2p listener (the caller sends the first
-        frame and closes it)."""
+    async def connect(self, endpoint: PeerEndpoint, purpose: Purpose) -> FramedStream:
+        """A new connection to ``endpoint``'s p2p listener, for ``purpose`` (the caller
+        sends the first frame and closes it).
+
+        Raises:
+            OSError: nobody answers there.
+            trio.TooSlowError: connecting (or the handshake) took ``connect_timeout``.
+            HandshakeFailed: the other side does not hold this run's secret.
+        """
         with trio.fail_after(self._config.connect_timeout):
             stream = await self._network.connect(endpoint.host, endpoint.port)
-        return self.framed(stream)
+            if self._credential is None:
+                return self.framed(stream)
+            try:
+                channel = await secure_client(stream, self._credential, purpose)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
+        return self.framed(stream, channel)
 
     def to_link(self, framed: FramedStream) -> SocketLink | None:
         """The thread-driven form of a connection whose handshake is done, or None to

@@ -5,7 +5,8 @@ Theory of operation
 Every protocol a peer speaks on a p2p connection (serving and fetching shared state,
 measuring a link, and the all-reduce data path in both directions) is a generator of
 *operations*: it yields the IO it needs (:class:`Send`, :class:`SendData`,
-:class:`ReceiveMessage`, :class:`ReceiveHeader`, :class:`ReceiveInto`), reads the
+:class:`ReceiveMessage`, :class:`ReceiveHeader` and then :class:`ReceivePayload` for a
+data frame, whose authentication the connection checks before answering), reads the
 clock as an operation (:class:`ReadClock`), and blocks on program state rather than
 its connection with :class:`Wait`. A driver answers each operation:
 
@@ -39,7 +40,7 @@ __all__ = [
     "Protocol",
     "ReadClock",
     "ReceiveHeader",
-    "ReceiveInto",
+    "ReceivePayload",
     "ReceiveMessage",
     "Send",
     "SendData",
@@ -76,7 +77,10 @@ class ReceiveHeader:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class ReceiveInto:
+class ReceivePayload:
+    """Answered once the payload of the data frame whose header was just received is
+    in ``view`` (exactly as long) and passed its authentication."""
+
     view: memoryview
 
 
@@ -96,7 +100,7 @@ class Wait:
     in_thread: Callable[[], Any]
 
 
-Operation = Send | SendData | ReceiveMessage | ReceiveHeader | ReceiveInto | ReadClock | Wait
+Operation = Send | SendData | ReceiveMessage | ReceiveHeader | ReceivePayload | ReadClock | Wait
 Protocol = Generator[Operation, Any, T]
 
 
@@ -166,8 +170,8 @@ async def _perform(operation: Operation, framed: FramedStream) -> Any:
             return await framed.receive_message_exact()
         case ReceiveHeader():
             return await framed.receive_data_header()
-        case ReceiveInto(view=view):
-            await framed.receive_into(view)
+        case ReceivePayload(view=view):
+            await framed.receive_payload(view)
     return None
 
 
@@ -200,8 +204,8 @@ def drive_blocking(protocol: Protocol[T], link: SocketLink, *, idle_timeout: flo
                         answer = link.receive_message()
                     case ReceiveHeader():
                         answer = link.receive_data_header()
-                    case ReceiveInto(view=view):
-                        link.receive_into(view)
+                    case ReceivePayload(view=view):
+                        link.receive_payload(view)
                     case ReadClock():
                         answer = time.perf_counter()
                     case Wait(in_thread=in_thread):

@@ -35,7 +35,7 @@ from ..transport import Connection, FramedStream, SocketLink
 from ._allreduce import AllReduceAttempt
 from ._lifecycle import Lifecycle
 from ._p2p import P2PConnections
-from ._protocol import Operation, Protocol, ReceiveHeader, ReceiveInto, Wait, run_protocol
+from ._protocol import Operation, Protocol, ReceiveHeader, ReceivePayload, Wait, run_protocol
 
 __all__ = ["DataReceiver"]
 
@@ -163,7 +163,7 @@ class DataReceiver:
         """
         tag, _seq, offset, nbytes = header
         if attempt is None:
-            yield ReceiveInto(staging[:nbytes].data)  # read and drop
+            yield ReceivePayload(staging[:nbytes].data)  # read and drop
             return
         try:
             segment, index = attempt.claim(tag, offset, nbytes)
@@ -174,11 +174,11 @@ class DataReceiver:
         if view is not None:
             received = False
             try:
-                yield ReceiveInto(view)
+                yield ReceivePayload(view)
                 received = True
             finally:
                 attempt.on_direct_slice(segment, index, reader, received)
             return
         payload = staging[:nbytes]
-        yield ReceiveInto(payload.data)
+        yield ReceivePayload(payload.data)
         attempt.on_slice(segment, index, payload)

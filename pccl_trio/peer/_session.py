@@ -2,9 +2,10 @@
 
 Theory of operation
 -------------------
-``open`` connects to the master, starts the *reader* (the only task that ever
-receives from the link) and the *heartbeat* sender, registers, and returns once the
-master's ``Welcome`` named this peer and imposed its liveness timers.
+``open`` connects to the master (completing the run-secret handshake first, if the
+run has a secret), starts the *reader* (the only task that ever receives from the
+link) and the *heartbeat* sender, registers, and returns once the master's
+``Welcome`` named this peer and imposed its liveness timers.
 
 The reader applies a few messages at once, in the order they arrive, through the
 synchronous *routes* other parts registered (``route``): a ``CollectiveCommence``
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._config import Config
+from .._core.channel import HandshakeFailed, Purpose
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
     M2C,
@@ -40,7 +42,7 @@ from .._core.messages import (
 )
 from .._core.wire import Admission
 from .._errors import Kicked, MasterConnectionError, PCCLError
-from ..transport import FramedStream, Network, format_address
+from ..transport import Credential, FramedStream, Network, format_address, secure_client
 from ._lifecycle import Lifecycle
 
 __all__ = ["MasterSession"]
@@ -93,6 +95,19 @@ class MasterSession:
                 f"could not reach the master at {self.address} ({exc or 'timed out'}); "
                 "check that `pccl-trio master` runs there and the address is right"
             ) from exc
+        credential = Credential.of(self._config)
+        channel = None
+        if credential is not None:
+            try:
+                channel = await secure_client(stream, credential, Purpose.MASTER)
+            except (HandshakeFailed, trio.TooSlowError, trio.BrokenResourceError,
+                    trio.ClosedResourceError) as exc:
+                await trio.aclose_forcefully(stream)
+                raise MasterConnectionError(
+                    f"the master at {self.address} did not complete the run-secret "
+                    f"handshake ({exc or 'timed out'}): it runs with another secret or "
+                    "with none"
+                ) from exc
         limit = self._config.max_control_frame
         # What a master may send: Welcome or Kick first, then its kinds and heartbeats.
         from_master = [c for c in message_kinds().values() if c.DIRECTION == M2C]
@@ -102,6 +117,7 @@ class MasterSession:
                 first=body_limits([Welcome, Kick], limit),
                 then=body_limits([*from_master, Heartbeat], limit),
             ),
+            channel=channel,
         )
         self._life.spawn(self._read)
         await self.send(
@@ -182,6 +198,15 @@ class MasterSession:
         """Drop the queued messages nobody will wait for any more."""
         self._inbox = [m for m in self._inbox if not unwanted(m)]
 
+    def _welcome_hint(self) -> str:
+        """Why a master may never welcome a peer that sent no handshake."""
+        if self.peer_id is not None or self._config.secret is not None:
+            return ""
+        return (
+            " (it never welcomed this peer: if the run has a run secret, give this peer "
+            "the same one, e.g. through PCCL_TRIO_RUN_SECRET)"
+        )
+
     async def _read(self) -> None:
         link = self._link
         assert link is not None
@@ -199,6 +224,7 @@ class MasterSession:
                         f"the master at {self.address} sent nothing for "
                         f"{self.liveness_timeout}s (liveness timeout): it or the network "
                         "is down; restart the run's master and reconnect"
+                        + self._welcome_hint()
                     )
                 if isinstance(message, Kick):
                     raise Kicked(message.reason)
@@ -221,7 +247,7 @@ class MasterSession:
             self._life.fail(
                 MasterConnectionError(
                     f"lost the connection to the master at {self.address} ({exc}); "
-                    "a run cannot go on without its master"
+                    "a run cannot go on without its master" + self._welcome_hint()
                 )
             )
         except trio.ClosedResourceError:

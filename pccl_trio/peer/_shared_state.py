@@ -47,7 +47,7 @@ from .._core.records import MAX_SEQUENCE, U64_MAX
 from .._errors import InvalidArgument
 from .._types import SharedState, TensorInfo
 from ..ops import Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash
-from ._protocol import Protocol, ReceiveHeader, ReceiveInto, ReceiveMessage, Send, SendData
+from ._protocol import Protocol, ReceiveHeader, ReceiveMessage, ReceivePayload, Send, SendData
 
 __all__ = [
     "PIECE_BYTES",
@@ -343,10 +343,10 @@ def request_pieces(fetcher: Fetcher) -> Protocol[None]:
                         f"{piece.offset + done}"
                     )
                 if tensor.xp is numpy:
-                    yield ReceiveInto(byte_view(numpy, tensor.raw)[offset : offset + nbytes])
+                    yield ReceivePayload(byte_view(numpy, tensor.raw)[offset : offset + nbytes])
                 else:  # pragma: no cover - needs a GPU
                     staging = numpy.empty(nbytes, numpy.uint8)
-                    yield ReceiveInto(staging.data)
+                    yield ReceivePayload(staging.data)
                     tensor.raw[offset : offset + nbytes].set(staging)
                 done += nbytes
                 fetcher.count(nbytes)

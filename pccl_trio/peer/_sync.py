@@ -26,6 +26,7 @@ from typing import Any
 
 import trio
 
+from .._core.channel import Purpose
 from .._core.messages import (
     PeerEndpoint,
     SharedStateComplete,
@@ -200,7 +201,7 @@ class SharedStateSync:
     async def _fetch_from(self, endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
         """One distributor's worker: fetch pieces from it until none is left or it fails."""
         try:
-            framed = await self._p2p.connect(endpoint)
+            framed = await self._p2p.connect(endpoint, Purpose.SHARED_STATE)
             await self._p2p.run_protocol(framed, sharing.request_pieces(fetcher))
         except (*LINK_ERRORS, sharing.DistributorRefused) as exc:
             fetcher.failed(endpoint.peer_id, str(exc) or type(exc).__name__)

@@ -6,6 +6,8 @@ Everything above this package gets its streams from a ``Network`` (``listen`` an
 """
 
 from ._blocking import SocketLink as SocketLink
+from ._exposure import check_remote_host as check_remote_host
+from ._exposure import listen_host as listen_host
 from ._framed import Connection as Connection
 from ._framed import FramedStream as FramedStream
 from ._network import InMemoryStream as InMemoryStream
@@ -15,6 +17,9 @@ from ._network import format_address as format_address
 from ._network import listener_address as listener_address
 from ._network import parse_address as parse_address
 from ._network import remote_host as remote_host
+from ._secure import Credential as Credential
+from ._secure import secure_client as secure_client
+from ._secure import secure_server as secure_server
 from ._threads import hash_threads as hash_threads
 from ._threads import run_in_thread as run_in_thread
 from ._threads import run_off_loop as run_off_loop

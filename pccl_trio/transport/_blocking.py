@@ -15,6 +15,9 @@ then on only threads touch the socket. Closing a descriptor that another thread 
 blocked on neither wakes that thread nor is safe (the number may be reused at once),
 so ``cut`` shuts the connection down instead, which wakes every blocked call, and the
 descriptor is closed by whoever is the last to stop using it.
+
+A link keeps the ``Channel`` of the stream it was detached from (its frame counters
+go on where the stream's stopped) and protects frames as ``FramedStream`` does.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from contextlib import contextmanager
 
 import trio
 
+from .._core.channel import TAG_SIZE, Channel
+from .._core.errors import RemoteProtocolError
 from .._core.messages import Message, decode_message
 from .._core.wire import (
     CONTROL_HEADER_SIZE,
@@ -34,6 +39,7 @@ from .._core.wire import (
     LENGTH_SIZE,
     encode_control,
     encode_data_header,
+    open_control,
     parse_control_kind,
     parse_control_length,
     parse_data_header,
@@ -54,10 +60,14 @@ class SocketLink:
     """
 
     def __init__(
-        self, sock: socket.socket, *, max_data_frame: int, max_control_frame: int = 1 << 20
+        self, sock: socket.socket, *, max_data_frame: int, max_control_frame: int = 1 << 20,
+        channel: Channel | None = None,
     ) -> None:
         sock.setblocking(True)
         self._sock = sock
+        self.channel = channel
+        self._trailer = 0 if channel is None else TAG_SIZE
+        self._payload = 0  # bytes of the data frame whose header was read, still to come
         self._max_data_frame = max_data_frame
         self._max_control_frame = max_control_frame
         self._header = bytearray(DATA_HEADER.size)
@@ -90,7 +100,7 @@ class SocketLink:
             return None
         return cls(
             socket.socket(fileno=fd), max_data_frame=max_data_frame,
-            max_control_frame=max_control_frame,
+            max_control_frame=max_control_frame, channel=framed.channel,
         )
 
     @property
@@ -158,8 +168,15 @@ class SocketLink:
     # --- sending -------------------------------------------------------------------
 
     def send_frames(self, buffers: list[memoryview]) -> None:
-        """Send whole frames (blocking). Cuts the connection if it fails part-way."""
-        with self.send_lock, self._use() as sock:
+        """Send whole plain frames (blocking; a link with a channel sends only through
+        ``send_data`` and ``send_message``). Cuts the connection if it fails part-way."""
+        if self.channel is not None:
+            raise RuntimeError("frames on a protected link are sealed as they are sent")
+        with self.send_lock:
+            self._send_locked(buffers)
+
+    def _send_locked(self, buffers: list[memoryview]) -> None:
+        with self._use() as sock:
             try:
                 while buffers:
                     drop_sent(buffers, sock.sendmsg(buffers))
@@ -172,15 +189,23 @@ class SocketLink:
                 raise
 
     def send_data(self, *, tag: int, seq: int, offset: int, payload: memoryview) -> None:
-        """Send one data frame; the payload goes from the caller's memory to the kernel."""
+        """Send one data frame; the payload goes from the caller's memory to the kernel
+        (unless the channel encrypts it)."""
         if payload.itemsize != 1:
             payload = payload.cast("B")  # lengths below count bytes
-        header = encode_data_header(tag=tag, seq=seq, offset=offset, nbytes=len(payload))
-        self.send_frames([memoryview(header), payload])
+        header = encode_data_header(
+            tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._trailer
+        )
+        if self.channel is None:
+            self.send_frames([memoryview(header), payload])
+            return
+        with self.send_lock:  # tags are made in the order the frames leave
+            self._send_locked(self.channel.protect_data(header, payload))
 
     def send_message(self, message: Message) -> None:
         """Send one control frame (blocking)."""
-        self.send_frames([memoryview(encode_control(message))])
+        with self.send_lock:
+            self._send_locked([memoryview(encode_control(message, self.channel))])
 
     # --- receiving -----------------------------------------------------------------
 
@@ -191,28 +216,59 @@ class SocketLink:
         Raises:
             RemoteProtocolError: not a valid control frame.
         """
-        prefix = bytearray(LENGTH_SIZE)
-        self.receive_into(memoryview(prefix))
-        length = parse_control_length(prefix, max_control_frame=self._max_control_frame)
-        header = bytearray(CONTROL_HEADER_SIZE)
-        self.receive_into(memoryview(header))
-        kind = parse_control_kind(header, length, None)
+        prefix = bytearray(LENGTH_SIZE + CONTROL_HEADER_SIZE)
+        self.receive_into(memoryview(prefix)[:LENGTH_SIZE])
+        length = parse_control_length(
+            prefix[:LENGTH_SIZE], max_control_frame=self._max_control_frame + self._trailer
+        )
+        self.receive_into(memoryview(prefix)[LENGTH_SIZE:])
+        kind = parse_control_kind(prefix[LENGTH_SIZE:], length, None, trailer=self._trailer)
         remaining = length - CONTROL_HEADER_SIZE
         body = bytearray()
         while len(body) < remaining:  # the buffer grows with what arrived
             start = len(body)
             body.extend(bytes(min(RECEIVE_CHUNK, remaining - start)))
             self.receive_into(memoryview(body)[start:])
+        if self.channel is not None:
+            return decode_message(kind, open_control(prefix, body, self.channel))
         return decode_message(kind, body)
 
     def receive_data_header(self) -> tuple[int, int, int, int]:
-        """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame.
+        """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame;
+        the caller then receives its payload with ``receive_payload``.
 
         Raises:
             RemoteProtocolError: not a valid data frame.
         """
+        if self._payload:
+            raise RemoteProtocolError("a data frame's payload was not received")
         self.receive_into(memoryview(self._header))
-        return parse_data_header(self._header, max_data_frame=self._max_data_frame)
+        header = parse_data_header(
+            self._header, max_data_frame=self._max_data_frame + self._trailer,
+            trailer=self._trailer,
+        )
+        self._payload = header[3]
+        return header
+
+    def receive_payload(self, view: memoryview) -> None:
+        """Receive the payload of the data frame whose header was just read into
+        ``view`` (exactly as long), then check its authentication tag (blocking).
+
+        Raises:
+            RemoteProtocolError: the tag failed (``view`` must not be used).
+        """
+        if view.itemsize != 1:
+            view = view.cast("B")
+        if len(view) != self._payload:
+            raise RemoteProtocolError(
+                f"a {self._payload}-byte payload cannot be received into {len(view)} bytes"
+            )
+        self._payload = 0
+        self.receive_into(view)
+        if self.channel is not None:
+            tag = bytearray(TAG_SIZE)
+            self.receive_into(memoryview(tag))
+            self.channel.accept_data(bytes(self._header), view, tag)
 
     def receive_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly (blocking)."""

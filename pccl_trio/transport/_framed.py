@@ -6,6 +6,11 @@ socket of its own that offers the ``InMemoryStream`` capabilities; nothing else 
 probed for. ``Connection`` names the two forms a p2p connection takes once its
 handshake is over: this one, driven by trio tasks, and ``SocketLink``, driven by
 worker threads.
+
+After a run-secret handshake (``_secure``) a stream carries its ``Channel``: control
+frames are sealed as they are encoded and opened as they are read, a data frame's
+payload is followed by its authentication tag, which ``receive_payload`` checks before
+it returns, so no caller ever uses bytes that failed it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import trio
 
+from .._core.channel import TAG_SIZE, Channel
 from .._core.errors import RemoteProtocolError
 from .._core.messages import Message, decode_message
 from .._core.wire import (
@@ -29,6 +35,7 @@ from .._core.wire import (
     Undecoded,
     encode_control,
     encode_data_header,
+    open_control,
     parse_control_kind,
     parse_control_length,
     parse_data_header,
@@ -77,8 +84,11 @@ class FramedStream:
     def __init__(
         self, stream: trio.abc.Stream, *, max_control_frame: int, max_data_frame: int = 0,
         admission: Admission | None = None, decode: bool = True,
+        channel: Channel | None = None,
     ) -> None:
         self.stream = stream
+        self.channel = channel
+        self._trailer = 0 if channel is None else TAG_SIZE
         self._max_data_frame = max_data_frame
         self._max_control_frame = max_control_frame
         # Zero-copy paths: a trio socket (TCP) or the memory network's receive_into.
@@ -88,8 +98,9 @@ class FramedStream:
         self._header = bytearray(DATA_HEADER.size)
         self._decoder = FrameDecoder(
             max_control_frame=max_control_frame, max_data_frame=max_data_frame,
-            admission=admission, decode=decode,
+            admission=admission, decode=decode, channel=channel,
         )
+        self._payload = 0  # bytes of the data frame whose header was read, still to come
         self._send_lock = trio.StrictFIFOLock()
         self._closed = False
 
@@ -116,33 +127,47 @@ class FramedStream:
         self._socket = None
 
     async def send_message(self, message: Message) -> None:
-        await self.send_bytes(encode_control(message))
+        async with self._send_lock:
+            # Sealed under the lock: a channel's frames must leave in the order sealed.
+            await self._send_locked(encode_control(message, self.channel))
 
     async def send_bytes(self, frame: bytes | bytearray | memoryview) -> None:
-        """Send one or more complete encoded frames."""
+        """Send one or more complete encoded frames (sealed with ``channel``, in order,
+        if the stream has one: see ``wire.encode_control``)."""
         async with self._send_lock:
-            if self._closed:
-                raise trio.ClosedResourceError("framed stream was closed")
-            try:
-                await self.stream.send_all(frame)
-            except BaseException:
-                await self.aclose()
-                raise
+            await self._send_locked(frame)
+
+    async def _send_locked(self, frame: bytes | bytearray | memoryview) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("framed stream was closed")
+        try:
+            await self.stream.send_all(frame)
+        except BaseException:
+            await self.aclose()
+            raise
 
     async def send_data(
         self, *, tag: int, seq: int, offset: int, payload: memoryview
     ) -> None:
-        """Send one data frame; the payload goes from the caller's memory to the kernel."""
-        header = encode_data_header(tag=tag, seq=seq, offset=offset, nbytes=len(payload))
+        """Send one data frame; the payload goes from the caller's memory to the kernel
+        (unless the channel encrypts it)."""
+        if payload.itemsize != 1:
+            payload = payload.cast("B")  # lengths below count bytes
+        header = encode_data_header(
+            tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._trailer
+        )
         async with self._send_lock:
             if self._closed:
                 raise trio.ClosedResourceError("framed stream was closed")
+            buffers = (
+                [memoryview(header), payload] if self.channel is None
+                else self.channel.protect_data(header, payload)
+            )
             try:
                 if self._socket is None:
-                    await self.stream.send_all(header)
-                    await self.stream.send_all(payload)
+                    for buffer in buffers:
+                        await self.stream.send_all(buffer)
                     return
-                buffers = [memoryview(header), payload]
                 while buffers:
                     drop_sent(buffers, await self._socket.sendmsg(buffers))
             except OSError as exc:
@@ -154,11 +179,38 @@ class FramedStream:
 
     async def receive_data_header(self) -> tuple[int, int, int, int]:
         """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame;
-        the caller then receives the payload with ``receive_into``."""
+        the caller then receives its payload with ``receive_payload``."""
         if self._decoder.buffered:
             raise RemoteProtocolError("unexpected bytes before the data stream")
+        if self._payload:
+            raise RemoteProtocolError("a data frame's payload was not received")
         await self.receive_into(memoryview(self._header))
-        return parse_data_header(self._header, max_data_frame=self._max_data_frame)
+        header = parse_data_header(
+            self._header, max_data_frame=self._max_data_frame + self._trailer,
+            trailer=self._trailer,
+        )
+        self._payload = header[3]
+        return header
+
+    async def receive_payload(self, view: memoryview) -> None:
+        """Receive the payload of the data frame whose header was just read into
+        ``view`` (exactly as long), then check its authentication tag.
+
+        Raises:
+            RemoteProtocolError: the tag failed (``view`` must not be used).
+        """
+        if view.itemsize != 1:
+            view = view.cast("B")
+        if len(view) != self._payload:
+            raise RemoteProtocolError(
+                f"a {self._payload}-byte payload cannot be received into {len(view)} bytes"
+            )
+        self._payload = 0
+        await self.receive_into(view)
+        if self.channel is not None:
+            tag = bytearray(TAG_SIZE)
+            await self.receive_into(memoryview(tag))
+            self.channel.accept_data(bytes(self._header), view, tag)
 
     async def receive_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly from the stream.
@@ -216,18 +268,21 @@ class FramedStream:
         """
         if self._decoder.buffered:
             raise RemoteProtocolError("unexpected bytes before the control frame")
-        prefix = bytearray(LENGTH_SIZE)
-        await self.receive_into(memoryview(prefix))
-        length = parse_control_length(prefix, max_control_frame=self._max_control_frame)
-        header = bytearray(CONTROL_HEADER_SIZE)
-        await self.receive_into(memoryview(header))
-        kind = parse_control_kind(header, length, admission)
+        prefix = bytearray(LENGTH_SIZE + CONTROL_HEADER_SIZE)
+        await self.receive_into(memoryview(prefix)[:LENGTH_SIZE])
+        length = parse_control_length(
+            prefix[:LENGTH_SIZE], max_control_frame=self._max_control_frame + self._trailer
+        )
+        await self.receive_into(memoryview(prefix)[LENGTH_SIZE:])
+        kind = parse_control_kind(prefix[LENGTH_SIZE:], length, admission, trailer=self._trailer)
         remaining = length - CONTROL_HEADER_SIZE
         body = bytearray()
         while len(body) < remaining:  # the buffer grows with what arrived
             start = len(body)
             body.extend(bytes(min(RECEIVE_CHUNK, remaining - start)))
             await self.receive_into(memoryview(body)[start:])
+        if self.channel is not None:
+            return decode_message(kind, open_control(prefix, body, self.channel))
         return decode_message(kind, body)
 
     async def receive_message(self) -> Message:

@@ -175,3 +175,32 @@ def test_short_secrets_are_refused_with_advice() -> None:
     with pytest.raises(ValueError):
         ClientHandshake(b"short", Purpose.MASTER)
     assert check_secret(b"x" * 16) == b"x" * 16
+
+
+@pytest.mark.parametrize(
+    "client_wants, server_wants", [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_data_is_encrypted_if_either_side_asks(client_wants: bool, server_wants: bool) -> None:
+    client = ClientHandshake(SECRET, Purpose.RING, encrypt_data=client_wants)
+    server = ServerHandshake(SECRET, ALL, encrypt_data=server_wants)
+    server.finish(client.finish(server.reply(client.hello())))
+    assert client.channel is not None and server.channel is not None
+    assert client.channel.encrypt_data == server.channel.encrypt_data == (client_wants or server_wants)
+    header = b"h" * 33
+    payload = np.arange(1000, dtype=np.float32)
+    sent = client.channel.protect_data(header, memoryview(payload).cast("B"))
+    assert (bytes(sent[1]) != payload.tobytes()) == (client_wants or server_wants)
+    received = bytearray(sent[1])
+    server.channel.accept_data(header, memoryview(received), sent[2])
+    assert bytes(received) == payload.tobytes()
+
+
+def test_a_forged_server_flag_fails_the_servers_proof() -> None:
+    """The flags are part of the proven transcript: flipping one (to force or drop
+    encryption) is detected by the client."""
+    client = ClientHandshake(SECRET, Purpose.RING)
+    server = ServerHandshake(SECRET, ALL)
+    reply = bytearray(server.reply(client.hello()))
+    reply[33] ^= 1  # the server's flag bit
+    with pytest.raises(HandshakeFailed):
+        client.finish(bytes(reply))

@@ -2,6 +2,10 @@
 
 ``memory``: the in-memory network under trio's autojump clock (virtual time, exact).
 ``tcp``: real loopback TCP sockets under the real clock, with short liveness timers.
+``secret``: the in-memory network again, with a run secret shared by the master and
+every peer, so every connection is handshaken and every frame authenticated. Tests
+that speak raw frames as a stranger skip it (``Cluster.plain_frames``): against a run
+with a secret, a stranger gets nothing past the handshake (``test_run_secret``).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from pccl_trio.transport import Network, TcpNetwork, format_address
 #: Real-clock timers: short enough for quick tests, long enough for a loaded CI box.
 TCP_CONFIG = pccl.Config(heartbeat_interval=0.1, liveness_timeout=2.0, connect_timeout=5.0)
 MEMORY_CONFIG = pccl.Config()
+RUN_SECRET = b"integration tests' run secret"
+SECRET_CONFIG = pccl.Config(run_secret=RUN_SECRET)
 
 
-@pytest.fixture(params=["memory", "tcp"])
+@pytest.fixture(params=["memory", "tcp", "secret"])
 def network_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -34,7 +40,7 @@ def network_kind(request: pytest.FixtureRequest) -> str:
 def clock(network_kind: str) -> trio.testing.MockClock | None:
     """Virtual time for the memory network; tests take this fixture so pytest-trio
     runs them on it."""
-    return trio.testing.MockClock(autojump_threshold=0) if network_kind == "memory" else None
+    return None if network_kind == "tcp" else trio.testing.MockClock(autojump_threshold=0)
 
 
 @dataclasses.dataclass
@@ -44,6 +50,11 @@ class Cluster:
     config: pccl.Config
     memory: MemoryNetwork | None
     master_scope: trio.CancelScope
+
+    def plain_frames(self) -> None:
+        """Skip the test on a run with a secret: it speaks raw frames as a stranger."""
+        if self.config.run_secret is not None:
+            pytest.skip("speaks unauthenticated frames; see test_run_secret")
 
     def network(self, host: str) -> Network:
         if self.memory is not None:
@@ -79,18 +90,25 @@ class Cluster:
 async def cluster(
     network_kind: str, clock: trio.testing.MockClock | None, nursery: trio.Nursery
 ) -> AsyncIterator[Cluster]:
+    config = {"memory": MEMORY_CONFIG, "tcp": TCP_CONFIG, "secret": SECRET_CONFIG}[network_kind]
+    cluster = await start_cluster(nursery, network_kind, config)
+    yield cluster
+    cluster.master_scope.cancel()
+
+
+async def start_cluster(nursery: trio.Nursery, network_kind: str, config: pccl.Config) -> Cluster:
+    """A master with ``config`` on the in-memory network or on loopback TCP (``"tcp"``);
+    cancel its ``master_scope`` to stop it."""
     scope = trio.CancelScope()
-    memory = MemoryNetwork() if network_kind == "memory" else None
+    memory = None if network_kind == "tcp" else MemoryNetwork()
 
     async def run_master(*, task_status: trio.TaskStatus[object]) -> None:
         with scope:
             if memory is not None:
                 listener = await memory.host("master").listen("master", 48148)
-                await pccl.serve_master([listener], config=MEMORY_CONFIG, task_status=task_status)
+                await pccl.serve_master([listener], config=config, task_status=task_status)
             else:
-                await pccl.serve_master_tcp(
-                    0, "127.0.0.1", config=TCP_CONFIG, task_status=task_status
-                )
+                await pccl.serve_master_tcp(0, "127.0.0.1", config=config, task_status=task_status)
 
     started = await nursery.start(run_master)
     if memory is not None:
@@ -98,14 +116,10 @@ async def cluster(
     else:
         host, port = started  # type: ignore[misc]
         address = format_address(host, port)
-    yield Cluster(
-        kind=network_kind,
-        master_address=address,
-        config=MEMORY_CONFIG if memory is not None else TCP_CONFIG,
-        memory=memory,
+    return Cluster(
+        kind=network_kind, master_address=address, config=config, memory=memory,
         master_scope=scope,
     )
-    scope.cancel()
 
 
 async def all_do(comms: Sequence[pccl.Communicator], method: str) -> list[object]:
@@ -169,6 +183,7 @@ def first_reply(data: bytes) -> Message | None:
 async def exchange_raw(cluster: Cluster, host: str, *frames: bytes) -> Message | None:
     """Send ``frames`` to the master on a fresh connection from ``host``, read until
     the master hangs up, and return the first message it sent (None: none)."""
+    cluster.plain_frames()
     master_host, port = cluster.master_address.rsplit(":", 1)
     stream = await cluster.network(host).connect(master_host, int(port))
     received = b""
@@ -186,6 +201,11 @@ async def exchange_raw(cluster: Cluster, host: str, *frames: bytes) -> Message |
 SMALL = pccl.Config(slice_bytes=256)  # many slices even for small buffers
 FINE = pccl.Config(slice_bytes=4096)
 ENFORCE = pccl.SharedStateSyncStrategy.ENFORCE_POPULAR
+
+
+def fine(cluster: Cluster) -> pccl.Config:
+    """The cluster's config with ``FINE``'s slices."""
+    return dataclasses.replace(cluster.config, slice_bytes=FINE.slice_bytes)
 
 
 async def run_all(comms: list[pccl.Communicator], call: object) -> list[object]:

@@ -10,12 +10,12 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio.testing import PeerSeam
 
-from .conftest import FINE, Cluster, form_run, run_all, started
+from .conftest import Cluster, fine, form_run, run_all, started
 
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["kill-rank0", "kill-rank2"])
 async def test_kill_mid_all_reduce(cluster: Cluster, clock: object, victim: int) -> None:
-    cluster.config = FINE if cluster.memory is not None else cluster.config
+    cluster.config = fine(cluster) if cluster.memory is not None else cluster.config
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(4)])
         count = 400_000
@@ -59,7 +59,7 @@ async def test_kill_mid_all_reduce(cluster: Cluster, clock: object, victim: int)
 
 
 async def test_kill_inside_multiple_with_retry(cluster: Cluster, clock: object) -> None:
-    cluster.config = FINE if cluster.memory is not None else cluster.config
+    cluster.config = fine(cluster) if cluster.memory is not None else cluster.config
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(3)])
         n_tensors = 8
@@ -105,7 +105,7 @@ async def test_kill_inside_multiple_with_retry(cluster: Cluster, clock: object) 
 
 @pytest.mark.parametrize("network_kind", ["memory"])
 async def test_silent_peer_mid_all_reduce(cluster: Cluster, clock: object) -> None:
-    cluster.config = FINE
+    cluster.config = fine(cluster)
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
         data = [np.arange(200_000, dtype=np.float64) * (i + 1) for i in range(3)]
@@ -135,7 +135,7 @@ async def test_silent_peer_mid_all_reduce(cluster: Cluster, clock: object) -> No
 
 
 async def test_cancelled_all_reduce_aborts_for_everyone(cluster: Cluster, clock: object) -> None:
-    cluster.config = FINE if cluster.memory is not None else cluster.config
+    cluster.config = fine(cluster) if cluster.memory is not None else cluster.config
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
         data = [np.arange(300_000, dtype=np.int32) + i for i in range(3)]
@@ -199,8 +199,8 @@ async def test_malformed_data_frames_abort_instead_of_hanging(
 
     real = framed.encode_data_header
 
-    def poisoned(*, tag: int, seq: int, offset: int, nbytes: int) -> bytes:
-        header = bytearray(real(tag=tag, seq=seq, offset=offset, nbytes=nbytes))
+    def poisoned(*, tag: int, seq: int, offset: int, nbytes: int, trailer: int = 0) -> bytes:
+        header = bytearray(real(tag=tag, seq=seq, offset=offset, nbytes=nbytes, trailer=trailer))
         if tag == 7:
             header[4] = 0  # the frame type byte: not DATA
         return bytes(header)

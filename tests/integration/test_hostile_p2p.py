@@ -49,6 +49,7 @@ async def reduce_together(comms: list[pccl.Communicator]) -> None:
 
 
 async def test_first_frames_are_judged_from_their_header(cluster: Cluster, clock: object) -> None:
+    cluster.plain_frames()
     with trio.fail_after(60):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         started = trio.current_time()

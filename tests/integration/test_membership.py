@@ -125,6 +125,7 @@ async def test_late_joiner_is_admitted_by_update_topology(
 async def test_master_survives_garbage_and_serves_new_peers(
     cluster: Cluster, clock: object
 ) -> None:
+    cluster.plain_frames()
     host, port = cluster.master_address.rsplit(":", 1)
     bad_inputs = [
         b"\x00\x00\x00\x05\x07garbage-bytes-follow",  # unknown frame type
@@ -160,6 +161,7 @@ async def test_master_survives_garbage_and_serves_new_peers(
 
 
 async def test_illegal_vote_kicks_only_the_offender(cluster: Cluster, clock: object) -> None:
+    cluster.plain_frames()
     from pccl_trio._core.messages import PROTOCOL_VERSION, P2PEstablished, Register, Welcome
     from pccl_trio.transport import FramedStream
 

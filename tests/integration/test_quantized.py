@@ -9,7 +9,7 @@ import trio
 
 import pccl_trio as pccl
 
-from .conftest import FINE, SMALL, Cluster, form_run, make_run, run_all, started
+from .conftest import SMALL, Cluster, fine, form_run, make_run, run_all, started
 
 MIN_MAX = pccl.QuantizationAlgorithm.MIN_MAX
 ZPS = pccl.QuantizationAlgorithm.ZERO_POINT_SCALE
@@ -437,7 +437,7 @@ async def test_a_vote_waits_for_the_ring_a_rejection_left_stale(
 
 async def test_kill_mid_quantized_all_reduce(cluster: Cluster, clock: object) -> None:
     """A peer dies mid-operation: one verdict for all, inputs restored, a retry agrees."""
-    cluster.config = FINE if cluster.memory is not None else cluster.config
+    cluster.config = fine(cluster) if cluster.memory is not None else cluster.config
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(4)])
         rng = np.random.default_rng(11)

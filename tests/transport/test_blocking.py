@@ -126,7 +126,7 @@ def payload_for(tag: int, seq: int, nbytes: int) -> bytes:
 def receive_frame(link: SocketLink) -> tuple[int, int, int, bytes]:
     tag, seq, offset, nbytes = link.receive_data_header()
     payload = bytearray(nbytes)
-    link.receive_into(memoryview(payload))
+    link.receive_payload(memoryview(payload))
     return tag, seq, offset, bytes(payload)
 
 
@@ -424,7 +424,9 @@ async def test_peer_close_mid_payload_breaks_the_receive(
         header = await run_in_thread(link.receive_data_header, interrupt=link.cut)
         assert header == (1, 2, 3, 5000)
         with pytest.raises(trio.BrokenResourceError):
-            await run_in_thread(partial(link.receive_into, memoryview(bytearray(5000))), interrupt=link.cut)
+            await run_in_thread(
+                partial(link.receive_payload, memoryview(bytearray(5000))), interrupt=link.cut
+            )
 
 
 async def test_peer_close_wakes_a_blocked_receive(
