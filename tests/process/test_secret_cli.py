@@ -1,0 +1,115 @@
+"""The master CLI and the run secret: where a master without one listens, how a secret
+is given, and that peers in other processes need it to join."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+import pccl_trio as pccl
+
+SECRET = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"
+
+
+def environment(secret: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PCCL_TRIO_RUN_SECRET"}
+    if secret is not None:
+        env["PCCL_TRIO_RUN_SECRET"] = secret
+    return env
+
+
+def refused(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pccl_trio.master", *argv], capture_output=True, text=True,
+        check=False, timeout=60, env=environment(),
+    )
+
+
+class Master:
+    """A master CLI process, up once it printed where it listens."""
+
+    def __init__(self, *argv: str, secret: str | None = None) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "pccl_trio.master", *argv, "--log-level", "INFO"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=environment(secret),
+        )
+        assert self.process.stdout is not None
+        self.line = self.process.stdout.readline().strip()
+        assert self.line.startswith("pccl-trio master listening on "), self.line
+        self.address = self.line.rsplit(" ", 1)[1]
+
+    @property
+    def port(self) -> str:
+        return self.address.rsplit(":", 1)[1]
+
+    def stop(self) -> str:
+        """Stop it; what it logged."""
+        self.process.terminate()
+        _out, err = self.process.communicate(timeout=60)
+        assert self.process.returncode == 0, err
+        return err
+
+
+def test_without_a_secret_the_master_listens_on_loopback_only() -> None:
+    master = Master("--listen", "0.0.0.0:0")
+    assert master.address.startswith("127.0.0.1:")
+    assert "loopback" in master.stop()
+    explicit = refused("--listen", "192.0.2.1:0")
+    assert explicit.returncode == 2
+    assert "will not listen on 192.0.2.1 without a run secret" in explicit.stderr
+    assert "--insecure" in explicit.stderr
+
+
+def test_insecure_listens_where_asked() -> None:
+    master = Master("--listen", "0.0.0.0:0", "--insecure")
+    assert master.address.startswith("0.0.0.0:")
+    master.stop()
+
+
+def test_bad_secret_files_are_clear_errors(tmp_path: Path) -> None:
+    missing = refused("--secret-file", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "cannot read the run secret" in missing.stderr
+    short = tmp_path / "short"
+    short.write_text("tiny\n")
+    too_short = refused("--secret-file", str(short))
+    assert too_short.returncode == 2 and "at least 16 bytes" in too_short.stderr
+
+
+@pytest.mark.parametrize("given", ["file", "environment"])
+async def test_with_a_secret_only_peers_holding_it_join(tmp_path: Path, given: str) -> None:
+    if given == "file":
+        path = tmp_path / "secret"
+        path.write_text(SECRET + "\n")
+        master = Master("--listen", "0.0.0.0:0", "--secret-file", str(path))
+    else:
+        master = Master("--listen", "0.0.0.0:0", secret=SECRET)
+    assert master.address.startswith("0.0.0.0:")  # a secret lets it listen everywhere
+    address = f"127.0.0.1:{master.port}"
+    try:
+        with trio.fail_after(60):
+            stranger = pccl.Communicator(address, p2p_host="127.0.0.1")
+            with pytest.raises(pccl.MasterConnectionError, match="run secret"):
+                await stranger.connect()
+            config = pccl.Config(run_secret=SECRET)
+            async with pccl.Communicator(address, config=config, p2p_host="127.0.0.1") as comm:
+                assert comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 1
+    finally:
+        master.stop()
+
+
+def test_communicators_without_a_secret_stay_on_this_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PCCL_TRIO_RUN_SECRET", raising=False)
+    with pytest.raises(pccl.InvalidArgument, match="not on this machine"):
+        pccl.Communicator("192.0.2.1:48148")
+    with pytest.raises(pccl.InvalidArgument, match="will not listen on 192.0.2.7"):
+        pccl.Communicator("127.0.0.1:48148", p2p_host="192.0.2.7")
+    pccl.Communicator("192.0.2.1:48148", config=pccl.Config(insecure=True))
+    pccl.Communicator("192.0.2.1:48148", config=pccl.Config(run_secret=SECRET))
+    monkeypatch.setenv("PCCL_TRIO_RUN_SECRET", SECRET)
+    pccl.Communicator("192.0.2.1:48148")  # the environment's secret counts
