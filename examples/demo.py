@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -81,8 +82,10 @@ class Peer:
 
 
 async def main() -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    say("demo", "starting a master on a free loopback port")
+    # One secret for the run: the master and every peer read it from the environment,
+    # so every connection between them is authenticated.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PCCL_TRIO_RUN_SECRET=secrets.token_hex(32))
+    say("demo", "starting a master on a free loopback port, with a fresh run secret")
     master = await trio.lowlevel.open_process(
         [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0",
          "--log-level", "WARNING", "--liveness-timeout", "3", "--heartbeat-interval", "0.25"],
