@@ -264,11 +264,12 @@ class SocketLink:
                 f"a {self._payload}-byte payload cannot be received into {len(view)} bytes"
             )
         self._payload = 0
-        self.receive_into(view)
-        if self.channel is not None:
-            tag = bytearray(TAG_SIZE)
-            self.receive_into(memoryview(tag))
-            self.channel.accept_data(bytes(self._header), view, tag)
+        if self.channel is None:
+            self.receive_into(view)
+            return
+        tag = bytearray(TAG_SIZE)
+        self._receive_scattered([view, memoryview(tag)])  # one wake-up for both
+        self.channel.accept_data(bytes(self._header), view, tag)
 
     def receive_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly (blocking)."""
@@ -286,6 +287,18 @@ class SocketLink:
                 if n == 0:
                     raise self._error("connection closed by the other side")
                 received += n
+
+    def _receive_scattered(self, buffers: list[memoryview]) -> None:
+        """Fill every buffer of ``buffers`` exactly, in order (blocking)."""
+        with self._use() as sock:
+            while buffers:
+                try:
+                    n = sock.recvmsg_into(buffers, 0, socket.MSG_WAITALL)[0]
+                except OSError as exc:
+                    raise self._error("receive failed", exc) from exc
+                if n == 0:
+                    raise self._error("connection closed by the other side")
+                drop_sent(buffers, n)
 
     def closed_by_peer(self) -> bool:
         """Whether the other side closed a connection we only send on."""
