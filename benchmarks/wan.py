@@ -132,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantize", default="uint8",
                         help="comma list of code dtypes to compare with plain float32")
     parser.add_argument("--algorithm", default="min_max", choices=["min_max", "zero_point_scale"])
+    parser.add_argument("--protection", default="",
+                        help="comma list of data protections (mac, encrypt) to compare with "
+                             "a run without a secret")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--prefix", default=f"pccl-wan{os.getpid()}",
                         help="names of the namespaces (removed first if they exist)")
@@ -141,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         print("needs iproute2's ip and tc, and root", file=sys.stderr)
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    variants = ["none", *[q for q in args.quantize.split(",") if q]]
+    # (quantization, data protection) per variant, named after what differs.
+    choices = {"none": ("none", "none")}
+    choices.update({q: (q, "none") for q in args.quantize.split(",") if q})
+    choices.update({p: ("none", p) for p in args.protection.split(",") if p and p != "none"})
+    variants = list(choices)
     times: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
     print(f"# W={args.world}, every peer's link shaped to {args.rate} each way (tbf); "
           f"float32 SUM in place; iters={args.iters} warmup={args.warmup} "
@@ -151,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
             for variant in variants:
                 run = argparse.Namespace(
                     iters=args.iters, warmup=args.warmup, pool=0, slice_bytes=1 << 20,
-                    into_recv=False, timeout=args.timeout, quantize=variant,
+                    into_recv=False, timeout=args.timeout, quantize=choices[variant][0],
                     algorithm=args.algorithm,
                 )
-                result = _run_pccl(args.world, sizes, run, topology.placement())
+                result = _run_pccl(
+                    args.world, sizes, run, topology.placement(), protection=choices[variant][1]
+                )
                 for size in sizes:
                     if not result[size]["ok"]:
                         raise RuntimeError(f"wrong result: {variant}, {size} bytes")
