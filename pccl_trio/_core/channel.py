@@ -158,7 +158,10 @@ class ClientHandshake:
             raise HandshakeFailed("the other side does not hold this run's secret")
         (server_flags,) = _FLAGS.unpack_from(server_part, NONCE_SIZE)
         encrypt = self._encrypt_data or bool(server_flags & FLAG_ENCRYPT_DATA)
-        self.channel = Channel(send_key=c2s, receive_key=s2c, encrypt_data=encrypt)
+        self.channel = Channel(
+            send_key=c2s, receive_key=s2c, encrypt_data=encrypt,
+            binding=_proof(auth, b"binding", self._hello, server_part),
+        )
         return _proof(auth, b"client", self._hello, server_part)
 
 
@@ -215,7 +218,10 @@ class ServerHandshake:
         expected = _proof(auth, b"client", self._hello, self._server_part)
         if not hmac.compare_digest(bytes(finish), expected):
             raise HandshakeFailed("the other side does not hold this run's secret")
-        self.channel = Channel(send_key=s2c, receive_key=c2s, encrypt_data=self._encrypt_data)
+        self.channel = Channel(
+            send_key=s2c, receive_key=c2s, encrypt_data=self._encrypt_data,
+            binding=_proof(auth, b"binding", self._hello, self._server_part),
+        )
 
 
 class Channel:
@@ -225,7 +231,12 @@ class Channel:
     at a time (the connection's send lock and its single reader), in frame order.
     """
 
-    def __init__(self, *, send_key: bytes, receive_key: bytes, encrypt_data: bool) -> None:
+    def __init__(
+        self, *, send_key: bytes, receive_key: bytes, encrypt_data: bool, binding: bytes = b""
+    ) -> None:
+        #: A value both ends of this connection, and nobody else, know: what a peer
+        #: signs to prove its identity on this connection (``identity``).
+        self.binding = binding
         self._send_key = send_key
         self._receive_key = receive_key
         self._send_aead = AESGCM(send_key)
