@@ -37,6 +37,12 @@ def clock(network_kind: str) -> trio.testing.MockClock | None:
     return trio.testing.MockClock(autojump_threshold=0) if network_kind == "memory" else None
 
 
+@pytest.fixture
+def master_config(network_kind: str) -> pccl.Config:
+    """The master's config (a test module may override this fixture)."""
+    return MEMORY_CONFIG if network_kind == "memory" else TCP_CONFIG
+
+
 @dataclasses.dataclass
 class Cluster:
     kind: str
@@ -77,7 +83,8 @@ class Cluster:
 
 @pytest.fixture
 async def cluster(
-    network_kind: str, clock: trio.testing.MockClock | None, nursery: trio.Nursery
+    network_kind: str, clock: trio.testing.MockClock | None, nursery: trio.Nursery,
+    master_config: pccl.Config,
 ) -> AsyncIterator[Cluster]:
     scope = trio.CancelScope()
     memory = MemoryNetwork() if network_kind == "memory" else None
@@ -86,10 +93,10 @@ async def cluster(
         with scope:
             if memory is not None:
                 listener = await memory.host("master").listen("master", 48148)
-                await pccl.serve_master([listener], config=MEMORY_CONFIG, task_status=task_status)
+                await pccl.serve_master([listener], config=master_config, task_status=task_status)
             else:
                 await pccl.serve_master_tcp(
-                    0, "127.0.0.1", config=TCP_CONFIG, task_status=task_status
+                    0, "127.0.0.1", config=master_config, task_status=task_status
                 )
 
     started = await nursery.start(run_master)
