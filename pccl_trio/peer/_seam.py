@@ -67,6 +67,11 @@ class PeerSeam:
         """The attempt of the all-reduce with ``tag`` in flight, if any."""
         return self._comm._receiver.by_tag.get(tag)
 
+    def reducing(self, tag: int) -> bool:
+        """Whether an all-reduce with ``tag`` is still in flight here (its task has not
+        ended; after a cancelled ``all_reduce`` it may go on in the background)."""
+        return tag in self._comm._all_reduces.tags_in_flight
+
     @property
     def measure_link(self) -> MeasureLink:
         """How the communicator measures the link from a peer to itself; assign a
