@@ -238,21 +238,25 @@ class MasterCore:
                     # Heartbeats only prove a registered peer alive; before Register
                     # they are refused like any other message.
                     if conn.peer is None or not isinstance(message, Heartbeat):
+                        self._stalls.changed()
                         self._on_message(conn, message)
                         self._reevaluate()
             case ConnectionOpened(conn=conn_id, host=host):
                 self._table.open(conn_id, host)
             case ConnectionBroken(conn=conn_id, reason=reason):
                 if conn_id in self._table.conns:
+                    self._stalls.changed()
                     self._table.kick(self._table.conns[conn_id], f"malformed input: {reason}")
                     self._reevaluate()
             case ConnectionClosed(conn=conn_id):
                 if conn_id in self._table.conns:
+                    self._stalls.changed()
                     self._table.drop(self._table.conns[conn_id], "connection closed")
                     self._reevaluate()
             case Tick():
                 self._on_tick()
             case SolveFinished():
+                self._stalls.changed()
                 self._optimizer.on_solved(event)
                 self._reevaluate()
             case _:  # pragma: no cover - exhaustive
@@ -324,6 +328,7 @@ class MasterCore:
         late_round = self._rounds.kick_late()
         late_measurement = self._optimizer.kick_late()
         if silent or late_round or late_measurement:
+            self._stalls.changed()
             self._reevaluate()
         if self._stalls.check():
             self._reevaluate()

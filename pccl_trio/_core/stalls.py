@@ -19,12 +19,14 @@ the way its vote is refused (a REJECTED verdict, a pending-peers answer with an 
 a refused establishment, sync or optimization). A vote is *waiting* while some peer
 it needs has not voted; a vote that waits only for a running round is not.
 
-Each part lists its waiting votes (``Waiting``) cheaply: whether a vote waits is a
-count, and who it waits for is worked out only for a log line or an error.
-``deadline()`` is the earliest timeout (the warnings ride on the Ticks that the
-heartbeats bring every heartbeat interval while any peer is connected, so they add no
-deadline of their own); ``check()``, on a Tick, logs the warnings due and fails the
-votes whose timeout passed.
+Each part lists its waiting votes (``Waiting``): whether a vote waits is a count, and
+who it waits for is worked out only for a log line or an error. The list is kept until
+the master reports an event that may change a vote (``changed``: anything but a
+heartbeat or a quiet Tick), so the heartbeats that make up most of the master's events
+cost it nothing. ``deadline()`` is the earliest timeout (the warnings ride on the
+Ticks that the heartbeats bring every heartbeat interval while any peer is connected,
+so they add no deadline of their own); ``check()``, on a Tick, logs the warnings due
+and fails the votes whose timeout passed.
 """
 
 from __future__ import annotations
@@ -86,13 +88,23 @@ class Stalls:
         self._warning = warning
         # (key, since) -> how many warnings were logged for that wait.
         self._warned: dict[tuple[Hashable, float], int] = {}
+        # The waiting votes and the earliest timeout, until something changes.
+        self._cache: tuple[list[Waiting], float] | None = None
 
-    def _waiting(self) -> list[Waiting]:
-        return [waiting for source in self._sources for waiting in source()]
+    def changed(self) -> None:
+        """Something that may start, complete or refuse a vote happened."""
+        self._cache = None
+
+    def _waiting(self) -> tuple[list[Waiting], float]:
+        if self._cache is None:
+            waiting = [waiting for source in self._sources for waiting in source()]
+            deadline = min((w.since + self._timeout for w in waiting), default=math.inf)
+            self._cache = waiting, deadline
+        return self._cache
 
     def deadline(self) -> float:
         """When the first waiting vote times out (``inf``: none waits)."""
-        return min((w.since + self._timeout for w in self._waiting()), default=math.inf)
+        return self._waiting()[1]
 
     def check(self) -> bool:
         """Log the warnings due; fail the votes that waited past the timeout; whether
@@ -100,7 +112,7 @@ class Stalls:
         now = self._table.now
         due: list[tuple[Waiting, str]] = []
         warned: dict[tuple[Hashable, float], int] = {}
-        for waiting in self._waiting():
+        for waiting in self._waiting()[0]:
             age = now - waiting.since
             # The same sum as in deadline(): a Tick at the deadline must act.
             if now >= waiting.since + self._timeout:
@@ -126,6 +138,8 @@ class Stalls:
         for waiting, reason in due:
             log.warning("refused: %s", reason)
             waiting.fail(reason)
+        if due:
+            self.changed()
         return bool(due)
 
     @staticmethod

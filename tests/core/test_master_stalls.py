@@ -223,3 +223,88 @@ def test_the_timeout_counts_from_the_first_voter() -> None:
     elapse(h, TIMEOUT, [1, 2, 3])
     assert h.last(1, PeersPendingResult).error == h.last(2, PeersPendingResult).error
     assert "peer 3 is in no call" in h.last(2, PeersPendingResult).error
+
+
+# --- a seeded random walk ------------------------------------------------------------
+#
+# Peers of two groups vote, initiate, ask, sync, optimize, complete, report, close and
+# register at random while time passes; stalls fire often (a 10 s timeout). After
+# every event: the stall timer's cached list of waiting votes is the one a fresh look
+# finds, and after every Tick no vote has waited for the timeout or longer. Every text
+# a refusal carries is bounded. (The harness checks one verdict per initiate.)
+
+WALK_SEEDS = range(12)
+
+
+def _check_stalls(h: MasterHarness) -> None:
+    stalls = h.core._stalls
+    cached, _deadline = stalls._waiting()
+    fresh = [w for source in stalls._sources for w in source()]
+    assert [(w.key, w.since) for w in cached] == [(w.key, w.since) for w in fresh]
+    assert all(h.now < w.since + stalls._timeout for w in fresh), (h.now, fresh)
+
+
+@pytest.mark.parametrize("seed", WALK_SEEDS)
+def test_random_walk_keeps_the_stall_timer_exact(seed: int) -> None:
+    import random
+
+    from pccl_trio._core.messages import SharedStateDone
+    from pccl_trio._core.peers import PeerState
+
+    rng = random.Random(seed)
+    h = MasterHarness(stall_timeout=10.0, stall_warning=1.0)
+    run_with(h, {1: 0, 2: 0, 3: 0, 4: 1, 5: 1})
+    next_conn = 6
+    for _step in range(400):
+        live = [c for c in h.peer_ids if c not in h.closed]
+        if not live:
+            break
+        conn = rng.choice(live)
+        where = h.where(conn)
+        state = where[1] if where and where[0] is ACC else None  # joiners only wait
+        free = state in (PeerState.IDLE, PeerState.CONNECT_FAILED)
+        tags = h.in_flight[conn]
+        roll = rng.random()
+        if roll < 0.25 and free:
+            tag = rng.randrange(3)
+            if tag not in tags:
+                h.initiate(conn, tag)
+        elif roll < 0.35 and free and not h.core._table.peers[h.peer_ids[conn]].pending_vote:
+            h.pending(conn)
+        elif roll < 0.45 and free and not tags:
+            h.vote(conn, accept=rng.random() < 0.5)
+        elif roll < 0.5 and state is PeerState.IDLE and not tags:
+            h.send(conn, sync_vote())
+        elif roll < 0.53 and state is PeerState.IDLE and not tags:
+            h.optimize(conn)
+        elif roll < 0.56 and len(live) > 2:
+            h.close(conn)
+        elif roll < 0.58:
+            h.register(next_conn, rng.randrange(2))
+            next_conn += 1
+        else:
+            elapse(h, h.now + rng.uniform(0.1, 8.0), live)
+        # Let the running parts finish: commenced attempts, rounds, syncs, measurements.
+        for other in [c for c in h.peer_ids if c not in h.closed]:
+            for tag, seq in list(h.in_flight[other].items()):
+                if seq and (other, seq) not in h._completed and rng.random() < 0.7:
+                    h.complete(other, tag, seq)
+            position = h.where(other)
+            if position is None:
+                continue
+            if position[1] is PeerState.CONNECTING:
+                h.report(other)
+            elif position[1] is PeerState.SYNCING:
+                h.send(other, SharedStateDone(sync=h.last(other, SharedStatePlan).sync, success=True))
+            if other in h.unanswered:
+                h.measure(other)
+            _check_stalls(h)
+        h.finish_solves()
+        _check_stalls(h)
+    refusals = 0
+    for messages in h.sent.values():
+        for message in messages:
+            for text in ("reason", "error"):
+                assert len(getattr(message, text, "")) <= 1000, message
+            refusals += "stall timeout" in getattr(message, "reason", getattr(message, "error", ""))
+    assert refusals, "the walk never stalled: it tests nothing"
