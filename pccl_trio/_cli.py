@@ -91,6 +91,23 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
         help="all-reduce size rings are optimized for, K/M/G suffixes allowed "
         f"(default {defaults.topology_reference_bytes >> 20}M)",
     )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=defaults.stall_timeout,
+        metavar="SECONDS",
+        help="a collective call some peers have not joined this long is failed for the "
+        "peers waiting in it, naming the others; inf: wait forever "
+        f"(default {defaults.stall_timeout:g})",
+    )
+    parser.add_argument(
+        "--stall-warning",
+        type=float,
+        default=defaults.stall_warning,
+        metavar="SECONDS",
+        help="log who a call waits for after this long, then after 2x, 4x, ... "
+        f"(default {defaults.stall_warning:g})",
+    )
     return parser
 
 
@@ -139,6 +156,8 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
             topology_reference_bytes=args.topology_reference_size,
             run_secret=_read_secret(args.secret_file),
             insecure=args.insecure,
+            stall_timeout=args.stall_timeout,
+            stall_warning=args.stall_warning,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -68,6 +68,27 @@ class Config:
         insecure: without a run secret, listen on every interface and connect to
             masters on other hosts anyway (unauthenticated); without it, a run with no
             secret stays on loopback.
+        stall_timeout: (master) a vote (an all-reduce, ``are_peers_pending``,
+            ``update_topology``, ``sync_shared_state``, ``optimize_topology``) that some
+            members have not joined this long after its first voter is refused for its
+            voters, with an error naming each missing peer and the call it waits in
+            (``inf``: wait forever). Calls the master can prove will never complete fail
+            at once; this bounds the rest. 30 minutes: trainers may compute for many
+            minutes between two collective calls, and peers of unequal speed reach a
+            call minutes apart, so a shorter bound would fail healthy runs; the
+            warnings below name the culprits much sooner.
+        stall_warning: (master) a vote waiting this long for members is logged, naming
+            them and what each waits in; again after twice as long, four times, ...
+        shared_state_min_rate: bytes per second a shared-state distributor must deliver
+            to a fetching peer, on average after ``shared_state_grace``; a slower one
+            is dropped and its pieces go to the other distributors (the sync fails when
+            none is left). 64 KiB/s, far below any link training runs on, even shared by
+            dozens of distributors, yet a distributor trickling bytes to hold the sync
+            forever is cut after a bounded time. 0 turns the check off.
+        shared_state_grace: seconds a distributor is given before its rate counts, on
+            top of the time one data frame takes at the minimum rate: it covers
+            connecting, the distributor waiting for its own plan (up to the liveness
+            timeout) and the first bytes.
     """
 
     heartbeat_interval: float = 0.5
@@ -100,6 +121,10 @@ class Config:
         if self.run_secret is not None or not os.environ.get(SECRET_ENVIRONMENT):
             return self
         return dataclasses.replace(self, run_secret=os.environ[SECRET_ENVIRONMENT])
+    stall_timeout: float = 1800.0
+    stall_warning: float = 60.0
+    shared_state_min_rate: float = 64 * 1024
+    shared_state_grace: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout"):
@@ -149,3 +174,22 @@ class Config:
             )
         if not isinstance(self.insecure, bool):
             raise ValueError(f"Config.insecure must be a bool, got {self.insecure!r}")
+        for name in ("stall_timeout", "stall_warning"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and not math.isnan(value) and value > 0):
+                raise ValueError(
+                    f"Config.{name} must be a positive number of seconds (inf: never), "
+                    f"got {value!r}"
+                )
+        if not (isinstance(self.shared_state_min_rate, int | float)
+                and math.isfinite(self.shared_state_min_rate) and self.shared_state_min_rate >= 0):
+            raise ValueError(
+                "Config.shared_state_min_rate must be a non-negative number of bytes per "
+                f"second (0: no minimum), got {self.shared_state_min_rate!r}"
+            )
+        if not (isinstance(self.shared_state_grace, int | float)
+                and math.isfinite(self.shared_state_grace) and self.shared_state_grace > 0):
+            raise ValueError(
+                "Config.shared_state_grace must be a positive number of seconds, got "
+                f"{self.shared_state_grace!r}"
+            )

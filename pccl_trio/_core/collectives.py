@@ -16,15 +16,18 @@ peer's data could not be reduced).
 A collective that cannot commence ends at once, with a verdict of seq 0, rather than
 wait: ABORTED when a member waits in a vote that blocks all-reduces
 (``peers.BLOCKED_BY``) or when the group's ring is stale (it must be re-established
-first), REJECTED when the descriptors disagree. Every voter gets exactly one verdict
-per initiate.
+first), REJECTED when the descriptors disagree. A collective some member never
+votes for ends REJECTED after the master's stall timeout (``stalls``: ``waiting``
+lists the collectives waiting for members). Every voter gets exactly one verdict per
+initiate.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from .errors import RemoteProtocolError
 from .messages import (
@@ -38,6 +41,7 @@ from .messages import (
 )
 from .peers import FREE_STATES, VOTES, Call, Peer, PeerPhase, PeerTable, find_blocker
 from .rounds import RingBook
+from .stalls import Waiting
 
 __all__ = ["Collectives"]
 
@@ -51,6 +55,7 @@ class _Collective:
     group: int
     tag: int
     descriptors: dict[int, CollectiveInitiate]  # peer id -> its initiate vote
+    since: float  # when the first member voted
     seq: int = 0  # 0 until commenced
     participants: set[int] = dataclasses.field(default_factory=set)
     completed: set[int] = dataclasses.field(default_factory=set)
@@ -88,7 +93,9 @@ class Collectives:
         key = (peer.peer_group, message.tag)
         collective = self._running.get(key)
         if collective is None:
-            collective = _Collective(group=peer.peer_group, tag=message.tag, descriptors={})
+            collective = _Collective(
+                group=peer.peer_group, tag=message.tag, descriptors={}, since=self._table.now
+            )
             self._running[key] = collective
         elif collective.seq:
             # Others are already running this tag without us: our vote is for the
@@ -169,6 +176,29 @@ class Collectives:
                 )
                 continue
             self._commence(collective, members)
+
+    def waiting(self) -> Iterator[Waiting]:
+        """The collectives not commenced that some member has not voted for."""
+        sizes: dict[int, int] = {}
+        for peer in self._table.accepted():
+            sizes[peer.peer_group] = sizes.get(peer.peer_group, 0) + 1
+        for collective in self._running.values():
+            if not collective.seq and len(collective.descriptors) < sizes.get(collective.group, 0):
+                yield Waiting(
+                    key=("all_reduce", collective.group, collective.tag),
+                    call=f"{Call.ALL_REDUCE.value}(tag={collective.tag})",
+                    where=f"peer group {collective.group}",
+                    since=collective.since,
+                    missing=functools.partial(self._missing, collective),
+                    fail=functools.partial(self._end, collective, Outcome.REJECTED),
+                )
+
+    def _missing(self, collective: _Collective) -> list[Peer]:
+        """The members of the collective's group that have not voted for it."""
+        return [
+            p for p in self._table.accepted()
+            if p.peer_group == collective.group and p.peer_id not in collective.descriptors
+        ]
 
     def peer_left(self, peer: Peer, reason: str) -> None:
         """Forget ``peer``'s votes; abort the attempts it took part in."""

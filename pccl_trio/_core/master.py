@@ -23,11 +23,14 @@ The parts, one module each; each owns its state, and all append to one outbox:
 - ``optimization``: link measurements, ring searches (``Solve``), background
   searches and their candidate rings; ``links`` holds what is known of the links
   (costs, predictions, reports, the topology view).
+- ``stalls``: votes waiting for peers that do not make the call: a log line naming
+  them, then, past the stall timeout, the vote refused for its voters.
 
 Each part answers the same small surface: one handler per message it owns (``handle``
 routes a message by its type, ``_routes``), ``advance()`` to re-check its consensus,
-``peer_left()`` to forget a removed peer, and, where it has a timer, ``deadline()``
-and ``kick_late()``. ``next_deadline()`` is the earliest of the parts' deadlines.
+``peer_left()`` to forget a removed peer, where it has a timer, ``deadline()`` and
+``kick_late()``, and where it has votes that may wait for members, ``waiting()`` (the
+stall timer's sources). ``next_deadline()`` is the earliest of the parts' deadlines.
 
 Two orders are behaviour: they decide where ``CollectiveAbort``, ``CancelSolve`` and
 the other actions land in the action list. Each is spelled out once, here:
@@ -43,7 +46,10 @@ the other actions land in the action list. Each is spelled out once, here:
   book); the group's sync and expected revision (syncs).
 
 A ``Tick`` kicks silent connections, then late round participants, then late link
-measurements; re-evaluates if it kicked anyone; then sends the heartbeats due.
+measurements; re-evaluates if it kicked anyone; then logs the stall warnings due and
+refuses the votes past the stall timeout (collectives, the pending-peers vote, the
+establishment vote, syncs, the optimization vote), re-evaluating if it refused any;
+then sends the heartbeats due.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ from .peers import (
     transition,
 )
 from .rounds import PendingVote, RingBook, Rounds
+from .stalls import Stalls
 from .syncs import Syncs
 
 __all__ = [
@@ -152,6 +159,10 @@ class MasterCore:
         search_seconds: time budget of the background search that follows a first
             ring not provably optimal.
         reference_bytes: the all-reduce size rings are optimized (and predicted) for.
+        stall_timeout: a vote that waited this long for members that did not vote is
+            refused for its voters (``inf``: votes wait forever).
+        stall_warning: a vote waiting this long for members is logged, naming them,
+            then again after twice as long, four times, ...
     """
 
     def __init__(
@@ -163,6 +174,8 @@ class MasterCore:
         solve_seconds: float = 1.0,
         search_seconds: float = 60.0,
         reference_bytes: int = 64 << 20,
+        stall_timeout: float = 1800.0,
+        stall_warning: float = 60.0,
     ) -> None:
         if not 0 < heartbeat_interval < liveness_timeout:
             raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
@@ -170,6 +183,8 @@ class MasterCore:
             raise ValueError("need round_timeout > 0")
         if not (solve_seconds > 0 and search_seconds >= 0 and reference_bytes > 0):
             raise ValueError("need solve_seconds > 0, search_seconds >= 0, reference_bytes > 0")
+        if not (stall_timeout > 0 and stall_warning > 0):
+            raise ValueError("need stall_timeout > 0 and stall_warning > 0")
         self._table = PeerTable(
             heartbeat_interval=heartbeat_interval,
             liveness_timeout=liveness_timeout,
@@ -187,6 +202,15 @@ class MasterCore:
         self._pending = PendingVote(self._table)
         self._collectives = Collectives(self._table, self._book)
         self._syncs = Syncs(self._table)
+        self._stalls = Stalls(
+            self._table,
+            [
+                self._collectives.waiting, self._pending.waiting, self._rounds.waiting,
+                self._syncs.waiting, self._optimizer.waiting,
+            ],
+            timeout=stall_timeout,
+            warning=stall_warning,
+        )
         # Every message a registered peer may send, and the part that handles it.
         self._routes: Mapping[type[Message], _Handler] = dict([
             _route(Register, _registered_twice),
@@ -214,21 +238,25 @@ class MasterCore:
                     # Heartbeats only prove a registered peer alive; before Register
                     # they are refused like any other message.
                     if conn.peer is None or not isinstance(message, Heartbeat):
+                        self._stalls.changed()
                         self._on_message(conn, message)
                         self._reevaluate()
             case ConnectionOpened(conn=conn_id, host=host):
                 self._table.open(conn_id, host)
             case ConnectionBroken(conn=conn_id, reason=reason):
                 if conn_id in self._table.conns:
+                    self._stalls.changed()
                     self._table.kick(self._table.conns[conn_id], f"malformed input: {reason}")
                     self._reevaluate()
             case ConnectionClosed(conn=conn_id):
                 if conn_id in self._table.conns:
+                    self._stalls.changed()
                     self._table.drop(self._table.conns[conn_id], "connection closed")
                     self._reevaluate()
             case Tick():
                 self._on_tick()
             case SolveFinished():
+                self._stalls.changed()
                 self._optimizer.on_solved(event)
                 self._reevaluate()
             case _:  # pragma: no cover - exhaustive
@@ -237,7 +265,10 @@ class MasterCore:
 
     def next_deadline(self) -> float:
         """When to deliver a ``Tick`` if no other event comes first (``inf``: never)."""
-        return min(self._rounds.deadline(), self._optimizer.deadline(), self._table.deadline())
+        return min(
+            self._rounds.deadline(), self._optimizer.deadline(), self._table.deadline(),
+            self._stalls.deadline(),
+        )
 
     def peers(self) -> list[PeerView]:
         """Every registered peer, by id."""
@@ -287,7 +318,8 @@ class MasterCore:
     # --- time ----------------------------------------------------------------------
 
     def _on_tick(self) -> None:
-        """Kick who fell silent or is late, re-check if anyone was, send heartbeats."""
+        """Kick who fell silent or is late, re-check if anyone was, refuse the stalled
+        votes, send heartbeats."""
         # Each part compares against the very sums its deadline() returns: ``now - last
         # >= timeout`` can be false at ``now == last + timeout`` in floating point, and a
         # Tick at the deadline that does nothing would leave the deadline in the past (a
@@ -296,6 +328,9 @@ class MasterCore:
         late_round = self._rounds.kick_late()
         late_measurement = self._optimizer.kick_late()
         if silent or late_round or late_measurement:
+            self._stalls.changed()
+            self._reevaluate()
+        if self._stalls.check():
             self._reevaluate()
         self._table.send_heartbeats()
 

@@ -440,12 +440,17 @@ class P2PInfo(Message):
 @message(67, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PEstablishResult(Message):
-    """End of an establishment round, the same verdict for every participant."""
+    """End of an establishment round, the same verdict for every participant.
+
+    ``round`` 0 with ``error`` not empty: the peer's ``VoteEstablish`` was refused (the
+    other members did not vote within the master's stall timeout); no round follows.
+    """
 
     round: int
     success: bool
     ring: tuple[int, ...]
     world: WorldSizes
+    error: str = ""
 
 
 @message(68, M2C)

@@ -5,8 +5,9 @@ Theory of operation
 An optimization is a vote of the whole run (``VoteOptimizeTopology``: VOTE_OPTIMIZE).
 A peer that waits in ``update_topology`` blocks it (``peers.BLOCKED_BY``): the voters
 are refused, and told to *rejoin* when that peer only re-establishes its ring after an
-aborted all-reduce. Once every accepted peer voted and no round runs, it starts
-(OPTIMIZING):
+aborted all-reduce; so are they when some peer has not voted within the master's stall
+timeout (``waiting``, see ``stalls``). Once every accepted peer voted and no round
+runs, it starts (OPTIMIZING):
 
 1. **Measure.** The links of each group not measured yet, nor known unreachable, are
    split into steps in which no peer takes part twice (``measurement_rounds``); the
@@ -36,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy
 
@@ -58,6 +59,7 @@ from .peers import (
     out_of_order,
 )
 from .rounds import RingBook
+from .stalls import Waiting
 
 __all__ = ["KEEP_MARGIN", "Optimizer"]
 
@@ -156,6 +158,7 @@ class Optimizer:
         """A member votes to optimize the topology."""
         check_member_vote(peer, message)
         peer.apply(PeerEvent.VOTE_OPTIMIZE)
+        peer.voted_at = self._table.now
 
     def on_link_measured(self, peer: Peer, message: LinkMeasured) -> None:
         """A receiver reports the link it was asked to measure."""
@@ -251,13 +254,38 @@ class Optimizer:
                 )
             else:
                 error = out_of_order(blocker, Call.OPTIMIZE_TOPOLOGY)
-            for peer in voters:
-                peer.apply(PeerEvent.OPTIMIZE_REFUSED)
-                self._table.send(peer, TopologyOptimized(optimization=0, error=error, rejoin=rejoin))
+            self._refuse(voters, error, rejoin=rejoin)
             return False
         if len(voters) == len(accepted) and not round_running:
             return self._start(voters)
         return False
+
+    def waiting(self) -> Iterator[Waiting]:
+        """The vote, while some members voted and others did not."""
+        if self._current is not None:
+            return
+        accepted = self._table.accepted()
+        voters = [p for p in accepted if p.state is PeerState.VOTE_OPTIMIZE]
+        if voters and len(voters) < len(accepted):
+            yield Waiting(
+                key="optimize_topology",
+                call=Call.OPTIMIZE_TOPOLOGY.value,
+                where="the run",
+                since=min(p.voted_at for p in voters),
+                missing=lambda: [
+                    p for p in self._table.accepted() if p.state is not PeerState.VOTE_OPTIMIZE
+                ],
+                fail=lambda reason: self._refuse(
+                    [p for p in self._table.accepted() if p.state is PeerState.VOTE_OPTIMIZE],
+                    reason,
+                ),
+            )
+
+    def _refuse(self, voters: Sequence[Peer], error: str, *, rejoin: bool = False) -> None:
+        """End the vote of ``voters`` with ``error``; no optimization runs."""
+        for peer in voters:
+            peer.apply(PeerEvent.OPTIMIZE_REFUSED)
+            self._table.send(peer, TopologyOptimized(optimization=0, error=error, rejoin=rejoin))
 
     def _start(self, voters: Sequence[Peer]) -> bool:
         """Plan the measurement steps of every group, then take the first."""

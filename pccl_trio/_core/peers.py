@@ -68,6 +68,7 @@ __all__ = [
     "find_blocker",
     "groups",
     "out_of_order",
+    "pending_calls",
     "transition",
 ]
 
@@ -112,6 +113,7 @@ class PeerEvent(enum.Enum):
     ROUND_START = enum.auto()
     ROUND_SUCCEEDED = enum.auto()
     ROUND_FAILED = enum.auto()
+    ESTABLISH_REFUSED = enum.auto()  # the other members did not vote in time (stalls)
     SYNC_START = enum.auto()
     SYNC_REFUSED = enum.auto()
     SYNC_COMPLETE = enum.auto()
@@ -138,6 +140,7 @@ TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
     (PeerState.WAITING, PeerEvent.ROUND_SUCCEEDED): PeerState.IDLE,
     (PeerState.WAITING, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
     (PeerState.CONNECT_FAILED, PeerEvent.ROUND_FAILED): PeerState.CONNECT_FAILED,
+    (PeerState.VOTE_ESTABLISH, PeerEvent.ESTABLISH_REFUSED): PeerState.IDLE,
     (PeerState.IDLE, PeerEvent.VOTE_SYNC): PeerState.VOTE_SYNC,
     (PeerState.VOTE_SYNC, PeerEvent.SYNC_START): PeerState.SYNCING,
     (PeerState.VOTE_SYNC, PeerEvent.SYNC_REFUSED): PeerState.IDLE,
@@ -268,6 +271,10 @@ class Peer:
     pending_vote: bool = False  # it asked whether peers are pending; not answered yet
     tags_in_flight: set[int] = dataclasses.field(default_factory=set)  # collectives
     ballot: Ballot | None = None  # its shared-state vote, while VOTE_SYNC
+    # When it entered its vote state, and when it asked whether peers are pending (the
+    # stall timer of a waiting vote starts at its first voter's, see ``stalls``).
+    voted_at: float = 0.0
+    pending_since: float = 0.0
 
     def apply(self, event: PeerEvent) -> None:
         """Change the state by ``event`` (see ``transition``)."""
@@ -295,6 +302,42 @@ class PeerView:
     port: int
     phase: PeerPhase
     state: PeerState
+
+
+#: What a peer in each state is busy with, as ``pending_calls`` names it.
+_STATE_CALLS: Mapping[PeerState, str] = {
+    PeerState.VOTE_ESTABLISH: Call.UPDATE_TOPOLOGY.value,
+    PeerState.CONNECTING: "an establishment round",
+    PeerState.WAITING: "an establishment round",
+    PeerState.VOTE_SYNC: Call.SYNC_SHARED_STATE.value,
+    PeerState.SYNCING: Call.SYNC_SHARED_STATE.value,
+    PeerState.SYNC_DONE: Call.SYNC_SHARED_STATE.value,
+    PeerState.VOTE_OPTIMIZE: Call.OPTIMIZE_TOPOLOGY.value,
+    PeerState.OPTIMIZING: Call.OPTIMIZE_TOPOLOGY.value,
+}
+
+#: Tags ``pending_calls`` lists one by one before it only counts the rest.
+_TAGS_LISTED = 3
+
+
+def pending_calls(peer: Peer) -> str:
+    """What ``peer`` waits in, as far as the master knows, for error messages: e.g.
+    ``"peer 2 waits in all_reduce(tag=1)"``, ``"peer 3 waits in are_peers_pending"``,
+    ``"peer 5 is in no call"``."""
+    calls: list[str] = []
+    if peer.phase is PeerPhase.REGISTERED:
+        calls.append("connect (waiting to be admitted)")
+    elif peer.state in _STATE_CALLS:
+        calls.append(_STATE_CALLS[peer.state])
+    if peer.pending_vote:
+        calls.append(Call.ARE_PEERS_PENDING.value)
+    tags = sorted(peer.tags_in_flight)
+    calls.extend(f"{Call.ALL_REDUCE.value}(tag={tag})" for tag in tags[:_TAGS_LISTED])
+    if len(tags) > _TAGS_LISTED:
+        calls.append(f"{len(tags) - _TAGS_LISTED} more all-reduces")
+    if not calls:
+        return f"peer {peer.peer_id} is in no call"
+    return f"peer {peer.peer_id} waits in {', '.join(calls)}"
 
 
 def check_member_vote(peer: Peer, vote: Message) -> None:

@@ -31,6 +31,11 @@ The *pending-peers vote* is orthogonal to the states: when every ACCEPTED peer a
 (``VotePeersPending``, only in ``peers.FREE_STATES``), each gets whether anyone waits
 to be admitted. A peer that waits in a vote blocking it (``peers.BLOCKED_BY``) will
 never ask: those who did are answered with an error instead.
+
+Both votes list themselves while they wait for members (``waiting``, see ``stalls``):
+past the master's stall timeout the voters are refused, establishment voters with a
+``P2PEstablishResult`` of round 0 carrying the reason (and IDLE again), askers with a
+``PeersPendingResult`` carrying it.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from .errors import RemoteProtocolError
 from .messages import (
@@ -64,6 +69,7 @@ from .peers import (
     out_of_order,
 )
 from .ring import find_ring, neighbours
+from .stalls import Waiting
 
 __all__ = ["PendingVote", "RingBook", "Rounds"]
 
@@ -152,6 +158,7 @@ class Rounds:
             )
         peer.apply(PeerEvent.VOTE_ESTABLISH)
         peer.accept_new_peers = message.accept_new_peers
+        peer.voted_at = self._table.now
 
     def on_established(self, peer: Peer, message: P2PEstablished) -> None:
         """A participant reports on connecting to its neighbours."""
@@ -234,6 +241,36 @@ class Rounds:
                     world=worlds[peer.peer_group],
                 ),
             )
+
+    def waiting(self) -> Iterator[Waiting]:
+        """The establishment vote, while some members voted and others did not."""
+        if self._current is not None:
+            return
+        accepted = self._table.accepted()
+        voters = [p for p in accepted if p.state is PeerState.VOTE_ESTABLISH]
+        if voters and len(voters) < len(accepted):
+            yield Waiting(
+                key="update_topology",
+                call=Call.UPDATE_TOPOLOGY.value,
+                where="the run",
+                since=min(p.voted_at for p in voters),
+                missing=lambda: [
+                    p for p in self._table.accepted() if p.state is not PeerState.VOTE_ESTABLISH
+                ],
+                fail=self._refuse,
+            )
+
+    def _refuse(self, reason: str) -> None:
+        """End the establishment vote without a round: every voter is told why."""
+        for peer in self._table.accepted():
+            if peer.state is PeerState.VOTE_ESTABLISH:
+                peer.apply(PeerEvent.ESTABLISH_REFUSED)
+                self._table.send(
+                    peer,
+                    P2PEstablishResult(
+                        round=0, success=False, ring=(), world=_NO_WORLD, error=reason
+                    ),
+                )
 
     def _try_start(self) -> bool:
         """Start a round once every member voted (with no member, at once if a peer
@@ -352,6 +389,13 @@ class Rounds:
         return bool(late)
 
 
+#: The world of a refused establishment vote (no round ran).
+_NO_WORLD = WorldSizes(
+    global_world_size=0, peer_group_world_size=0, num_distinct_peer_groups=0,
+    largest_peer_group_world_size=0,
+)
+
+
 def _world_sizes(participants: Sequence[Peer]) -> dict[int, WorldSizes]:
     """Each group's view of the run's sizes, by group."""
     sizes: dict[int, int] = {}
@@ -385,6 +429,28 @@ class PendingVote:
                 f"VotePeersPending is not allowed in state {peer.state.name}"
             )
         peer.pending_vote = True
+        peer.pending_since = self._table.now
+
+    def waiting(self) -> Iterator[Waiting]:
+        """The vote, while some members asked and others did not."""
+        accepted = self._table.accepted()
+        askers = [p for p in accepted if p.pending_vote]
+        if askers and len(askers) < len(accepted):
+            yield Waiting(
+                key="are_peers_pending",
+                call=Call.ARE_PEERS_PENDING.value,
+                where="the run",
+                since=min(p.pending_since for p in askers),
+                missing=lambda: [p for p in self._table.accepted() if not p.pending_vote],
+                fail=self._refuse,
+            )
+
+    def _refuse(self, reason: str) -> None:
+        """Answer every asker with ``reason`` instead of the answer."""
+        for peer in self._table.accepted():
+            if peer.pending_vote:
+                peer.pending_vote = False
+                self._table.send(peer, PeersPendingResult(pending=False, error=reason))
 
     def advance(self) -> None:
         """Refuse the askers a vote blocks; answer everyone once every member asked."""

@@ -15,7 +15,9 @@ revision.
 
 A vote the group cannot complete is refused rather than left waiting: when a member
 waits in a topology vote (``peers.BLOCKED_BY``), or when the election left nobody who
-may send the popular state. Refused voters get a plan with ``error`` and are IDLE.
+may send the popular state, or when some member has not voted within the master's
+stall timeout (``waiting``, see ``stalls``). Refused voters get a plan with ``error``
+and are IDLE.
 A peer that leaves is no longer waited for; when a group's last member leaves, its
 expected revision is forgotten (a new group may start from any revision).
 """
@@ -23,8 +25,9 @@ expected revision is forgotten (a new group may start from any revision).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from .errors import RemoteProtocolError
 from .messages import (
@@ -46,6 +49,7 @@ from .peers import (
     out_of_order,
 )
 from .shared_state import Ballot, elect
+from .stalls import Waiting
 
 __all__ = ["Syncs"]
 
@@ -76,6 +80,7 @@ class Syncs:
         """A member votes its shared state."""
         check_member_vote(peer, message)
         peer.apply(PeerEvent.VOTE_SYNC)
+        peer.voted_at = self._table.now
         expected = self._expected_revision.get(peer.peer_group)
         if expected is not None and message.revision > expected:
             self._table.kick_peer(
@@ -126,6 +131,38 @@ class Syncs:
                 self._refuse(voters, out_of_order(blocker, Call.SYNC_SHARED_STATE))
             elif len(voters) == len(members):
                 self._start(group, voters)
+
+    def waiting(self) -> Iterator[Waiting]:
+        """Each group's sync vote, while some members voted and others did not."""
+        groups: dict[int, list[Peer]] = {}
+        for peer in self._table.accepted():
+            groups.setdefault(peer.peer_group, []).append(peer)
+        for group, members in groups.items():
+            voters = [p for p in members if p.state is PeerState.VOTE_SYNC]
+            if voters and len(voters) < len(members):
+                yield Waiting(
+                    key=("sync_shared_state", group),
+                    call=Call.SYNC_SHARED_STATE.value,
+                    where=f"peer group {group}",
+                    since=min(p.voted_at for p in voters),
+                    missing=functools.partial(self._missing, group),
+                    fail=functools.partial(self._refuse_group, group),
+                )
+
+    def _missing(self, group: int) -> list[Peer]:
+        return [
+            p for p in self._table.accepted()
+            if p.peer_group == group and p.state is not PeerState.VOTE_SYNC
+        ]
+
+    def _refuse_group(self, group: int, reason: str) -> None:
+        self._refuse(
+            [
+                p for p in self._table.accepted()
+                if p.peer_group == group and p.state is PeerState.VOTE_SYNC
+            ],
+            reason,
+        )
 
     def peer_left(self, peer: Peer) -> None:
         """Stop waiting for ``peer``'s report; forget the group's revision if it was the

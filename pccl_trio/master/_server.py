@@ -111,6 +111,8 @@ class _MasterServer:
             solve_seconds=config.topology_solve_seconds,
             search_seconds=config.topology_search_seconds,
             reference_bytes=config.topology_reference_bytes,
+            stall_timeout=config.stall_timeout,
+            stall_warning=config.stall_warning,
         )
         # Bounded: a connection whose frames arrive faster than the core handles them
         # waits (and, through TCP, so does its sender), instead of burying the

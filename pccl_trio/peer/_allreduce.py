@@ -542,20 +542,33 @@ class AllReduceAttempt:
 
 
 class ReduceResult:
-    """How one all-reduce ended, set once by the task that runs it."""
+    """How one all-reduce ended, set once by the task that runs it; and what a
+    cancelled caller needs to stop it (``cancelled``, ``attempt``, ``final``)."""
 
     def __init__(self) -> None:
         self._done = trio.Event()
         self._info: ReduceInfo | None = None
         self._error: BaseException | None = None
+        # The caller was cancelled: an attempt made from now on starts stopped.
+        self.cancelled = False
+        # The attempt, once made (before its vote).
+        self.attempt: AllReduceAttempt | None = None
+        # The buffers hold what they will hold: the result, or the input restored.
+        self.final = trio.Event()
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
+    @property
+    def info(self) -> ReduceInfo | None:
+        """The ``ReduceInfo`` of a successful all-reduce (None otherwise, or not yet)."""
+        return self._info
+
     def finish(self, info: ReduceInfo | None, error: BaseException | None) -> None:
         self._info, self._error = info, error
         self._done.set()
+        self.final.set()
 
     async def settled(self) -> None:
         """Wait until it ended, whatever the outcome."""

@@ -21,6 +21,17 @@ whatever happens). One call is one *attempt*:
    verdict the input is restored, the ring marked stale, and the last attempt of a
    failed set re-establishes the ring at once so that a retry runs on the survivors.
 
+A cancelled ``all_reduce`` follows trio's rule for an operation that may be past the
+point of no return: the cancellation either takes effect, and then the all-reduce was
+aborted for every peer and the caller's buffers hold its input (and nothing writes to
+them any more), or it comes too late, and the call returns its result. Before the
+master commenced the attempt nothing was written: the attempt is stopped (it is made
+stopped if it did not exist yet; it still votes, and its first act once commenced is
+to fail, which aborts it for everyone) and ``Cancelled`` propagates at once. After, this
+peer's part is failed, which aborts the collective unless the part was complete; the
+caller waits (shielded) for the verdict and the restore, which the protocol's timers
+bound: SUCCESS (every peer had finished) returns the result, anything else re-raises.
+
 ``all_reduce_multiple_with_retry`` launches the same indices in the same order on every
 peer and retries the aborted ones; every peer sees the same verdicts, so all retry alike.
 """
@@ -72,6 +83,9 @@ from ._receiver import DataReceiver
 __all__ = ["AllReduces", "ReduceRequest"]
 
 log = logging.getLogger("pccl_trio.peer")
+
+
+_CANCELLED = "the caller cancelled the all-reduce"
 
 
 class _Rejected(InvalidArgument):
@@ -221,16 +235,32 @@ class AllReduces:
         try:
             return await result.get()
         except trio.Cancelled:
-            # The other peers count on our part: stop it as a failure, which aborts the
-            # collective for everyone and restores our input, and wait (a bounded
-            # while) so the caller's buffer is settled when we return.
-            attempt = self._receiver.by_tag.get(request.tag)
+            with trio.CancelScope(shield=True):
+                info = await self._cancel(result)
+            if info is None:
+                raise
+        # Too late to abort: the all-reduce succeeded for every peer and the result is
+        # in the buffer. Like a trio operation whose abort failed, it returns; the
+        # caller's cancelled scope raises Cancelled at its next checkpoint.
+        return info
+
+    async def _cancel(self, result: ReduceResult) -> ReduceInfo | None:
+        """Stop this peer's part of a cancelled all-reduce (see the module docstring);
+        its ``ReduceInfo`` if it succeeded all the same, else None: the buffers hold the
+        input, and nothing writes to them any more."""
+        result.cancelled = True
+        attempt = result.attempt
+        if attempt is None or not attempt.seq:
+            # Not commenced: no byte was written, and with the attempt stopped (or made
+            # stopped) none will be; once commenced, it fails at once.
             if attempt is not None:
-                attempt.fail("the caller cancelled the all-reduce")
-            with trio.move_on_after(self._session.liveness_timeout) as cleanup:
-                cleanup.shield = True
-                await result.settled()
-            raise
+                attempt.fail(_CANCELLED)
+                attempt.stop()
+            return None
+        if not result.done:
+            attempt.fail(_CANCELLED)  # no effect if this peer's part was complete
+        await result.final.wait()
+        return result.info
 
     def launch(self, request: ReduceRequest) -> AsyncReduceHandle:
         """``Communicator.all_reduce_async`` with its arguments checked."""
@@ -296,16 +326,18 @@ class AllReduces:
         rejections are recorded in ``outcome``.
 
         Every peer sees the same verdict for every index, so every peer launches the
-        same indices in the same order, and retries the same ones.
+        same indices in the same order, and retries the same ones. Cancelled, it stops
+        the all-reduces in flight as a cancelled ``all_reduce`` does, and waits for
+        them: no tensor is written once ``Cancelled`` propagates.
         """
         failed: list[int] = []
         fatal: list[PCCLError] = []
         slots = trio.Semaphore(max_in_flight)
-        handles: dict[int, AsyncReduceHandle] = {}
+        results: dict[int, ReduceResult] = {}
 
         async def one(index: int) -> None:
             try:
-                info = await handles[index].wait()
+                info = await results[index].get()
             except CollectiveAborted:
                 failed.append(index)
             except _Rejected as exc:  # the same verdict on every peer: not retried
@@ -319,17 +351,25 @@ class AllReduces:
             finally:
                 slots.release()
 
-        async with trio.open_nursery() as nursery:
-            for index in pending:
-                await slots.acquire()  # launch in index order, the same on every peer
-                if fatal:
-                    break
-                try:
-                    handles[index] = self.launch(requests[index])
-                except PCCLError as exc:
-                    fatal.append(exc)
-                    break
-                nursery.start_soon(one, index)
+        try:
+            async with trio.open_nursery() as nursery:
+                for index in pending:
+                    await slots.acquire()  # launch in index order, the same on every peer
+                    if fatal:
+                        break
+                    try:
+                        results[index] = self._start(requests[index])
+                    except PCCLError as exc:
+                        fatal.append(exc)
+                        break
+                    nursery.start_soon(one, index)
+        finally:
+            running = [result for result in results.values() if not result.done]
+            if running:  # cancelled: stop them all, then wait for each to settle
+                with trio.CancelScope(shield=True):
+                    async with trio.open_nursery() as stopping:
+                        for result in running:
+                            stopping.start_soon(self._cancel, result)
         if fatal:
             raise fatal[0]
         return sorted(failed)
@@ -339,7 +379,7 @@ class AllReduces:
     async def _run(self, request: ReduceRequest, result: ReduceResult) -> None:
         """The task behind a handle; every outcome ends up in ``result``."""
         try:
-            info = await self._attempt(request)
+            info = await self._attempt(request, result)
         except PCCLError as exc:
             result.finish(None, exc)
         except Exception as exc:  # a bug: report it to the caller, keep the peer alive
@@ -356,7 +396,7 @@ class AllReduces:
                 )
             self.tags_in_flight.discard(request.tag)
 
-    async def _attempt(self, request: ReduceRequest) -> ReduceInfo:
+    async def _attempt(self, request: ReduceRequest, result: ReduceResult) -> ReduceInfo:
         await self._membership.ensure_ring()
         ring = self._membership.ring
         if len(ring) < 2:
@@ -373,6 +413,10 @@ class AllReduces:
         )
         tag = request.tag
         self._receiver.add(attempt)
+        result.attempt = attempt
+        if result.cancelled:  # the caller is gone: take part only to fail
+            attempt.fail(_CANCELLED)
+            attempt.stop()
         verdict: CollectiveVerdict | None = None
         local_ok = False
         try:
@@ -416,7 +460,7 @@ class AllReduces:
                 attempt.restore()  # nothing was written, but keep the rule simple
                 raise _Rejected(verdict.reason)
             reason = verdict.reason or attempt.failure or "a peer failed"
-            await self._after_abort(attempt)
+            await self._after_abort(attempt, result)
             if verdict.outcome == Outcome.REJECTED:
                 # A peer's data could not be reduced: retrying would fail alike.
                 raise _Rejected(
@@ -430,21 +474,26 @@ class AllReduces:
         finally:
             attempt.release()
 
-    async def _after_abort(self, attempt: AllReduceAttempt) -> None:
-        """An aborted attempt: restore the input; the last attempt of the failed set
-        also re-establishes the ring, so a retry runs at once on the surviving peers."""
+    async def _after_abort(self, attempt: AllReduceAttempt, result: ReduceResult) -> None:
+        """An aborted attempt: restore the input (then the buffers are final); the last
+        attempt of the failed set also re-establishes the ring, so a retry runs at once
+        on the surviving peers."""
         self._membership.stale = True
         last = not self._receiver.in_flight
         ring_error: PCCLError | None = None
+
+        async def restore_in_thread() -> None:
+            await run_in_thread(attempt.restore, interrupt=lambda: None)
+            result.final.set()
+
         async with trio.open_nursery() as nursery:
             if last and attempt.uses_threads:
                 # Restore (a copy of up to the whole buffer) in a worker thread
                 # while the ring is re-established below.
-                nursery.start_soon(
-                    partial(run_in_thread, attempt.restore, interrupt=lambda: None)
-                )
+                nursery.start_soon(restore_in_thread)
             else:
                 attempt.restore()
+                result.final.set()
             if last:
                 try:
                     await self._membership.ensure_ring()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -182,7 +182,11 @@ class Communicator:
         session.route(CollectiveCommence, receiver.on_commence)
         session.route(P2PInfo, p2p.expect_sender)
         p2p.handle(P2PHello, receiver.serve)
-        p2p.handle(SharedStateRequest, self._sync.serve)
+        # Replaceable through PeerSeam (a faulty distributor).
+        self._serve_shared_state: Callable[
+            [FramedStream, SharedStateRequest], Coroutine[Any, Any, None]
+        ] = self._sync.serve
+        p2p.handle(SharedStateRequest, self._serve_shared_state)
         p2p.handle(BenchmarkRequest, self._serve_benchmark)
         life.close_with(self._close_connections)
         life.describe_with(lambda: f"peer {session.peer_id}")

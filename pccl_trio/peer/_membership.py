@@ -11,6 +11,10 @@ every participant (``P2PEstablishResult``). A successful round installs the ring
 the world sizes; the parts that follow the ring (the topology view) are told. A failed
 round is voted again, up to ``Config.establish_attempts`` times.
 
+The master refuses a vote that other members did not join within its stall timeout
+(a ``P2PEstablishResult`` of round 0 saying who they are): the call raises
+``UpdateTopologyFailed`` with that reason, and the ring stays as it was.
+
 An aborted all-reduce leaves the ring *stale*: one of its peers may be gone. Before
 its next collective call, every survivor re-establishes the ring (a round that admits
 nobody) once no attempt is in flight on it and no other membership call runs, so all of
@@ -80,8 +84,21 @@ class Membership:
         )
 
     async def establish_round(self) -> bool:
-        """Take part in the next establishment round; True if it succeeded."""
-        info = await self._session.wait_for(P2PInfo)
+        """Take part in the next establishment round; True if it succeeded.
+
+        Raises:
+            UpdateTopologyFailed: the master refused this peer's vote (others did not
+                vote in time); no round ran.
+        """
+        info: P2PInfo | P2PEstablishResult = await self._session.wait_for(
+            (P2PInfo, P2PEstablishResult),
+            lambda m: isinstance(m, P2PInfo) or m.round == 0,
+        )
+        if isinstance(info, P2PEstablishResult):
+            raise UpdateTopologyFailed(
+                f"the master refused the vote to establish the ring: {info.error}; the ring "
+                "is unchanged"
+            )
         me = self._session.peer_id
         assert me is not None
         ring = info.ring
@@ -120,7 +137,13 @@ class Membership:
         for attempt in range(self._config.establish_attempts):
             if attempt or not voted:
                 await self._session.vote(VoteEstablish(accept_new_peers=accept_new_peers))
-            if await self.establish_round():
+            try:
+                succeeded = await self.establish_round()
+            except UpdateTopologyFailed:
+                # Refused: the ring is as it was, unless a round of this call failed.
+                self.stale = self.stale or attempt > 0
+                raise
+            if succeeded:
                 self.stale = False
                 return True
         self.stale = True

@@ -37,7 +37,7 @@ from .._core.messages import (
     VoteOptimizeTopology,
 )
 from .._core.wire import max_payload
-from .._errors import InvalidUsage, TopologyOptimizationFailed
+from .._errors import InvalidUsage, TopologyOptimizationFailed, UpdateTopologyFailed
 from .._types import TopologyInfo
 from . import _bandwidth as measurement
 from ._bandwidth import LinkMeasurement
@@ -106,7 +106,11 @@ class TopologyOptimizer:
                 # all-reduce (as their own optimize_topology does first): take part in
                 # that round, then vote again.
                 await self._session.vote(VoteEstablish(accept_new_peers=False))
-                if not await membership.establish_round():
+                try:
+                    rejoined = await membership.establish_round()
+                except UpdateTopologyFailed as exc:
+                    raise TopologyOptimizationFailed(str(exc)) from exc
+                if not rejoined:
                     membership.stale = True
                     raise TopologyOptimizationFailed(
                         "a re-establishment round other peers needed failed; call "

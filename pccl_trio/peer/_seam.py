@@ -2,7 +2,7 @@
 
 Fault-injection tests need to see a communicator's insides (its p2p listener, its
 connections, an all-reduce attempt mid-flight, whether the running call has voted) and
-to replace two of its steps (measuring a link, sending a vote). ``PeerSeam`` is that
+to replace three of its steps (measuring a link, sending a vote, serving shared state). ``PeerSeam`` is that
 surface: a test asks ``pccl_trio.testing.peer_seam(comm)`` for it instead of reaching
 into private attributes, so the communicator's parts can change without its tests.
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from .._core.messages import Message, PeerEndpoint
+from .._core.messages import Message, PeerEndpoint, SharedStateRequest
 from .._core.ring import neighbours
-from ..transport import Connection
+from ..transport import Connection, FramedStream
 from ._allreduce import AllReduceAttempt
 from ._bandwidth import LinkMeasurement
 
@@ -25,6 +25,7 @@ __all__ = ["PeerSeam"]
 
 MeasureLink = Callable[[PeerEndpoint], Coroutine[Any, Any, LinkMeasurement]]
 Vote = Callable[[Message], Coroutine[Any, Any, None]]
+ServeSharedState = Callable[[FramedStream, SharedStateRequest], Coroutine[Any, Any, None]]
 
 
 class PeerSeam:
@@ -66,6 +67,11 @@ class PeerSeam:
         """The attempt of the all-reduce with ``tag`` in flight, if any."""
         return self._comm._receiver.by_tag.get(tag)
 
+    def reducing(self, tag: int) -> bool:
+        """Whether an all-reduce with ``tag`` is still in flight here (its task has not
+        ended; after a cancelled ``all_reduce`` it may go on in the background)."""
+        return tag in self._comm._all_reduces.tags_in_flight
+
     @property
     def measure_link(self) -> MeasureLink:
         """How the communicator measures the link from a peer to itself; assign a
@@ -85,3 +91,15 @@ class PeerSeam:
     @vote.setter
     def vote(self, replacement: Vote) -> None:
         self._comm._session.vote = replacement  # type: ignore[method-assign, assignment]
+
+    @property
+    def serve_shared_state(self) -> ServeSharedState:
+        """How the communicator answers a peer that fetches shared state from it (the
+        handler of p2p connections opening with ``SharedStateRequest``); assign a
+        replacement to make it a faulty distributor."""
+        return self._comm._serve_shared_state
+
+    @serve_shared_state.setter
+    def serve_shared_state(self, replacement: ServeSharedState) -> None:
+        self._comm._serve_shared_state = replacement
+        self._comm._p2p.handle(SharedStateRequest, replacement)

@@ -21,6 +21,10 @@ received tensor does not hash to the value the master announced, the copies are 
 back, and the state and revision stay what they were. Only a complete, verified state
 is reported as synced.
 
+Each distributor's worker sees the fetch through its own ``Share``, which counts what
+that distributor delivered: a distributor slower than the minimum rate is dropped
+like a failed one (``SharedStateSync``).
+
 The protocol on one connection is written once, as generators of IO operations
 (``_protocol``), run by trio tasks or by a worker thread like every p2p protocol.
 """
@@ -54,6 +58,7 @@ __all__ = [
     "Backup",
     "Fetcher",
     "Piece",
+    "Share",
     "Serving",
     "Tensor",
     "prepare_state",
@@ -301,6 +306,48 @@ class Fetcher:
         with self._lock:
             self.failures.append(f"peer {distributor}: {reason}")
             self.failed_peers.add(distributor)
+
+
+class Share(Fetcher):
+    """One distributor's view of a ``Fetcher``: the same pieces, tensors and totals
+    (every call goes to the fetcher), and the bytes this distributor delivered."""
+
+    def __init__(self, fetcher: Fetcher) -> None:
+        # Not Fetcher.__init__: the queue, its lock and the totals are the fetcher's.
+        self.whole = fetcher
+        self.tensors = fetcher.tensors
+        self.sync = fetcher.sync
+        self.peer_id = fetcher.peer_id
+        self.frame_bytes = fetcher.frame_bytes
+        self._delivered_lock = threading.Lock()
+        self._delivered = 0
+
+    @property
+    def delivered(self) -> int:
+        """Bytes of complete data frames this distributor sent."""
+        with self._delivered_lock:
+            return self._delivered
+
+    @property
+    def received(self) -> int:
+        return self.whole.received
+
+    def take(self) -> Piece | None:
+        return self.whole.take()
+
+    def give_back(self, piece: Piece) -> None:
+        self.whole.give_back(piece)
+
+    def count(self, nbytes: int) -> None:
+        self.whole.count(nbytes)
+        with self._delivered_lock:
+            self._delivered += nbytes
+
+    def uncount(self, nbytes: int) -> None:
+        self.whole.uncount(nbytes)
+
+    def failed(self, distributor: int, reason: str) -> None:
+        self.whole.failed(distributor, reason)
 
 
 def request_pieces(fetcher: Fetcher) -> Protocol[None]:

@@ -9,8 +9,11 @@ handler of ``SharedStateRequest``, waits for this peer's own plan before answeri
 The master's plan names the tensors this peer must fetch and the distributors that hold
 them. Fetching spreads pieces over every distributor (``_shared_state.Fetcher``), with
 the old bytes kept aside (``Backup``) and put back if the fetch fails or does not verify
-against the hashes the master announced. This peer reports to the master and waits for
-the group's completion; only then does it adopt the new revision. Serving stops when
+against the hashes the master announced. A distributor must keep up a minimum rate
+(``Config.shared_state_min_rate``, after ``Config.shared_state_grace``): one that
+trickles bytes, which no idle timeout notices, is cut off and its piece goes to the
+others; when none is left, the sync fails. This peer reports to the master and waits
+for the group's completion; only then does it adopt the new revision. Serving stops when
 the sync ends: connections still being served are cut, and their handlers are waited
 for (a bounded while), so ``tx_bytes`` counts everything that was sent.
 
@@ -150,7 +153,9 @@ class SharedStateSync:
         assert self._session.peer_id is not None
         fetcher = sharing.Fetcher(
             by_key, [t.key for t in targets], sync=plan.sync, peer_id=self._session.peer_id,
-            frame_bytes=max_payload(self._config.max_data_frame),
+            # No larger than distributors send anyway: it bounds the bytes a frame still
+            # in flight may owe to the minimum rate.
+            frame_bytes=min(max_payload(self._config.max_data_frame), sharing.FRAME_BYTES),
             whole=[f.key for f in plan.fetches if not f.verify],
         )
         backup = await run_off_loop(lambda: sharing.Backup(targets))
@@ -200,13 +205,69 @@ class SharedStateSync:
 
     async def _fetch_from(self, endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
         """One distributor's worker: fetch pieces from it until none is left or it fails."""
+        share = sharing.Share(fetcher)
         try:
             framed = await self._p2p.connect(endpoint, Purpose.SHARED_STATE)
-            await self._p2p.run_protocol(framed, sharing.request_pieces(fetcher))
+            failure = await self._request_pieces(framed, share)
         except (*LINK_ERRORS, sharing.DistributorRefused) as exc:
-            fetcher.failed(endpoint.peer_id, str(exc) or type(exc).__name__)
+            failure = str(exc) or type(exc).__name__
+        if failure:
+            fetcher.failed(endpoint.peer_id, failure)
             log.info("peer %s: fetching shared state from peer %d failed: %s",
-                     self._session.peer_id, endpoint.peer_id, exc)
+                     self._session.peer_id, endpoint.peer_id, failure)
+
+    async def _request_pieces(self, framed: FramedStream, share: sharing.Share) -> str:
+        """Fetch pieces on ``framed`` while the distributor keeps the minimum rate; why
+        it was cut off (empty: it was not).
+
+        The rate is judged on complete data frames, so the distributor may owe the
+        bytes of one frame besides: after ``grace`` seconds, it must have delivered
+        ``min_rate * (elapsed - grace)`` bytes, less one frame. A distributor at the
+        minimum rate or faster is never cut off.
+
+        Raises:
+            the errors of the link and of the distributor's answers.
+        """
+        protocol = sharing.request_pieces(share)
+        rate, grace = self._config.shared_state_min_rate, self._config.shared_state_grace
+        if not rate:
+            await self._p2p.run_protocol(framed, protocol)
+            return ""
+        start = trio.current_time()
+
+        def deadline() -> float:
+            return start + grace + (share.delivered + share.frame_bytes) / rate
+
+        error: Exception | None = None
+        slow = ""
+        async with trio.open_nursery() as nursery:
+
+            async def transfer() -> None:
+                nonlocal error
+                try:
+                    await self._p2p.run_protocol(framed, protocol)
+                except (*LINK_ERRORS, sharing.DistributorRefused) as exc:
+                    error = exc
+                nursery.cancel_scope.cancel()  # done: stop watching
+
+            nursery.start_soon(transfer)
+            while True:
+                # Each wake-up either finds the distributor behind or moves the deadline
+                # past the bytes it delivered meanwhile: at most one per frame.
+                await trio.sleep_until(deadline())
+                if trio.current_time() >= deadline():
+                    break
+            if not nursery.cancel_scope.cancel_called:  # the transfer did not end first
+                elapsed = trio.current_time() - start
+                slow = (
+                    f"it sent {share.delivered} bytes in {elapsed:.0f}s, slower than "
+                    f"Config.shared_state_min_rate ({rate:g} bytes/s after "
+                    f"{grace:g}s)"
+                )
+                nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return slow
 
     # --- serving ---------------------------------------------------------------------------
 

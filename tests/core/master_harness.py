@@ -3,7 +3,8 @@ events by connection, and records what each connection was sent.
 
 It also checks, on every action, the promises the core makes to any shell: nothing is
 sent on a connection after its ``Close``, nothing is closed twice, and each peer gets at
-most one ``P2PInfo`` and one ``P2PEstablishResult`` per round (the result after the info).
+most one ``P2PInfo`` and one ``P2PEstablishResult`` per round (the result after the info;
+a result of round 0, a refused vote, says why).
 For collectives it checks, per connection: a ``CollectiveCommence`` or a seq-0 verdict
 only for a tag the peer initiated and that is not running for it; a ``CollectiveAbort``
 only for the attempt running there, at most once, and never after the peer completed it;
@@ -100,6 +101,8 @@ class MasterHarness:
         solve_seconds: float = 1.0,
         search_seconds: float = 60.0,
         reference_bytes: int = 64 << 20,
+        stall_timeout: float = 1800.0,
+        stall_warning: float = 60.0,
     ) -> None:
         self.core = MasterCore(
             heartbeat_interval=heartbeat_interval,
@@ -108,6 +111,8 @@ class MasterHarness:
             solve_seconds=solve_seconds,
             search_seconds=search_seconds,
             reference_bytes=reference_bytes,
+            stall_timeout=stall_timeout,
+            stall_warning=stall_warning,
         )
         self.now = 0.0
         self.sent: dict[int, list[Message]] = collections.defaultdict(list)
@@ -170,6 +175,8 @@ class MasterHarness:
             case P2PInfo(round=number):
                 assert (conn, number) not in self._infos, f"two P2PInfo for round {number}"
                 self._infos.add((conn, number))
+            case P2PEstablishResult(round=0, error=error):
+                assert error, "a refused establishment vote (round 0) says why"
             case P2PEstablishResult(round=number):
                 assert (conn, number) in self._infos, f"result of round {number} before its info"
                 assert (conn, number) not in self._results, f"two results for round {number}"

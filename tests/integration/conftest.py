@@ -29,6 +29,8 @@ TCP_CONFIG = pccl.Config(heartbeat_interval=0.1, liveness_timeout=2.0, connect_t
 MEMORY_CONFIG = pccl.Config()
 RUN_SECRET = b"integration tests' run secret"
 SECRET_CONFIG = pccl.Config(run_secret=RUN_SECRET)
+#: The peers' config per network kind.
+CONFIGS = {"memory": MEMORY_CONFIG, "tcp": TCP_CONFIG, "secret": SECRET_CONFIG}
 
 
 @pytest.fixture(params=["memory", "tcp", "secret"])
@@ -41,6 +43,12 @@ def clock(network_kind: str) -> trio.testing.MockClock | None:
     """Virtual time for the memory network; tests take this fixture so pytest-trio
     runs them on it."""
     return None if network_kind == "tcp" else trio.testing.MockClock(autojump_threshold=0)
+
+
+@pytest.fixture
+def master_config(network_kind: str) -> pccl.Config:
+    """The master's config (a test module may override this fixture)."""
+    return CONFIGS[network_kind]
 
 
 @dataclasses.dataclass
@@ -88,17 +96,22 @@ class Cluster:
 
 @pytest.fixture
 async def cluster(
-    network_kind: str, clock: trio.testing.MockClock | None, nursery: trio.Nursery
+    network_kind: str, clock: trio.testing.MockClock | None, nursery: trio.Nursery,
+    master_config: pccl.Config,
 ) -> AsyncIterator[Cluster]:
-    config = {"memory": MEMORY_CONFIG, "tcp": TCP_CONFIG, "secret": SECRET_CONFIG}[network_kind]
-    cluster = await start_cluster(nursery, network_kind, config)
+    cluster = await start_cluster(nursery, network_kind, CONFIGS[network_kind], master_config)
     yield cluster
     cluster.master_scope.cancel()
 
 
-async def start_cluster(nursery: trio.Nursery, network_kind: str, config: pccl.Config) -> Cluster:
-    """A master with ``config`` on the in-memory network or on loopback TCP (``"tcp"``);
-    cancel its ``master_scope`` to stop it."""
+async def start_cluster(
+    nursery: trio.Nursery, network_kind: str, config: pccl.Config,
+    master_config: pccl.Config | None = None,
+) -> Cluster:
+    """A master with ``master_config`` (default: ``config``, the peers' config) on the
+    in-memory network or on loopback TCP (``"tcp"``); cancel its ``master_scope`` to
+    stop it."""
+    master_config = master_config or config
     scope = trio.CancelScope()
     memory = None if network_kind == "tcp" else MemoryNetwork()
 
@@ -106,9 +119,11 @@ async def start_cluster(nursery: trio.Nursery, network_kind: str, config: pccl.C
         with scope:
             if memory is not None:
                 listener = await memory.host("master").listen("master", 48148)
-                await pccl.serve_master([listener], config=config, task_status=task_status)
+                await pccl.serve_master([listener], config=master_config, task_status=task_status)
             else:
-                await pccl.serve_master_tcp(0, "127.0.0.1", config=config, task_status=task_status)
+                await pccl.serve_master_tcp(
+                    0, "127.0.0.1", config=master_config, task_status=task_status
+                )
 
     started = await nursery.start(run_master)
     if memory is not None:

@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import pytest
 import trio
 
+import pccl_trio as pccl
 from pccl_trio._core.messages import PROTOCOL_VERSION, Kick, Welcome
 from pccl_trio._core.wire import FrameDecoder
 
@@ -129,6 +131,35 @@ async def test_cli_sigint_exits_zero_and_console_script(processes: Processes) ->
             capture_stdout=True, capture_stderr=True, check=False,
         )
         assert bad.returncode == 2 and b"host:port" in bad.stderr
+
+
+async def test_cli_stall_timeout_fails_a_call_a_member_never_makes(processes: Processes) -> None:
+    """`--stall-timeout` reaches the master: two peers (in this process, over TCP)
+    call all_reduce with tags 0 and 1; both calls fail at the stall timeout."""
+    with trio.fail_after(60):
+        _master, address = await processes.master("--stall-timeout", "1.5")
+        config = pccl.Config(heartbeat_interval=0.2, liveness_timeout=2.0)
+        comms = [pccl.Communicator(address, config=config, p2p_host="127.0.0.1") for _ in range(2)]
+        await comms[0].connect()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(comms[1].connect)
+            while comms[0].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < 2:
+                await comms[0].update_topology()
+        errors: list[BaseException] = []
+
+        async def reduce(index: int) -> None:
+            try:
+                await comms[index].all_reduce(np.ones(16, np.float32), tag=index)
+            except pccl.PCCLError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(2):
+                nursery.start_soon(reduce, index)
+        assert len(errors) == 2 and all(isinstance(e, pccl.InvalidArgument) for e in errors)
+        assert all("stall timeout is 1.5s" in str(e) for e in errors), errors
+        for comm in comms:
+            await comm.aclose()
 
 
 def test_busy_port_is_a_clear_error() -> None:
