@@ -6,6 +6,8 @@ Theory of operation
 are allowed), votes their entries with the state's revision, and from that moment
 *serves* them: peers whose plan arrived earlier may already ask (``serve``, the p2p
 handler of ``SharedStateRequest``, waits for this peer's own plan before answering).
+A distributor's plan names the peers that fetch from it and what they fetch; it serves
+them only, from the hosts the master knows them at (``_shared_state.Serving``).
 The master's plan names the tensors this peer must fetch and the distributors that hold
 them. Fetching spreads pieces over every distributor (``_shared_state.Fetcher``), with
 the old bytes kept aside (``Backup``) and put back if the fetch fails or does not verify
@@ -33,13 +35,21 @@ from .._core.messages import (
     SharedStateDone,
     SharedStatePlan,
     SharedStateRequest,
+    SharedStateResponse,
     SharedStateVote,
     bounded,
 )
 from .._core.wire import encode_control, max_payload
 from .._errors import InvalidArgument, SharedStateSyncFailed
 from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
-from ..transport import Connection, FramedStream, hash_threads, run_off_loop
+from ..transport import (
+    Connection,
+    FramedStream,
+    comes_from,
+    hash_threads,
+    remote_host,
+    run_off_loop,
+)
 from . import _shared_state as sharing
 from ._context import PeerContext
 from ._lifecycle import Call
@@ -96,6 +106,7 @@ class SharedStateSync:
                     )
                 serving.sync = plan.sync
                 serving.distributor = not plan.fetches
+                serving.allow(plan.fetchers)
                 self._serving_lot.unpark_all()
                 received, failure = 0, ""
                 if plan.fetches:
@@ -220,6 +231,15 @@ class SharedStateSync:
         serving = self._serving or sharing.Serving(())  # none: every request is refused
         serving.handlers += 1
         try:
+            allowance = serving.fetchers.get(request.peer_id)
+            if allowance is not None and not await comes_from(framed.stream, allowance.host):
+                refusal = (
+                    f"a request of peer {request.peer_id} from {remote_host(framed.stream)}, "
+                    f"but the master knows that peer at {allowance.host}"
+                )
+                log.warning("peer %s: refusing shared state: %s", self._session.peer_id, refusal)
+                await framed.send_message(SharedStateResponse(error=bounded(refusal)))
+                return
             await self._p2p.run_protocol(
                 framed, sharing.serve_requests(serving, request), track=self._serving_links
             )
