@@ -2,15 +2,15 @@
 
 Fault-injection tests need to see a communicator's insides (its p2p listener, its
 connections, an all-reduce attempt mid-flight, whether the running call has voted), to
-replace two of its steps (measuring a link, sending a vote) and to announce a link
-measurement as a master would. ``PeerSeam`` is that
+replace three of its steps (measuring a link, fetching shared state from a distributor,
+sending a vote) and to announce a link measurement as a master would. ``PeerSeam`` is that
 surface: a test asks ``pccl_trio.testing.peer_seam(comm)`` for it instead of reaching
 into private attributes, so the communicator's parts can change without its tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from .._core.messages import ExpectBenchmark, Message, PeerEndpoint
@@ -18,6 +18,7 @@ from .._core.ring import neighbours
 from ..transport import Connection
 from ._allreduce import AllReduceAttempt
 from ._bandwidth import LinkMeasurement
+from ._shared_state import Fetcher
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
@@ -26,6 +27,7 @@ __all__ = ["PeerSeam"]
 
 MeasureLink = Callable[[PeerEndpoint, int], Coroutine[Any, Any, LinkMeasurement]]
 Vote = Callable[[Message], Coroutine[Any, Any, None]]
+FetchFrom = Callable[[PeerEndpoint, Fetcher], Awaitable[None]]
 
 
 class PeerSeam:
@@ -79,6 +81,17 @@ class PeerSeam:
     @measure_link.setter
     def measure_link(self, replacement: MeasureLink) -> None:
         self._comm._optimizer.measure_link = replacement
+
+    @property
+    def fetch_from(self) -> FetchFrom:
+        """How the communicator fetches shared-state pieces from one distributor (it
+        records a failure in the ``Fetcher`` rather than raising); assign a replacement
+        (which may call the original) to hold or fail fetches."""
+        return self._comm._sync.fetch_from
+
+    @fetch_from.setter
+    def fetch_from(self, replacement: FetchFrom) -> None:
+        self._comm._sync.fetch_from = replacement
 
     def expect_benchmark(self, measurer: PeerEndpoint, nbytes: int) -> None:
         """Let ``measurer`` measure the link from this peer once, within ``nbytes``, as

@@ -23,7 +23,7 @@ The data moves through the protocols of ``_shared_state`` (``request_pieces``,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -75,6 +75,11 @@ class SharedStateSync:
         self._serving: sharing.Serving | None = None
         self._serving_lot = trio.lowlevel.ParkingLot()
         self._serving_links: set[Connection] = set()
+        #: How pieces are fetched from one distributor (replaceable: the test seam holds
+        #: or fails fetches here).
+        self.fetch_from: Callable[[PeerEndpoint, sharing.Fetcher], Awaitable[None]] = (
+            self._fetch_from
+        )
 
     async def sync(self, state: Any, strategy: SharedStateSyncStrategy) -> SharedStateSyncInfo:
         """``Communicator.sync_shared_state`` once the communicator is idle."""
@@ -193,7 +198,7 @@ class SharedStateSync:
             self._life.raise_if_failed()
             async with trio.open_nursery() as nursery:
                 for endpoint in alive:
-                    nursery.start_soon(self._fetch_from, endpoint, fetcher)
+                    nursery.start_soon(self.fetch_from, endpoint, fetcher)
             alive = [e for e in alive if e.peer_id not in fetcher.failed_peers]
         if fetcher.pieces:
             return (
