@@ -12,7 +12,7 @@ import os
 from typing import Literal
 
 from ._core.channel import check_secret
-from ._core.messages import MAX_TIMER
+from ._core.messages import MAX_POOL_SIZE, MAX_TIMER
 
 __all__ = ["SECRET_ENVIRONMENT", "Config"]
 
@@ -155,9 +155,10 @@ class Config:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"Config.{name} must be a positive integer, got {value!r}")
-        if not (isinstance(self.p2p_connection_pool_size, int) and self.p2p_connection_pool_size >= 1):
+        if not (isinstance(self.p2p_connection_pool_size, int)
+                and 1 <= self.p2p_connection_pool_size <= MAX_POOL_SIZE):
             raise ValueError(
-                "Config.p2p_connection_pool_size must be a positive integer, "
+                f"Config.p2p_connection_pool_size must be an integer from 1 to {MAX_POOL_SIZE}, "
                 f"got {self.p2p_connection_pool_size!r}"
             )
         if self.slice_bytes + 64 > self.max_data_frame:

@@ -51,7 +51,9 @@ __all__ = [
     "CollectiveComplete",
     "CollectiveInitiate",
     "CollectiveVerdict",
+    "ExpectBenchmark",
     "M2C",
+    "MAX_POOL_SIZE",
     "MAX_TIMER",
     "P2P",
     "PROTOCOL_VERSION",
@@ -73,12 +75,14 @@ __all__ = [
     "SharedStateDone",
     "SharedStateEntry",
     "SharedStateFetch",
+    "SharedStateFetcher",
     "SharedStatePlan",
     "SharedStateRange",
     "SharedStateRequest",
     "SharedStateResponse",
     "SharedStateVote",
     "SyncStrategy",
+    "TensorSpan",
     "TopologyOptimized",
     "VoteEstablish",
     "VoteOptimizeTopology",
@@ -142,6 +146,13 @@ MAX_KEY = 1024
 MAX_TIMER = 3600.0
 #: Longest host name (DNS) or address a peer may advertise.
 MAX_HOST = 253
+#: Most connections per ring neighbour (a pool's slots are numbered from 0 below it).
+MAX_POOL_SIZE = 1024
+
+
+def _check_pool_size(pool_size: int, where: str) -> None:
+    if not 1 <= pool_size <= MAX_POOL_SIZE:
+        raise RemoteProtocolError(f"{where}: {pool_size} is not in 1..{MAX_POOL_SIZE}")
 
 
 # --- nested records -------------------------------------------------------------
@@ -150,15 +161,18 @@ MAX_HOST = 253
 @record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PeerEndpoint(Record):
-    """Where a peer accepts p2p connections."""
+    """Where a peer accepts p2p connections (and the host its own connections come
+    from), and how many connections its ring pool opens."""
 
     peer_id: int
     host: str
     port: int
+    pool_size: int = 1
 
     def _validate(self) -> None:
         if not 1 <= self.port <= U16_MAX:
             raise RemoteProtocolError(f"PeerEndpoint.port: {self.port} is not a TCP port")
+        _check_pool_size(self.pool_size, "PeerEndpoint.pool_size")
 
 
 @record
@@ -212,6 +226,30 @@ class SharedStateFetch(Record):
 
 @record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSpan(Record):
+    """Tensors ``first`` to ``first + count - 1`` of the popular state, in vote order."""
+
+    first: int
+    count: int
+
+    def _validate(self) -> None:
+        if self.count == 0:
+            raise RemoteProtocolError("TensorSpan.count: must be at least 1")
+
+
+@record
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class SharedStateFetcher(Record):
+    """A peer a distributor may serve in a sync: its id, the host its connections come
+    from, and the tensors it may ask for."""
+
+    peer_id: int
+    host: str
+    tensors: tuple[TensorSpan, ...]
+
+
+@record
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateRange(Record):
     """Bytes ``[offset, offset + nbytes)`` of one shared-state tensor."""
 
@@ -248,8 +286,10 @@ class Register(Message):
     peer_group: int
     p2p_port: int
     advertised_host: str = ""  # empty: use the address the master sees
+    pool_size: int = 1  # connections it opens to its successor (slots 0 to pool_size - 1)
 
     def _validate(self) -> None:
+        _check_pool_size(self.pool_size, "Register.pool_size")
         if len(self.advertised_host) > MAX_HOST:
             raise RemoteProtocolError(
                 f"Register.advertised_host: {len(self.advertised_host)} characters, more "
@@ -502,12 +542,14 @@ class CollectiveVerdict(Message):
 class SharedStatePlan(Message):
     """The outcome of a shared-state vote for this peer: after sync ``sync`` it holds
     ``revision``, once it fetched ``fetches`` from any of ``distributors`` (which hold
-    the popular state). ``error`` non-empty: the vote was refused, nothing happens."""
+    the popular state). A distributor serves ``fetchers`` only, each only the tensors
+    named there. ``error`` non-empty: the vote was refused, nothing happens."""
 
     sync: int
     revision: int
     fetches: tuple[SharedStateFetch, ...]
     distributors: tuple[PeerEndpoint, ...]
+    fetchers: tuple[SharedStateFetcher, ...] = ()
     error: str = ""
 
     def _validate(self) -> None:
@@ -525,10 +567,12 @@ class SharedStateComplete(Message):
 @message(74, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class MeasureLink(Message):
-    """Measure the link from ``source`` to this peer and report it (``LinkMeasured``)."""
+    """Measure the link from ``source`` to this peer, pulling at most ``nbytes`` over
+    one benchmark connection, and report it (``LinkMeasured``)."""
 
     optimization: int
     source: PeerEndpoint
+    nbytes: int
 
 
 @message(75, M2C)
@@ -577,13 +621,26 @@ class TopologyOptimized(Message):
             raise RemoteProtocolError("TopologyOptimized.ring: not an order of the peers")
 
 
+@message(76, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ExpectBenchmark(Message):
+    """Peer ``measurer`` measures the link from this peer to it in ``optimization``:
+    serve it one benchmark connection of at most ``nbytes`` (sent before its
+    ``MeasureLink``)."""
+
+    optimization: int
+    measurer: PeerEndpoint
+    nbytes: int
+
+
 # --- peer <-> peer ----------------------------------------------------------------
 
 
 @message(128, P2P)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PHello(Message):
-    """First frame of a p2p connection: who connects, and into which pool slot."""
+    """First frame of a ring connection: who connects, and into which pool slot (below
+    the pool size it registered with)."""
 
     protocol_version: int
     peer_id: int

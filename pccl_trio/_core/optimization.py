@@ -13,7 +13,9 @@ runs, it starts (OPTIMIZING):
    split into steps in which no peer takes part twice (``measurement_rounds``); the
    steps of all groups run side by side. In each step every receiver is asked to
    measure one link (``MeasureLink``) and reports it (``LinkMeasured``); a receiver
-   silent for ``round_timeout`` seconds is kicked. What is measured is kept per group
+   silent for ``round_timeout`` seconds is kicked. The sender is told first whom to
+   expect and how many bytes to serve (``ExpectBenchmark``): a peer serves benchmark
+   bytes to nobody the master did not announce. What is measured is kept per group
    (``BandwidthStore``) until a member leaves.
 2. **Solve.** Per group of three or more, a ``Solve`` job searches the ring whose
    slowest hop is fastest, for ``reference_bytes``, starting from the best ring known;
@@ -41,11 +43,17 @@ from collections.abc import Iterator, Sequence
 
 import numpy
 
-from .bandwidth import measurement_rounds, ring_cost
+from .bandwidth import MEASUREMENT_BYTES, measurement_rounds, ring_cost
 from .errors import RemoteProtocolError
 from .events import CancelSolve, Solve, SolveFinished, TopologyView
 from .links import Links
-from .messages import LinkMeasured, MeasureLink, TopologyOptimized, VoteOptimizeTopology
+from .messages import (
+    ExpectBenchmark,
+    LinkMeasured,
+    MeasureLink,
+    TopologyOptimized,
+    VoteOptimizeTopology,
+)
 from .peers import (
     Call,
     Peer,
@@ -327,9 +335,19 @@ class Optimizer:
                 if sender in current.participants and receiver in current.participants:
                     current.outstanding[receiver] = sender
                     self._table.send(
+                        self._table.peers[sender],
+                        ExpectBenchmark(
+                            optimization=current.number,
+                            measurer=self._table.endpoint(receiver),
+                            nbytes=MEASUREMENT_BYTES,
+                        ),
+                    )
+                    self._table.send(
                         self._table.peers[receiver],
                         MeasureLink(
-                            optimization=current.number, source=self._table.endpoint(sender)
+                            optimization=current.number,
+                            source=self._table.endpoint(sender),
+                            nbytes=MEASUREMENT_BYTES,
                         ),
                     )
         if current.outstanding:

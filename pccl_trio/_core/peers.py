@@ -265,6 +265,7 @@ class Peer:
     peer_group: int
     host: str
     port: int
+    pool_size: int = 1  # connections it opens to its successor
     phase: PeerPhase = PeerPhase.REGISTERED
     state: PeerState = PeerState.IDLE
     accept_new_peers: bool = False  # its VoteEstablish asked to admit waiting peers
@@ -444,6 +445,7 @@ class PeerTable:
             peer_group=message.peer_group,
             host=host,
             port=message.p2p_port,
+            pool_size=message.pool_size,
         )
         self._next_peer_id += 1
         conn.peer = peer
@@ -474,7 +476,9 @@ class PeerTable:
     def endpoint(self, peer_id: int) -> PeerEndpoint:
         """Where peer ``peer_id`` accepts p2p connections."""
         peer = self.peers[peer_id]
-        return PeerEndpoint(peer_id=peer_id, host=peer.host, port=peer.port)
+        return PeerEndpoint(
+            peer_id=peer_id, host=peer.host, port=peer.port, pool_size=peer.pool_size
+        )
 
     def views(self) -> list[PeerView]:
         """Every registered peer, by id."""

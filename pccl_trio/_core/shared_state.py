@@ -30,20 +30,21 @@ revision the group expects next (None before its first sync):
    anything, or is outdated, is kicked.
 6. **Distributors** are the remaining voters that offer a candidate and need no key. The
    others fetch their dirty keys from them (they may need none: an outdated peer whose
-   content already matches only adopts the target revision).
+   content already matches only adopts the target revision). A distributor holds the
+   popular entry list itself, so it can tell a fetcher's keys by their positions in it
+   (``tensor_spans``: runs of positions, one for a joiner that fetches everything).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
-from .messages import DTYPE_NAMES, SharedStateEntry, SharedStateFetch, SyncStrategy
+from .messages import DTYPE_NAMES, SharedStateEntry, SharedStateFetch, SyncStrategy, TensorSpan
 
 __all__ = [
-    "Ballot", "Election", "SyncStrategy", "elect",
+    "Ballot", "Election", "SyncStrategy", "elect", "tensor_spans",
 ]
-
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,12 +66,14 @@ class Election:
         fetches: peer id -> the keys it must fetch, for every remaining voter (empty for
             distributors and for voters that only adopt the revision).
         distributors: the peers that hold the popular state and may send it, by id.
+        keys: the popular state's keys, in the order every remaining voter holds them.
     """
 
     kicks: Mapping[int, str]
     revision: int
     fetches: Mapping[int, tuple[SharedStateFetch, ...]]
     distributors: tuple[int, ...]
+    keys: tuple[str, ...] = ()
 
 
 def elect(ballots: Mapping[int, Ballot], expected: int | None) -> Election:
@@ -126,7 +129,21 @@ def elect(ballots: Mapping[int, Ballot], expected: int | None) -> Election:
         peer_id for peer_id, dirty in fetches.items()
         if not dirty and voters[peer_id].strategy != SyncStrategy.RECEIVE_ONLY
     )
-    return Election(kicks=kicks, revision=revision, fetches=fetches, distributors=distributors)
+    return Election(
+        kicks=kicks, revision=revision, fetches=fetches, distributors=distributors,
+        keys=tuple(entry.key for entry in winner),
+    )
+
+
+def tensor_spans(positions: Iterable[int]) -> tuple[TensorSpan, ...]:
+    """Ascending ``positions`` (no repeats) as runs of consecutive positions."""
+    runs: list[list[int]] = []  # [first, count]
+    for position in positions:
+        if runs and position == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([position, 1])
+    return tuple(TensorSpan(first=first, count=count) for first, count in runs)
 
 
 def _target_revision(voters: Mapping[int, Ballot], expected: int | None) -> int:

@@ -33,6 +33,7 @@ from .errors import RemoteProtocolError
 from .messages import (
     SharedStateComplete,
     SharedStateDone,
+    SharedStateFetcher,
     SharedStatePlan,
     SharedStateVote,
     bounded,
@@ -48,7 +49,7 @@ from .peers import (
     find_blocker,
     out_of_order,
 )
-from .shared_state import Ballot, elect
+from .shared_state import Ballot, elect, tensor_spans
 from .stalls import Waiting
 
 __all__ = ["Syncs"]
@@ -217,6 +218,15 @@ class Syncs:
             number, group, election.revision, list(election.distributors),
             {p: len(f) for p, f in election.fetches.items() if f},
         )
+        position = {key: index for index, key in enumerate(election.keys)}
+        fetchers = tuple(
+            SharedStateFetcher(
+                peer_id=peer.peer_id,
+                host=peer.host,
+                tensors=tensor_spans(sorted(position[f.key] for f in election.fetches[peer.peer_id])),
+            )
+            for peer in remaining if election.fetches[peer.peer_id]
+        )
         for peer in remaining:
             peer.apply(PeerEvent.SYNC_START)
             peer.ballot = None
@@ -230,5 +240,6 @@ class Syncs:
                     revision=election.revision,
                     fetches=election.fetches[peer.peer_id],
                     distributors=distributors,
+                    fetchers=fetchers if peer.peer_id in election.distributors else (),
                 ),
             )

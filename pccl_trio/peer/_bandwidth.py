@@ -17,6 +17,11 @@ moves the bytes, and in virtual time under trio's mock clock.
    frame divided by the time from the first frame's arrival to the last one's: round
    trips do not count, and a token bucket's initial burst weighs little once a
    transfer lasts a tenth of a second or more.
+
+The master announces each measurement to both ends with a byte budget
+(``MEASUREMENT_BYTES``): the measuring peer never asks for more in all, and the measured
+peer serves one connection of the announced peer up to that budget, and nothing beyond
+it (``serve_benchmark``).
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ FRAME_BYTES = 1 << 20
 BUDGET_SECONDS = 0.8
 #: Frame size a measuring peer asks for.
 MEASURE_FRAME_BYTES = 64 << 10
+#: The first bandwidth transfer's size (each later one is four times the last).
+FIRST_TRANSFER = 256 << 10
 _ZEROS = memoryview(bytes(FRAME_BYTES))
 
 
@@ -66,10 +73,22 @@ class LinkMeasurement:
     seconds: float
 
 
-def serve_benchmark(request: BenchmarkRequest) -> Protocol[None]:
-    """The measured peer's side: answer ``request`` and every later one with zeros,
-    until the measuring peer closes the connection."""
+def serve_benchmark(request: BenchmarkRequest, *, budget: int) -> Protocol[None]:
+    """The measured peer's side: answer ``request`` and every later one of the same
+    peer with zeros, until the measuring peer closes the connection or asks for more
+    than ``budget`` bytes in all (the connection is then dropped, no byte sent for it)."""
+    peer_id = request.peer_id
     while True:
+        if request.peer_id != peer_id:
+            raise RemoteProtocolError(
+                f"a BenchmarkRequest of peer {request.peer_id} on peer {peer_id}'s connection"
+            )
+        if request.nbytes > budget:
+            raise RemoteProtocolError(
+                f"peer {peer_id} asks for {request.nbytes} benchmark bytes, {budget} left of "
+                "what the master announced"
+            )
+        budget -= request.nbytes
         frame = min(FRAME_BYTES, request.frame_bytes)
         for offset in range(0, request.nbytes, frame):
             nbytes = min(frame, request.nbytes - offset)
@@ -86,12 +105,23 @@ def measure_link(
     *,
     peer_id: int,
     frame_bytes: int,
+    budget_bytes: int,
     min_seconds: float = 0.15,
     budget_seconds: float = BUDGET_SECONDS,
     max_bytes: int = 64 << 20,
 ) -> Protocol[LinkMeasurement]:
-    """The measuring peer's side (see the module docstring); the connection's first
-    frame is its first request."""
+    """The measuring peer's side (see the module docstring), moving at most
+    ``budget_bytes`` in all; the connection's first frame is its first request.
+
+    Raises:
+        RemoteProtocolError: frames that do not continue the transfer, or a budget
+            too small for the first transfer.
+    """
+    if budget_bytes < 3 + FIRST_TRANSFER:
+        raise RemoteProtocolError(
+            f"a budget of {budget_bytes} bytes is too small to measure a link "
+            f"(at least {3 + FIRST_TRANSFER})"
+        )
     started = yield ReadClock()
     # Small frames: even the first, smallest transfer spans several, so its rate can be
     # read from the arrival of the first frame to the last.
@@ -127,7 +157,7 @@ def measure_link(
         sent, _first, done, _size = yield from receive(1)
         round_trips.append(done - sent)
     latency = min(round_trips) / 2
-    nbytes = 256 << 10
+    nbytes = FIRST_TRANSFER
     while True:
         _sent, first, done, first_size = yield from receive(nbytes)
         span = done - first
@@ -139,6 +169,8 @@ def measure_link(
         rate = (nbytes - first_size) / span
         elapsed = (yield ReadClock()) - started
         if span >= min_seconds or nbytes * 4 > min(max_bytes, MAX_BENCHMARK_BYTES):
+            break
+        if moved + nbytes * 4 > budget_bytes:
             break
         if elapsed + 4 * max(span, 1e-3) > budget_seconds:
             break

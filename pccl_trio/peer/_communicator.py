@@ -21,8 +21,9 @@ The four features take the parts below them as one ``PeerContext`` (``_context``
 Parts depend only on parts listed before them; the two places where a lower part
 must reach a higher one are wired here, as registrations: the master session's
 routes (a ``CollectiveCommence`` makes its attempt reachable, a ``P2PInfo`` admits the
-round's predecessor, both applied as they are read) and the p2p listener's handlers
-(by the first frame of an accepted connection).
+round's predecessor, an ``ExpectBenchmark`` announces a link measurement, all applied
+as they are read) and the p2p listener's handlers (by the first frame of an accepted
+connection).
 
 ``connect()`` starts the background nursery (as a trio system task, so the
 communicator outlives the call that connected it), listens for p2p connections,
@@ -41,7 +42,14 @@ from typing import Any
 import trio
 
 from .._config import Config
-from .._core.messages import BenchmarkRequest, CollectiveCommence, P2PHello, P2PInfo, SharedStateRequest
+from .._core.messages import (
+    BenchmarkRequest,
+    CollectiveCommence,
+    ExpectBenchmark,
+    P2PHello,
+    P2PInfo,
+    SharedStateRequest,
+)
 from .._core.records import U32_MAX
 from .._errors import InvalidArgument, InvalidUsage, MasterConnectionError
 from .._types import (
@@ -63,7 +71,6 @@ from ..transport import (
     parse_address,
 )
 from ._allreduce import AsyncReduceHandle
-from ._bandwidth import serve_benchmark
 from ._collectives import AllReduces, check_reduce_arguments
 from ._context import PeerContext
 from ._lifecycle import Call, Lifecycle, Status
@@ -181,13 +188,14 @@ class Communicator:
 
         session.route(CollectiveCommence, receiver.on_commence)
         session.route(P2PInfo, p2p.expect_sender)
+        session.route(ExpectBenchmark, self._optimizer.expect_benchmark)
         p2p.handle(P2PHello, receiver.serve)
         # Replaceable through PeerSeam (a faulty distributor).
         self._serve_shared_state: Callable[
             [FramedStream, SharedStateRequest], Coroutine[Any, Any, None]
         ] = self._sync.serve
         p2p.handle(SharedStateRequest, self._serve_shared_state)
-        p2p.handle(BenchmarkRequest, self._serve_benchmark)
+        p2p.handle(BenchmarkRequest, self._optimizer.serve_benchmark)
         life.close_with(self._close_connections)
         life.describe_with(lambda: f"peer {session.peer_id}")
 
@@ -270,7 +278,7 @@ class Communicator:
                     ) from exc
                 await self._session.open(
                     peer_group=self._peer_group, p2p_port=port,
-                    advertised_host=self._advertised_host,
+                    advertised_host=self._advertised_host, pool_size=self._p2p.pool_size,
                 )
                 await self._membership.join()
             life.status = Status.CONNECTED
@@ -469,11 +477,6 @@ class Communicator:
         )
 
     # --- lifecycle -------------------------------------------------------------------
-
-    async def _serve_benchmark(self, framed: FramedStream, request: BenchmarkRequest) -> None:
-        """Answer a peer measuring the link from us (the p2p handler of
-        ``BenchmarkRequest``)."""
-        await self._p2p.run_protocol(framed, serve_benchmark(request))
 
     async def _start_background(self) -> None:
         started = trio.Event()

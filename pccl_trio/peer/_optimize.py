@@ -10,6 +10,13 @@ link that cannot be measured is the master's information, not this peer's error.
 master's report (``TopologyOptimized``) carries what it knows of the group's links and
 the ring it chose; an establishment round that admits nobody installs that ring.
 
+The other end of a measurement: the master tells the measured peer first whom to expect
+(``ExpectBenchmark``, applied by the master session's reader as it arrives). This peer
+serves a benchmark connection (``serve_benchmark``, the p2p handler of
+``BenchmarkRequest``) only from a peer so announced, from the host the master knows it
+at, once per announcement and within the announced bytes; a request that arrives before
+its announcement waits for it while an optimization runs here.
+
 When other peers only re-establish their ring after an aborted all-reduce, the master
 answers ``rejoin``: this peer takes part in that round, then votes again. ``topology``
 follows later rounds that install another order of the same peers (a better ring the
@@ -29,6 +36,8 @@ import trio
 from .._core.bandwidth import link_matrices
 from .._core.channel import Purpose
 from .._core.messages import (
+    BenchmarkRequest,
+    ExpectBenchmark,
     LinkMeasured,
     MeasureLink,
     PeerEndpoint,
@@ -39,6 +48,7 @@ from .._core.messages import (
 from .._core.wire import max_payload
 from .._errors import InvalidUsage, TopologyOptimizationFailed, UpdateTopologyFailed
 from .._types import TopologyInfo
+from ..transport import FramedStream, comes_from, remote_host
 from . import _bandwidth as measurement
 from ._bandwidth import LinkMeasurement
 from ._context import PeerContext
@@ -80,9 +90,14 @@ class TopologyOptimizer:
         self._membership = membership
         self.topology: TopologyInfo | None = None
         #: How a link is measured (replaceable: the test seam injects faults here).
-        self.measure_link: Callable[[PeerEndpoint], Coroutine[Any, Any, LinkMeasurement]] = (
+        self.measure_link: Callable[[PeerEndpoint, int], Coroutine[Any, Any, LinkMeasurement]] = (
             self._measure_link
         )
+        # The measurements of this peer's links the master announced, by measuring peer,
+        # while an optimization runs here.
+        self._optimizing = False
+        self._announced: dict[int, ExpectBenchmark] = {}
+        self._announced_lot = trio.lowlevel.ParkingLot()
         membership.follow(self._follow_ring)
 
     async def optimize(self) -> None:
@@ -92,30 +107,13 @@ class TopologyOptimizer:
         if membership.world is not None and membership.world.global_world_size < 2:
             return
         with self._life.operation(Call.OPTIMIZE_TOPOLOGY):
-            while True:
-                await self._session.vote(VoteOptimizeTopology())
-                while not isinstance(
-                    message := await self._session.wait_for((MeasureLink, TopologyOptimized)),
-                    TopologyOptimized,
-                ):
-                    assert isinstance(message, MeasureLink)
-                    await self._session.send(await self._report_link(message))
-                if not message.rejoin:
-                    break
-                # Peers of another group re-establish their ring after an aborted
-                # all-reduce (as their own optimize_topology does first): take part in
-                # that round, then vote again.
-                await self._session.vote(VoteEstablish(accept_new_peers=False))
-                try:
-                    rejoined = await membership.establish_round()
-                except UpdateTopologyFailed as exc:
-                    raise TopologyOptimizationFailed(str(exc)) from exc
-                if not rejoined:
-                    membership.stale = True
-                    raise TopologyOptimizationFailed(
-                        "a re-establishment round other peers needed failed; call "
-                        "optimize_topology() again"
-                    )
+            self._optimizing = True
+            try:
+                message = await self._measure_links()
+            finally:
+                self._optimizing = False
+                self._announced.clear()
+                self._announced_lot.unpark_all()
             if message.error:
                 raise InvalidUsage(message.error)
             self.topology = _topology_info(message)
@@ -127,6 +125,38 @@ class TopologyOptimizer:
                 f"{self._config.establish_attempts} rounds (peers kept failing or leaving); "
                 "call optimize_topology() again"
             )
+
+    async def _measure_links(self) -> TopologyOptimized:
+        """Vote, then measure the links the master asks for until its report arrives
+        (voting again after a round others needed); the report."""
+        membership = self._membership
+        while True:
+            await self._session.vote(VoteOptimizeTopology())
+            while not isinstance(
+                message := await self._session.wait_for(
+                    (MeasureLink, ExpectBenchmark, TopologyOptimized)
+                ),
+                TopologyOptimized,
+            ):
+                # An announcement was applied as it arrived (``expect_benchmark``).
+                if isinstance(message, MeasureLink):
+                    await self._session.send(await self._report_link(message))
+            if not message.rejoin:
+                return message
+            # Peers of another group re-establish their ring after an aborted
+            # all-reduce (as their own optimize_topology does first): take part in
+            # that round, then vote again.
+            await self._session.vote(VoteEstablish(accept_new_peers=False))
+            try:
+                rejoined = await membership.establish_round()
+            except UpdateTopologyFailed as exc:
+                raise TopologyOptimizationFailed(str(exc)) from exc
+            if not rejoined:
+                membership.stale = True
+                raise TopologyOptimizationFailed(
+                    "a re-establishment round other peers needed failed; call "
+                    "optimize_topology() again"
+                )
 
     async def _report_link(self, request: MeasureLink) -> LinkMeasured:
         """Measure the link the master asked for; a failure is reported, not raised."""
@@ -140,7 +170,7 @@ class TopologyOptimizer:
         )
         try:
             with trio.fail_after(bound):
-                result = await self.measure_link(source)
+                result = await self.measure_link(source, request.nbytes)
         except LINK_ERRORS as exc:
             log.warning(
                 "peer %s: cannot measure the link from peer %d: %s",
@@ -158,8 +188,9 @@ class TopologyOptimizer:
             latency=result.latency,
         )
 
-    async def _measure_link(self, endpoint: PeerEndpoint) -> LinkMeasurement:
-        """Measure the link from ``endpoint`` to this peer (see ``_bandwidth``).
+    async def _measure_link(self, endpoint: PeerEndpoint, nbytes: int) -> LinkMeasurement:
+        """Measure the link from ``endpoint`` to this peer, moving at most ``nbytes``
+        (see ``_bandwidth``).
 
         Raises:
             OSError, trio.TooSlowError, trio.BrokenResourceError, RemoteProtocolError:
@@ -171,8 +202,55 @@ class TopologyOptimizer:
             measurement.measure_link(
                 peer_id=self._session.peer_id,
                 frame_bytes=max_payload(self._config.max_data_frame),
+                budget_bytes=nbytes,
             ),
         )
+
+    # --- the measured end ------------------------------------------------------------------
+
+    def expect_benchmark(self, message: ExpectBenchmark) -> None:
+        """Serve the measurement the master announced (a route of the master session:
+        applied as the announcement arrives, before the measuring peer can be told)."""
+        self._announced[message.measurer.peer_id] = message
+        self._announced_lot.unpark_all()
+
+    async def serve_benchmark(self, framed: FramedStream, request: BenchmarkRequest) -> None:
+        """Answer a peer measuring the link from us, if the master announced it (the p2p
+        handler of ``BenchmarkRequest``); otherwise close the connection unanswered."""
+        announced = await self._take_announcement(framed, request)
+        if announced is not None:
+            await self._p2p.run_protocol(
+                framed, measurement.serve_benchmark(request, budget=announced.nbytes)
+            )
+
+    async def _take_announcement(
+        self, framed: FramedStream, request: BenchmarkRequest
+    ) -> ExpectBenchmark | None:
+        """The announcement of the measurement ``request`` opens, taken (one connection
+        per announcement); None, and a warning, if there is none for it."""
+        # The announcement may reach us a moment after the measuring peer was told.
+        with trio.move_on_after(self._config.connect_timeout):
+            while self._optimizing and request.peer_id not in self._announced:
+                await self._announced_lot.park()
+        announced = self._announced.get(request.peer_id)
+        if announced is None:
+            refusal = "the master announced no measurement by it"
+        elif not await comes_from(framed.stream, announced.measurer.host):
+            refusal = (
+                f"the connection comes from {remote_host(framed.stream)}, but the master "
+                f"knows that peer at {announced.measurer.host}"
+            )
+        elif self._announced.get(request.peer_id) is not announced:
+            # Taken by another connection, or the optimization ended, meanwhile.
+            refusal = "its announced measurement is no longer open"
+        else:
+            del self._announced[request.peer_id]
+            return announced
+        log.warning(
+            "peer %s: refusing a benchmark connection claiming to be peer %d: %s",
+            self._session.peer_id, request.peer_id, refusal,
+        )
+        return None
 
     def _follow_ring(self, ring: tuple[int, ...]) -> None:
         """Keep ``topology`` about the installed ring: a round may install another order

@@ -15,9 +15,11 @@ The ring's connections are *pools*: ``pool_size`` connections to the next peer o
 ring (tx), and as many from the previous one (rx), each named by its slot. A data
 connection is admitted (``admit``) only from a predecessor the master named (a round's
 ``P2PInfo``, which may reach this peer a moment after it reached the connecting one),
-and replaces an older connection in the same slot. After a round, ``rewire`` keeps a
-healthy pool to the successor or opens a new one, and closes the pools of peers that
-are no longer neighbours: which pools change is decided first, then the IO is done.
+from the host the master knows it at, into a slot below the pool size it registered
+with, and replaces an older connection in the same slot. After a round, ``rewire``
+keeps a healthy pool to the successor or opens a new one, and closes the pools of
+peers that are no longer neighbours: which pools change is decided first, then the IO
+is done.
 
 Once its handshake is over, a TCP connection is handed to a worker thread as a
 ``SocketLink`` (``to_link``) where the threaded data path is on and threads are
@@ -40,6 +42,7 @@ from .._config import Config
 from .._core.channel import Channel, HandshakeFailed, Purpose
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
+    MAX_POOL_SIZE,
     PROTOCOL_VERSION,
     BenchmarkRequest,
     Message,
@@ -58,6 +61,7 @@ from ..transport import (
     FramedStream,
     Network,
     SocketLink,
+    comes_from,
     format_address,
     listener_address,
     remote_host,
@@ -91,8 +95,6 @@ PURPOSES: dict[type[Message], Purpose] = {
     BenchmarkRequest: Purpose.BENCHMARK,
 }
 
-#: Most connections per neighbour (and so the largest slot number plus one).
-MAX_POOL_SIZE = 1024
 #: Accepted connections that have not sent their first frame yet, at most; more are
 #: closed at once (each holds a task and a buffer until ``connect_timeout``).
 MAX_NEW_CONNECTIONS = 64
@@ -141,7 +143,7 @@ class P2PConnections:
         self._tx: dict[int, _Pool] = {}
         self._rx: dict[int, _Pool] = {}
         # Peers allowed to open data connections to us: predecessors named by the master.
-        self._expected_senders: set[int] = set()
+        self._expected_senders: dict[int, PeerEndpoint] = {}
         self._expected_lot = trio.lowlevel.ParkingLot()
         self._credential = Credential.of(config)
         self._fresh = 0  # accepted connections waiting for their first frame
@@ -240,7 +242,9 @@ class P2PConnections:
         the connection in the form that receives its data.
 
         Raises:
-            RemoteProtocolError: a bad slot, or bytes before the handshake finished.
+            RemoteProtocolError: a slot at or above the sender's pool size, a connection
+                from another host than the sender's, or bytes before the handshake
+                finished.
             trio.TooSlowError: the master never named the sender our predecessor.
         """
         with trio.fail_after(self._config.connect_timeout):
@@ -248,8 +252,20 @@ class P2PConnections:
                 raise RemoteProtocolError(f"pool slot {hello.slot} out of range")
             # Only a predecessor the master named may connect; its round's info may
             # reach us a moment after it reached the connecting peer.
-            while hello.peer_id not in self._expected_senders:
+            while (sender := self._expected_senders.get(hello.peer_id)) is None:
                 await self._expected_lot.park()
+            # A slot beyond the sender's pool would be a connection beside its real
+            # ones, whose frames the data path would take as the predecessor's.
+            if hello.slot >= sender.pool_size:
+                raise RemoteProtocolError(
+                    f"P2PHello from peer {hello.peer_id} for slot {hello.slot}, but its pool "
+                    f"has {sender.pool_size} connection(s)"
+                )
+            if not await comes_from(framed.stream, sender.host):
+                raise RemoteProtocolError(
+                    f"P2PHello claiming to be peer {hello.peer_id} from "
+                    f"{remote_host(framed.stream)}, but the master knows it at {sender.host}"
+                )
             pool = self._rx.setdefault(hello.peer_id, _Pool(peer_id=hello.peer_id))
             old = pool.slots.get(hello.slot)
             pool.slots[hello.slot] = framed
@@ -267,9 +283,12 @@ class P2PConnections:
         """Accept data connections from our predecessor in a round's ring from now on
         (a route of the master session: applied as the info arrives)."""
         around = neighbours(info.ring, self._session.peer_id or 0)
-        if around is not None:
-            self._expected_senders.add(around[0])
-            self._expected_lot.unpark_all()
+        if around is None:
+            return
+        for endpoint in info.neighbours:
+            if endpoint.peer_id == around[0]:
+                self._expected_senders[endpoint.peer_id] = endpoint
+                self._expected_lot.unpark_all()
 
     # --- the ring's pools ----------------------------------------------------------------
 
@@ -298,7 +317,9 @@ class P2PConnections:
 
     def expect_only(self, predecessor: int | None) -> None:
         """After a successful round: only the round's predecessor may connect."""
-        self._expected_senders = {predecessor} if predecessor is not None else set()
+        self._expected_senders = {
+            p: e for p, e in self._expected_senders.items() if p == predecessor
+        }
 
     def successor_connections(self, successor: int) -> list[Connection]:
         """The open connections to ``successor``, by slot."""

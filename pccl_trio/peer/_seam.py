@@ -1,31 +1,35 @@
 """What tests may observe and replace inside a communicator, named in one place.
 
 Fault-injection tests need to see a communicator's insides (its p2p listener, its
-connections, an all-reduce attempt mid-flight, whether the running call has voted) and
-to replace three of its steps (measuring a link, sending a vote, serving shared state). ``PeerSeam`` is that
+connections, an all-reduce attempt mid-flight, whether the running call has voted), to
+replace four of its steps (measuring a link, fetching shared state from a distributor,
+sending a vote, serving shared state) and to announce a link measurement as a master
+would. ``PeerSeam`` is that
 surface: a test asks ``pccl_trio.testing.peer_seam(comm)`` for it instead of reaching
 into private attributes, so the communicator's parts can change without its tests.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from .._core.messages import Message, PeerEndpoint, SharedStateRequest
+from .._core.messages import ExpectBenchmark, Message, PeerEndpoint, SharedStateRequest
 from .._core.ring import neighbours
 from ..transport import Connection, FramedStream
 from ._allreduce import AllReduceAttempt
 from ._bandwidth import LinkMeasurement
+from ._shared_state import Fetcher
 
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
 __all__ = ["PeerSeam"]
 
-MeasureLink = Callable[[PeerEndpoint], Coroutine[Any, Any, LinkMeasurement]]
+MeasureLink = Callable[[PeerEndpoint, int], Coroutine[Any, Any, LinkMeasurement]]
 Vote = Callable[[Message], Coroutine[Any, Any, None]]
 ServeSharedState = Callable[[FramedStream, SharedStateRequest], Coroutine[Any, Any, None]]
+FetchFrom = Callable[[PeerEndpoint, Fetcher], Awaitable[None]]
 
 
 class PeerSeam:
@@ -47,7 +51,9 @@ class PeerSeam:
         peer_id = self._comm.peer_id
         assert peer_id is not None, "the communicator is not registered yet"
         host, port = self.p2p_address
-        return PeerEndpoint(peer_id=peer_id, host=host, port=port)
+        return PeerEndpoint(
+            peer_id=peer_id, host=host, port=port, pool_size=self._comm._p2p.pool_size
+        )
 
     @property
     def voted(self) -> bool:
@@ -74,13 +80,32 @@ class PeerSeam:
 
     @property
     def measure_link(self) -> MeasureLink:
-        """How the communicator measures the link from a peer to itself; assign a
-        replacement (which may call the original) to inject faults."""
+        """How the communicator measures the link from a peer to itself, within a
+        number of bytes; assign a replacement (which may call the original) to inject
+        faults."""
         return self._comm._optimizer.measure_link
 
     @measure_link.setter
     def measure_link(self, replacement: MeasureLink) -> None:
         self._comm._optimizer.measure_link = replacement
+
+    @property
+    def fetch_from(self) -> FetchFrom:
+        """How the communicator fetches shared-state pieces from one distributor (it
+        records a failure in the ``Fetcher`` rather than raising); assign a replacement
+        (which may call the original) to hold or fail fetches."""
+        return self._comm._sync.fetch_from
+
+    @fetch_from.setter
+    def fetch_from(self, replacement: FetchFrom) -> None:
+        self._comm._sync.fetch_from = replacement
+
+    def expect_benchmark(self, measurer: PeerEndpoint, nbytes: int) -> None:
+        """Let ``measurer`` measure the link from this peer once, within ``nbytes``, as
+        the master's ``ExpectBenchmark`` would."""
+        self._comm._optimizer.expect_benchmark(
+            ExpectBenchmark(optimization=0, measurer=measurer, nbytes=nbytes)
+        )
 
     @property
     def vote(self) -> Vote:

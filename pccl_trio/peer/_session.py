@@ -80,7 +80,9 @@ class MasterSession:
         queueing it (``apply`` must not block)."""
         self._routes[kind] = apply
 
-    async def open(self, *, peer_group: int, p2p_port: int, advertised_host: str) -> None:
+    async def open(
+        self, *, peer_group: int, p2p_port: int, advertised_host: str, pool_size: int
+    ) -> None:
         """Connect, register, and wait for the master's ``Welcome``.
 
         Raises:
@@ -126,6 +128,7 @@ class MasterSession:
                 peer_group=peer_group,
                 p2p_port=p2p_port,
                 advertised_host=advertised_host,
+                pool_size=pool_size,
             )
         )
         welcome = await self.wait_for(Welcome)

@@ -9,6 +9,11 @@ may already ask. The master answers each peer with a plan: the revision to hold
 afterwards, the tensors to fetch with their expected hashes, and the *distributors*,
 every peer that holds the popular state.
 
+A distributor serves only the peers the master's plan names as fetchers, each from the
+host the master knows it at, each only the tensors it fetches, and each byte of them at
+most once (``Serving.claim``): a stranger, a peer of the run not fetching, or a fetcher
+asking for other tensors or for the same bytes again gets a refusal, not data.
+
 A fetching peer splits the bytes it needs into *pieces* (at most ``PIECE_BYTES`` of one
 tensor) and opens one connection to every distributor. Each connection's worker takes
 the next piece from one shared queue, asks for it (``SharedStateRequest``), and receives
@@ -43,9 +48,11 @@ from .._core.messages import (
     MAX_KEY,
     PROTOCOL_VERSION,
     SharedStateEntry,
+    SharedStateFetcher,
     SharedStateRange,
     SharedStateRequest,
     SharedStateResponse,
+    bounded,
 )
 from .._core.records import MAX_SEQUENCE, U64_MAX
 from .._errors import InvalidArgument
@@ -55,6 +62,7 @@ from ._protocol import Protocol, ReceiveHeader, ReceiveMessage, ReceivePayload, 
 
 __all__ = [
     "PIECE_BYTES",
+    "Allowance",
     "Backup",
     "Fetcher",
     "Piece",
@@ -168,6 +176,15 @@ def prepare_state(state: object) -> list[Tensor]:
 # --- serving ---------------------------------------------------------------------------
 
 
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Allowance:
+    """What one fetcher may ask a distributor for in a sync (from the master's plan)."""
+
+    host: str  # where its connections come from
+    keys: frozenset[str]  # the tensors it fetches
+    left: int  # bytes of them not sent to it yet
+
+
 class Serving:
     """This peer's tensors, offered to the peers of its sync from its vote to the end.
 
@@ -178,6 +195,7 @@ class Serving:
         self.tensors: Mapping[str, Tensor] = {t.key: t for t in tensors}
         self.sync: int | None = None
         self.distributor = False  # set with ``sync``: only peers fetching nothing serve
+        self.fetchers: dict[int, Allowance] = {}  # set with ``sync``: whom it serves
         self.active = True
         self.handlers = 0  # connections being served (counted in the trio thread)
         self._lock = threading.Lock()
@@ -192,30 +210,61 @@ class Serving:
         with self._lock:
             self._tx_bytes += nbytes
 
-    def refusal(self, request: SharedStateRequest) -> str:
-        """Why ``request`` cannot be served (empty: it can)."""
+    def allow(self, fetchers: Sequence[SharedStateFetcher]) -> None:
+        """Serve the plan's ``fetchers``, each the tensors at the positions it names."""
+        order = list(self.tensors.values())
+        for fetcher in fetchers:
+            keys = frozenset(
+                order[i].key
+                for span in fetcher.tensors
+                for i in range(span.first, min(span.first + span.count, len(order)))
+            )
+            self.fetchers[fetcher.peer_id] = Allowance(
+                host=fetcher.host, keys=keys, left=sum(self.tensors[k].nbytes for k in keys)
+            )
+
+    def claim(self, request: SharedStateRequest, peer_id: int) -> str:
+        """Why ``request``, on a connection of peer ``peer_id``, cannot be served (empty:
+        it can, and its bytes now count as sent to that peer)."""
         if (not self.active or self.sync is None or request.sync != self.sync
                 or not self.distributor):
             return f"this peer does not distribute the shared state of sync {request.sync}"
+        if request.peer_id != peer_id:
+            return f"a request of peer {request.peer_id} on a connection of peer {peer_id}"
+        allowance = self.fetchers.get(peer_id)
+        if allowance is None:
+            return (
+                f"the master's plan for sync {self.sync} names no peer {peer_id} fetching "
+                "from this peer"
+            )
         if not request.ranges:
             return "a request must name at least one range"
         for r in request.ranges:
             tensor = self.tensors.get(r.key)
-            if tensor is None:
-                return f"no shared-state tensor is named {r.key!r:.100}"
+            if tensor is None or r.key not in allowance.keys:
+                return f"peer {peer_id} does not fetch a tensor named {r.key!r:.100} in this sync"
             if r.nbytes == 0 or r.offset + r.nbytes > tensor.nbytes:
                 return (
                     f"bytes {r.offset} to {r.offset + r.nbytes} are not inside tensor "
                     f"{r.key!r:.100} ({tensor.nbytes} bytes)"
                 )
+        nbytes = sum(r.nbytes for r in request.ranges)
+        with self._lock:
+            if nbytes > allowance.left:
+                return (
+                    f"peer {peer_id} asks for {nbytes} bytes, but only {allowance.left} of "
+                    "the tensors it fetches were not sent to it yet"
+                )
+            allowance.left -= nbytes
         return ""
 
 
 def serve_requests(serving: Serving, request: SharedStateRequest) -> Protocol[None]:
     """A distributor's side of one connection: answer ``request`` and every later one,
     until the requester closes the connection (or asks for something it cannot have)."""
+    peer_id = request.peer_id
     while True:
-        refusal = serving.refusal(request)
+        refusal = bounded(serving.claim(request, peer_id))
         yield Send(SharedStateResponse(error=refusal))
         if refusal:
             return

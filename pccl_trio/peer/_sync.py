@@ -6,6 +6,8 @@ Theory of operation
 are allowed), votes their entries with the state's revision, and from that moment
 *serves* them: peers whose plan arrived earlier may already ask (``serve``, the p2p
 handler of ``SharedStateRequest``, waits for this peer's own plan before answering).
+A distributor's plan names the peers that fetch from it and what they fetch; it serves
+them only, from the hosts the master knows them at (``_shared_state.Serving``).
 The master's plan names the tensors this peer must fetch and the distributors that hold
 them. Fetching spreads pieces over every distributor (``_shared_state.Fetcher``), with
 the old bytes kept aside (``Backup``) and put back if the fetch fails or does not verify
@@ -24,7 +26,7 @@ The data moves through the protocols of ``_shared_state`` (``request_pieces``,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -36,13 +38,21 @@ from .._core.messages import (
     SharedStateDone,
     SharedStatePlan,
     SharedStateRequest,
+    SharedStateResponse,
     SharedStateVote,
     bounded,
 )
 from .._core.wire import encode_control, max_payload
 from .._errors import InvalidArgument, SharedStateSyncFailed
 from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
-from ..transport import Connection, FramedStream, hash_threads, run_off_loop
+from ..transport import (
+    Connection,
+    FramedStream,
+    comes_from,
+    hash_threads,
+    remote_host,
+    run_off_loop,
+)
 from . import _shared_state as sharing
 from ._context import PeerContext
 from ._lifecycle import Call
@@ -68,6 +78,11 @@ class SharedStateSync:
         self._serving: sharing.Serving | None = None
         self._serving_lot = trio.lowlevel.ParkingLot()
         self._serving_links: set[Connection] = set()
+        #: How pieces are fetched from one distributor (replaceable: the test seam holds
+        #: or fails fetches here).
+        self.fetch_from: Callable[[PeerEndpoint, sharing.Fetcher], Awaitable[None]] = (
+            self._fetch_from
+        )
 
     async def sync(self, state: Any, strategy: SharedStateSyncStrategy) -> SharedStateSyncInfo:
         """``Communicator.sync_shared_state`` once the communicator is idle."""
@@ -99,6 +114,7 @@ class SharedStateSync:
                     )
                 serving.sync = plan.sync
                 serving.distributor = not plan.fetches
+                serving.allow(plan.fetchers)
                 self._serving_lot.unpark_all()
                 received, failure = 0, ""
                 if plan.fetches:
@@ -187,7 +203,7 @@ class SharedStateSync:
             self._life.raise_if_failed()
             async with trio.open_nursery() as nursery:
                 for endpoint in alive:
-                    nursery.start_soon(self._fetch_from, endpoint, fetcher)
+                    nursery.start_soon(self.fetch_from, endpoint, fetcher)
             alive = [e for e in alive if e.peer_id not in fetcher.failed_peers]
         if fetcher.pieces:
             return (
@@ -281,6 +297,15 @@ class SharedStateSync:
         serving = self._serving or sharing.Serving(())  # none: every request is refused
         serving.handlers += 1
         try:
+            allowance = serving.fetchers.get(request.peer_id)
+            if allowance is not None and not await comes_from(framed.stream, allowance.host):
+                refusal = (
+                    f"a request of peer {request.peer_id} from {remote_host(framed.stream)}, "
+                    f"but the master knows that peer at {allowance.host}"
+                )
+                log.warning("peer %s: refusing shared state: %s", self._session.peer_id, refusal)
+                await framed.send_message(SharedStateResponse(error=bounded(refusal)))
+                return
             await self._p2p.run_protocol(
                 framed, sharing.serve_requests(serving, request), track=self._serving_links
             )

@@ -13,6 +13,7 @@ from ._framed import FramedStream as FramedStream
 from ._network import InMemoryStream as InMemoryStream
 from ._network import Network as Network
 from ._network import TcpNetwork as TcpNetwork
+from ._network import comes_from as comes_from
 from ._network import format_address as format_address
 from ._network import listener_address as listener_address
 from ._network import parse_address as parse_address

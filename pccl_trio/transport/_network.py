@@ -1,5 +1,9 @@
 """The ``Network`` seam and its TCP implementation.
 
+``comes_from`` tells whether a stream's other end is a given host (an address, or a
+name that resolves to it): peers serve a p2p connection only from the host the master
+knows the claimed peer at.
+
 OSErrors from the operating system are turned into trio's resource errors here and
 nowhere else: ``connect`` raises ``OSError`` subclasses only for "could not connect"
 (refused, unreachable, timed out by the OS), and established streams raise
@@ -9,6 +13,7 @@ nowhere else: ``connect`` raises ``OSError`` subclasses only for "could not conn
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from typing import Any, Protocol, runtime_checkable
 
@@ -19,6 +24,7 @@ __all__ = [
     "InMemoryStream",
     "Network",
     "TcpNetwork",
+    "comes_from",
     "format_address",
     "listener_address",
     "parse_address",
@@ -129,6 +135,37 @@ def remote_host(stream: trio.abc.Stream) -> str:
     if isinstance(stream, InMemoryStream):
         return stream.remote_host
     return "unknown"
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as an IP address (an IPv4-mapped IPv6 address as IPv4), or None."""
+    try:
+        address = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+async def comes_from(stream: trio.abc.Stream, host: str) -> bool:
+    """Whether the other end of ``stream`` is ``host``: the same address, or a host
+    name that resolves to it (the in-memory network's hosts are names, compared as
+    such)."""
+    seen = remote_host(stream)
+    if seen == host:
+        return True
+    address = _address(seen)
+    if address is None or isinstance(stream, InMemoryStream):
+        return False
+    named = _address(host)
+    if named is not None:
+        return named == address
+    try:
+        infos = await trio.socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:  # the name does not resolve (any more): not this address
+        return False
+    return any(_address(str(info[4][0])) == address for info in infos)
 
 
 def parse_address(address: str, *, default_port: int | None = None) -> tuple[str, int]:

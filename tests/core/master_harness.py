@@ -16,7 +16,9 @@ For topology optimizations it plays the shell's solver too: ``solves`` holds eve
 ``finish_solves`` runs the jobs still pending and delivers their ``SolveFinished``. It
 checks that a ``CancelSolve`` names a job that was emitted and is neither answered nor
 cancelled yet, that a receiver is never asked for a second link while one is
-unanswered, that nobody is asked to measure a link from itself, and that each peer gets
+unanswered, that nobody is asked to measure a link from itself, that the sender of
+every link measured was told first whom to expect and how many bytes to serve
+(``ExpectBenchmark``, the same budget as the ``MeasureLink``), and that each peer gets
 at most one report (``TopologyOptimized``) per optimization.
 
 Every event it delivers, with the time and the actions that came back, is folded into
@@ -61,6 +63,7 @@ from pccl_trio._core.messages import (
     CollectiveComplete,
     CollectiveInitiate,
     CollectiveVerdict,
+    ExpectBenchmark,
     Heartbeat,
     Kick,
     LinkMeasured,
@@ -135,6 +138,8 @@ class MasterHarness:
         self.cancelled: set[int] = set()
         self.answered: set[int] = set()
         self.unanswered: dict[int, MeasureLink] = {}
+        # Announced measurements: (optimization, sender, receiver) -> bytes.
+        self.announced: dict[tuple[int, int, int], int] = {}
         self._reports: set[tuple[int, int]] = set()  # (conn, optimization)
         self.trace = hashlib.sha256()
 
@@ -198,9 +203,15 @@ class MasterHarness:
                 tags = self.in_flight[conn]
                 assert tag in tags, f"verdict for tag {tag}, not in flight on conn {conn}"
                 assert tags.pop(tag) == seq, f"verdict {message} for attempt {seq}"
-            case MeasureLink(source=source):
+            case ExpectBenchmark(optimization=number, measurer=measurer, nbytes=nbytes):
+                link = (number, self.peer_ids[conn], measurer.peer_id)
+                assert link not in self.announced, f"link {link} announced twice"
+                self.announced[link] = nbytes
+            case MeasureLink(optimization=number, source=source, nbytes=nbytes):
                 assert conn not in self.unanswered, f"second MeasureLink on conn {conn}"
                 assert source.peer_id != self.peer_ids.get(conn), "a link from itself"
+                link = (number, source.peer_id, self.peer_ids[conn])
+                assert self.announced.get(link) == nbytes, f"link {link} not announced so"
                 self.unanswered[conn] = message
             case TopologyOptimized(optimization=number) if number:
                 assert (conn, number) not in self._reports, f"two reports of {number}"
@@ -229,6 +240,7 @@ class MasterHarness:
         advertised_host: str = "",
         port: int | None = None,
         version: int = PROTOCOL_VERSION,
+        pool_size: int = 1,
     ) -> list[Action]:
         """Open ``conn`` and register on it (p2p port ``10000 + conn`` unless given)."""
         actions = self.open(conn, host)
@@ -239,6 +251,7 @@ class MasterHarness:
                 peer_group=group,
                 p2p_port=10000 + conn if port is None else port,
                 advertised_host=advertised_host,
+                pool_size=pool_size,
             ),
         )
 

@@ -16,6 +16,7 @@ from pccl_trio._core.messages import (
     CollectiveComplete,
     CollectiveInitiate,
     CollectiveVerdict,
+    ExpectBenchmark,
     Heartbeat,
     Kick,
     LinkMeasured,
@@ -34,11 +35,13 @@ from pccl_trio._core.messages import (
     SharedStateDone,
     SharedStateEntry,
     SharedStateFetch,
+    SharedStateFetcher,
     SharedStatePlan,
     SharedStateRange,
     SharedStateRequest,
     SharedStateResponse,
     SharedStateVote,
+    TensorSpan,
     TopologyOptimized,
     VoteEstablish,
     VoteOptimizeTopology,
@@ -64,14 +67,15 @@ WORLD = WorldSizes(
     largest_peer_group_world_size=3,
 )
 NEIGHBOURS = (
-    PeerEndpoint(peer_id=2, host="10.0.0.2", port=48149),
-    PeerEndpoint(peer_id=5, host="10.0.0.5", port=65535),
+    PeerEndpoint(peer_id=2, host="10.0.0.2", port=48149, pool_size=4),
+    PeerEndpoint(peer_id=5, host="10.0.0.5", port=65535, pool_size=1024),
 )
 
 #: One valid, non-trivial instance per message class (every field away from its default).
 SAMPLES: dict[type[Message], Message] = {
     Register: Register(
-        protocol_version=PROTOCOL_VERSION, peer_group=7, p2p_port=48148, advertised_host="10.0.0.1"
+        protocol_version=PROTOCOL_VERSION, peer_group=7, p2p_port=48148, advertised_host="10.0.0.1",
+        pool_size=3,
     ),
     Heartbeat: Heartbeat(),
     VoteEstablish: VoteEstablish(accept_new_peers=True),
@@ -106,6 +110,11 @@ SAMPLES: dict[type[Message], Message] = {
         revision=13,
         fetches=(SharedStateFetch(key="w", hash=3391090508, verify=True),),
         distributors=NEIGHBOURS,
+        fetchers=(
+            SharedStateFetcher(peer_id=3, host="10.0.0.3", tensors=(
+                TensorSpan(first=0, count=1), TensorSpan(first=2, count=40),
+            )),
+        ),
         error="refused",
     ),
     SharedStateComplete: SharedStateComplete(sync=4),
@@ -124,7 +133,8 @@ SAMPLES: dict[type[Message], Message] = {
     LinkMeasured: LinkMeasured(
         optimization=2, sender=5, bandwidth=1.25e9, latency=2.5e-4, error="refused: ✗"
     ),
-    MeasureLink: MeasureLink(optimization=2, source=NEIGHBOURS[1]),
+    MeasureLink: MeasureLink(optimization=2, source=NEIGHBOURS[1], nbytes=96 << 20),
+    ExpectBenchmark: ExpectBenchmark(optimization=2, measurer=NEIGHBOURS[0], nbytes=1 << 20),
     TopologyOptimized: TopologyOptimized(
         optimization=2,
         error="refused",

@@ -26,6 +26,7 @@ from pccl_trio._core.messages import (
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
+    PeerEndpoint,
     PeersPendingResult,
     Register,
     VoteEstablish,
@@ -183,6 +184,22 @@ def test_neighbours_are_the_ring_predecessor_and_successor(size: int) -> None:
         before, after = conns[index - 1], conns[(index + 1) % size]
         expected = {1: [], 2: [before], 3: [before, after]}[min(size, 3)]
         assert info.neighbours == tuple(endpoint(c, f"10.0.0.{c}") for c in expected)
+
+
+def test_endpoints_carry_the_pool_size_each_peer_registered_with() -> None:
+    """A receiver admits ring connections only into slots below its predecessor's pool
+    size, so the size travels with the predecessor's endpoint."""
+    h = MasterHarness()
+    h.register(1, pool_size=3)
+    h.report(1)
+    h.register(2, pool_size=1024)
+    h.vote(1)
+    assert h.last(1, P2PInfo).neighbours == (
+        PeerEndpoint(peer_id=2, host="127.0.0.1", port=10002, pool_size=1024),
+    )
+    assert h.last(2, P2PInfo).neighbours == (
+        PeerEndpoint(peer_id=1, host="127.0.0.1", port=10001, pool_size=3),
+    )
 
 
 def test_endpoint_host_defaults_to_the_address_the_master_sees() -> None:

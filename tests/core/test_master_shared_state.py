@@ -29,14 +29,17 @@ from pccl_trio._core.messages import (
     SharedStateDone,
     SharedStateEntry,
     SharedStateFetch,
+    SharedStateFetcher,
     SharedStatePlan,
     SharedStateVote,
     SyncStrategy,
+    TensorSpan,
 )
 from pccl_trio._core.shared_state import (
     Ballot,
     Election,
     elect,
+    tensor_spans,
 )
 
 from .master_harness import MasterHarness, only, was_kicked
@@ -58,6 +61,15 @@ def fetch(popular: SharedStateEntry) -> SharedStateFetch:
     """What a peer fetches to get ``popular`` (content-unequal keys are not verified)."""
     return SharedStateFetch(
         key=popular.key, hash=popular.hash, verify=not popular.allow_content_inequality
+    )
+
+
+def fetcher(conn: int, *spans: tuple[int, int], host: str = "127.0.0.1") -> SharedStateFetcher:
+    """Peer ``conn`` fetching the tensors of ``spans`` (first position, count), as a
+    distributor's plan names it."""
+    return SharedStateFetcher(
+        peer_id=conn, host=host,
+        tensors=tuple(TensorSpan(first=first, count=count) for first, count in spans),
     )
 
 
@@ -427,10 +439,13 @@ def test_every_member_gets_one_plan_and_completion_waits_for_every_report(third_
     plans = {conn: plan_of(h, conn) for conn in (1, 2, 3)}
     number = plans[1].sync
     assert number == 1
-    # Distributors list the other up-to-date peers, never the peer itself.
+    # Distributors list the other up-to-date peers, never the peer itself, and the
+    # peers that fetch from them with the tensors they fetch (by position).
     assert plans == {
-        1: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(endpoint(2),)),
-        2: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(endpoint(1),)),
+        1: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(endpoint(2),),
+                           fetchers=(fetcher(3, (0, 1)),)),
+        2: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(endpoint(1),),
+                           fetchers=(fetcher(3, (0, 1)),)),
         3: SharedStatePlan(
             sync=number, revision=0, fetches=(fetch(W1),), distributors=(endpoint(1), endpoint(2))
         ),
@@ -446,6 +461,49 @@ def test_every_member_gets_one_plan_and_completion_waits_for_every_report(third_
     for conn in (1, 2, 3):
         assert got(h, conn) == [SharedStateComplete(sync=number)]
         assert h.where(conn) == (ACC, IDLE)
+
+
+def test_a_distributor_learns_each_fetcher_its_host_and_tensors() -> None:
+    """Each distributor's plan names every peer that fetches, the host the master knows
+    it at (the advertised one, else the address it connected from), and the positions
+    of the tensors it fetches as runs; fetching peers and a peer that only adopts the
+    revision are named nowhere, and only distributors get the list."""
+    h = MasterHarness()
+    hosts = {1: ("10.0.0.1", ""), 2: ("10.0.0.2", ""), 3: ("10.0.0.3", "node3"),
+             4: ("10.0.0.4", ""), 5: ("10.0.0.5", "")}
+    for conn, (host, advertised) in hosts.items():
+        h.register(conn, host=host, advertised_host=advertised)
+        if conn == 1:
+            h.report(1)
+    h.vote(1)
+    for conn in hosts:
+        h.report(conn)
+    h.take_all()
+    a, b, c, d, e = (entry(k, 1) for k in "abcde")
+    popular = (a, b, c, d, e)
+    zeros = tuple(entry(k, 0) for k in "abcde")
+    vote(h, 1, 5, *popular)
+    vote(h, 2, 5, *popular)
+    vote(h, 3, 5, a, entry("b", 2), c, entry("d", 2), entry("e", 2))  # three keys differ
+    vote(h, 4, 0, *zeros)  # a joiner: everything
+    vote(h, 5, 4, *popular)  # behind, but holds the content: only adopts the revision
+    plans = {conn: plan_of(h, conn) for conn in hosts}
+    fetchers = (fetcher(3, (1, 1), (3, 2), host="node3"), fetcher(4, (0, 5), host="10.0.0.4"))
+    assert {conn: plan.fetchers for conn, plan in plans.items()} == {
+        1: fetchers, 2: fetchers, 3: (), 4: (), 5: fetchers,
+    }
+    assert [f.key for f in plans[3].fetches] == ["b", "d", "e"]
+    assert len(plans[4].fetches) == 5 and plans[5].fetches == ()
+
+
+@pytest.mark.parametrize(
+    ("positions", "spans"),
+    [((), ()), ((0,), ((0, 1),)), ((0, 1, 2, 3), ((0, 4),)), ((2, 3, 5, 7, 8, 9), ((2, 2), (5, 1), (7, 3)))],
+)
+def test_tensor_spans_are_runs_of_positions(
+    positions: tuple[int, ...], spans: tuple[tuple[int, int], ...]
+) -> None:
+    assert tensor_spans(positions) == fetcher(0, *spans).tensors
 
 
 def test_a_lone_member_syncs_alone() -> None:
@@ -525,8 +583,10 @@ def test_a_vote_at_an_old_revision_is_outdated_and_receives() -> None:
     plans = {conn: plan_of(h, conn) for conn in (1, 2, 3)}
     number = plans[1].sync
     assert plans == {
-        1: SharedStatePlan(sync=number, revision=1, fetches=(), distributors=(endpoint(2),)),
-        2: SharedStatePlan(sync=number, revision=1, fetches=(), distributors=(endpoint(1),)),
+        1: SharedStatePlan(sync=number, revision=1, fetches=(), distributors=(endpoint(2),),
+                           fetchers=(fetcher(3, (0, 1)),)),
+        2: SharedStatePlan(sync=number, revision=1, fetches=(), distributors=(endpoint(1),),
+                           fetchers=(fetcher(3, (0, 1)),)),
         3: SharedStatePlan(
             sync=number, revision=1, fetches=(fetch(W2),), distributors=(endpoint(1), endpoint(2))
         ),
@@ -580,8 +640,10 @@ def test_a_mismatching_voter_is_kicked_and_the_others_sync() -> None:
     plans = {conn: plan_of(h, conn) for conn in (2, 3, 4)}
     number = plans[2].sync
     assert plans == {
-        2: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(endpoint(3),)),
-        3: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(endpoint(2),)),
+        2: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(endpoint(3),),
+                           fetchers=(fetcher(4, (1, 1)),)),
+        3: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(endpoint(2),),
+                           fetchers=(fetcher(4, (1, 1)),)),
         4: SharedStatePlan(
             sync=number, revision=0, fetches=(fetch(B1),), distributors=(endpoint(2), endpoint(3))
         ),
@@ -632,8 +694,10 @@ def test_eavesdrop_send_only_peers_serve_a_receive_only_joiner() -> None:
     plans = {conn: plan_of(h, conn) for conn in (1, 2, 3)}
     number = plans[1].sync
     assert plans == {
-        1: SharedStatePlan(sync=number, revision=5, fetches=(), distributors=(endpoint(2),)),
-        2: SharedStatePlan(sync=number, revision=5, fetches=(), distributors=(endpoint(1),)),
+        1: SharedStatePlan(sync=number, revision=5, fetches=(), distributors=(endpoint(2),),
+                           fetchers=(fetcher(3, (0, 2)),)),
+        2: SharedStatePlan(sync=number, revision=5, fetches=(), distributors=(endpoint(1),),
+                           fetchers=(fetcher(3, (0, 2)),)),
         3: SharedStatePlan(
             sync=number, revision=5, fetches=(fetch(W2), fetch(OPT)),
             distributors=(endpoint(1), endpoint(2)),
@@ -661,9 +725,11 @@ def test_peer_groups_sync_independently() -> None:
     n0, n1 = plans[1].sync, plans[3].sync
     assert n0 != n1
     assert plans == {
-        1: SharedStatePlan(sync=n0, revision=0, fetches=(), distributors=()),
+        1: SharedStatePlan(sync=n0, revision=0, fetches=(), distributors=(),
+                           fetchers=(fetcher(2, (0, 1)),)),
         2: SharedStatePlan(sync=n0, revision=0, fetches=(fetch(a1),), distributors=(endpoint(1),)),
-        3: SharedStatePlan(sync=n1, revision=7, fetches=(), distributors=()),
+        3: SharedStatePlan(sync=n1, revision=7, fetches=(), distributors=(),
+                           fetchers=(fetcher(4, (0, 1)),)),
         4: SharedStatePlan(sync=n1, revision=7, fetches=(fetch(z1),), distributors=(endpoint(3),)),
     }
     # Group 1 finishes first; group 0 is still syncing.
@@ -737,7 +803,8 @@ def test_a_member_leaving_before_voting_lets_the_others_sync(how: str, when: str
     number = plans[1].sync
     # A tie between peers 1 and 2: peer 1's content wins.
     assert plans == {
-        1: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=()),
+        1: SharedStatePlan(sync=number, revision=0, fetches=(), distributors=(),
+                           fetchers=(fetcher(2, (0, 1)),)),
         2: SharedStatePlan(sync=number, revision=0, fetches=(fetch(W1),), distributors=(endpoint(1),)),
     }
     done(h, 1, number)

@@ -17,14 +17,17 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy
 import pytest
 
-from pccl_trio._core.master import KEEP_MARGIN, Action, CancelSolve, PeerPhase, Solve
+from pccl_trio._core.bandwidth import MEASUREMENT_BYTES
+from pccl_trio._core.master import KEEP_MARGIN, Action, CancelSolve, PeerPhase, Send, Solve
 from pccl_trio._core.messages import (
     CollectiveCommence,
     CollectiveVerdict,
+    ExpectBenchmark,
     LinkMeasured,
     MeasureLink,
     Outcome,
     P2PInfo,
+    PeerEndpoint,
     PeersPendingResult,
     SharedStatePlan,
     TopologyOptimized,
@@ -169,6 +172,35 @@ def test_full_flow_measures_every_link_once_and_installs_the_fastest_ring() -> N
     for conn in conns:
         h.initiate(conn, 7)
     assert {h.last(conn, CollectiveCommence).ring for conn in conns} == {FAST_RING}
+
+
+def test_the_sender_of_each_link_is_told_whom_to_expect_first() -> None:
+    """A peer serves benchmark bytes only to a measurement the master announced: the
+    sender hears the receiver's endpoint (host included) and the byte budget before the
+    receiver is asked, and the receiver is held to the same budget."""
+    h = MasterHarness()
+    for conn in (1, 2):
+        h.register(conn, host=f"10.0.0.{conn}", pool_size=conn)
+        if conn == 1:
+            h.report(1)
+    h.vote(1)
+    for conn in (1, 2):
+        h.report(conn)
+    h.take_all()
+    actions = optimize_all(h, (1, 2))
+    sends = [(a.conn, a.message) for a in actions if isinstance(a, Send)]
+    (first_conn, first), (second_conn, second) = sends
+    assert isinstance(first, ExpectBenchmark) and isinstance(second, MeasureLink)
+    receiver = second_conn
+    sender = 3 - receiver
+    assert first_conn == sender
+    assert first == ExpectBenchmark(
+        optimization=1,
+        measurer=PeerEndpoint(peer_id=receiver, host=f"10.0.0.{receiver}",
+                              port=10000 + receiver, pool_size=receiver),
+        nbytes=MEASUREMENT_BYTES,
+    )
+    assert second.source.host == f"10.0.0.{sender}" and second.nbytes == MEASUREMENT_BYTES
 
 
 def test_a_second_optimization_measures_nothing_and_solves_at_once() -> None:

@@ -18,6 +18,7 @@ from pccl_trio._core.messages import (
     DISTRIBUTION_HINT_NAMES,
     DTYPE_NAMES,
     M2C,
+    MAX_POOL_SIZE,
     MAX_TIMER,
     OP_NAMES,
     OUTCOMES,
@@ -27,6 +28,7 @@ from pccl_trio._core.messages import (
     BenchmarkRequest,
     CollectiveInitiate,
     CollectiveVerdict,
+    ExpectBenchmark,
     Heartbeat,
     Kick,
     LinkMeasured,
@@ -44,6 +46,7 @@ from pccl_trio._core.messages import (
     SharedStateRange,
     SharedStateRequest,
     SharedStateVote,
+    TensorSpan,
     TopologyOptimized,
     VoteEstablish,
     VoteOptimizeTopology,
@@ -111,7 +114,13 @@ INVALID_RECORDS: list[tuple[type[Any], dict[str, Any], str]] = [
      "Register.peer_group"),
     (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1, "advertised_host": None},
      "Register.advertised_host"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1, "pool_size": 0},
+     "Register.pool_size: 0 is not in 1..1024"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1,
+                "pool_size": MAX_POOL_SIZE + 1}, "Register.pool_size: 1025"),
     (PeerEndpoint, {"peer_id": 1, "host": "h", "port": 0}, "PeerEndpoint.port"),
+    (PeerEndpoint, {"peer_id": 1, "host": "h", "port": 1, "pool_size": 0},
+     "PeerEndpoint.pool_size"),
     (PeerEndpoint, {"peer_id": 1, "host": "h", "port": U16_MAX + 1}, "PeerEndpoint.port"),
     (WorldSizes, {"global_world_size": -1, "peer_group_world_size": 1,
                   "num_distinct_peer_groups": 1, "largest_peer_group_world_size": 1},
@@ -138,8 +147,12 @@ INVALID_RECORDS: list[tuple[type[Any], dict[str, Any], str]] = [
      "LinkMeasured.latency"),
     (LinkMeasured, {"optimization": 1, "sender": -2, "bandwidth": 1.0}, "LinkMeasured.sender"),
     (LinkMeasured, {"optimization": 1, "sender": 2, "error": None}, "LinkMeasured.error"),
-    (MeasureLink, {"optimization": 1, "source": (2, "h", 1)}, "MeasureLink.source"),
-    (MeasureLink, {"optimization": True, "source": NEIGHBOURS[0]}, "MeasureLink.optimization"),
+    (MeasureLink, {"optimization": 1, "source": (2, "h", 1), "nbytes": 1}, "MeasureLink.source"),
+    (MeasureLink, {"optimization": True, "source": NEIGHBOURS[0], "nbytes": 1},
+     "MeasureLink.optimization"),
+    (MeasureLink, {"optimization": 1, "source": NEIGHBOURS[0], "nbytes": -1}, "MeasureLink.nbytes"),
+    (ExpectBenchmark, {"optimization": 1, "measurer": None, "nbytes": 1},
+     "ExpectBenchmark.measurer"),
     (TopologyOptimized, {"optimization": 1, "peers": (1, 2), "bandwidth": (0.0, 1.0, 1.0)},
      "TopologyOptimized.bandwidth: 3 values for 2 peers"),
     (TopologyOptimized, {"optimization": 1, "peers": (1, 2), "latency": (0.0,) * 5},
@@ -184,6 +197,7 @@ def test_invalid_record_cannot_be_built(cls: type[Any], kwargs: dict[str, Any], 
         Kick(reason="é" * MAX_STRING),  # the limit counts characters, not bytes
         Register(protocol_version=0, peer_group=U32_MAX, p2p_port=U16_MAX),
         Register(protocol_version=0, peer_group=0, p2p_port=1),
+        Register(protocol_version=0, peer_group=0, p2p_port=1, pool_size=MAX_POOL_SIZE),
         Welcome(peer_id=0, heartbeat_interval=1, liveness_timeout=2.5),  # an int is a float
         PeerEndpoint(peer_id=0, host="", port=1),
         P2PInfo(round=0, ring=(), neighbours=(), world=WORLD),
@@ -199,7 +213,7 @@ def test_invalid_record_cannot_be_built(cls: type[Any], kwargs: dict[str, Any], 
                           unreachable=(3, 1), ring=(2, 4)),
     ],
     ids=["max-ints-and-sequence", "max-string", "max-port-and-group", "min-port", "int-as-float",
-         "empty-host", "empty-ring", "measurement-error", "tiny-rate", "int-rate",
+         "max-pool", "empty-host", "empty-ring", "measurement-error", "tiny-rate", "int-rate",
          "refused-optimization", "report-without-matrices", "report-with-matrices"],
 )
 def test_boundary_values_are_valid_and_round_trip(record: Any) -> None:
@@ -209,6 +223,9 @@ def test_boundary_values_are_valid_and_round_trip(record: Any) -> None:
 
 def test_defaults() -> None:
     assert Register(protocol_version=1, peer_group=0, p2p_port=1).advertised_host == ""
+    assert Register(protocol_version=1, peer_group=0, p2p_port=1).pool_size == 1
+    assert PeerEndpoint(peer_id=1, host="h", port=1).pool_size == 1
+    assert SharedStatePlan(sync=1, revision=0, fetches=(), distributors=()).fetchers == ()
     assert P2PEstablished(round=1, success=True).failed_peers == ()
 
 
@@ -236,11 +253,11 @@ def test_message_kinds_is_read_only() -> None:
 
 INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     # wrong field count or shape
-    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 4 fields, got 3"),
-    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 4 fields, got 5"),
+    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 5 fields, got 4"),
+    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 5 fields, got 6"),
     # Maps are refused by msgpack itself, before any object is built.
     (Register, {"protocol_version": 1}, "Register: undecodable payload .*max_map_len"),
-    (Register, 5, "Register: expected 4 fields, got int"),
+    (Register, 5, "Register: expected 5 fields, got int"),
     (Heartbeat, [1], "Heartbeat: expected 0 fields, got 1"),
     (VoteEstablish, None, "VoteEstablish: expected 1 fields, got NoneType"),
     # wrong types and ranges
@@ -253,6 +270,7 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     (Register, replaced(SAMPLES[Register], (3,), b"10.0.0.1"), "Register.advertised_host"),
     (Register, replaced(SAMPLES[Register], (3,), "h" * (MAX_STRING + 1)),
      "Register.advertised_host"),
+    (Register, replaced(SAMPLES[Register], (4,), 0), "Register.pool_size"),
     (Kick, ["x" * (MAX_STRING + 1)], "Kick.reason"),
     (VoteEstablish, [1], "VoteEstablish.accept_new_peers"),
     (VoteEstablish, ["true"], "VoteEstablish.accept_new_peers"),
@@ -272,11 +290,12 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     (P2PInfo, replaced(SAMPLES[P2PInfo], (1,), 5), "P2PInfo.ring: expected an array"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (1, 1), "2"), r"P2PInfo.ring\[1\]"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 1), [5, "h"]),
-     r"P2PInfo.neighbours\[1\]: expected 3 fields, got 2"),
+     r"P2PInfo.neighbours\[1\]: expected 4 fields, got 2"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0), "peer"),
-     r"P2PInfo.neighbours\[0\]: expected 3 fields, got str"),
+     r"P2PInfo.neighbours\[0\]: expected 4 fields, got str"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0, 2), 0), "PeerEndpoint.port"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0, 1), 7), "PeerEndpoint.host"),
+    (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0, 3), MAX_POOL_SIZE + 1), "PeerEndpoint.pool_size"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (3,), [4, 3, 2]),
      "P2PInfo.world: expected 4 fields, got 3"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (3, 3), -3), "WorldSizes.largest_peer_group_world_size"),
@@ -291,7 +310,10 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     (LinkMeasured, wire_fields(SAMPLES[LinkMeasured])[:-1], "LinkMeasured: expected 5 fields, got 4"),
     (MeasureLink, replaced(SAMPLES[MeasureLink], (1, 2), 0), "PeerEndpoint.port"),
     (MeasureLink, replaced(SAMPLES[MeasureLink], (1,), None),
-     "MeasureLink.source: expected 3 fields, got NoneType"),
+     "MeasureLink.source: expected 4 fields, got NoneType"),
+    (ExpectBenchmark, replaced(SAMPLES[ExpectBenchmark], (2,), "1"), "ExpectBenchmark.nbytes"),
+    (SharedStatePlan, replaced(SAMPLES[SharedStatePlan], (4, 0, 2, 1), [2, 0]),
+     "TensorSpan.count: must be at least 1"),
     (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (2,), [1, 2, 2]),
      "TopologyOptimized.peers: a peer appears twice"),
     (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (3,), [0.0] * 8),
@@ -345,7 +367,10 @@ def test_decode_accepts_a_memoryview() -> None:
 NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (Register, "peer_group"): st.integers(0, U32_MAX),
     (Register, "p2p_port"): st.integers(1, U16_MAX),
+    (Register, "pool_size"): st.integers(1, MAX_POOL_SIZE),
     (PeerEndpoint, "port"): st.integers(1, U16_MAX),
+    (PeerEndpoint, "pool_size"): st.integers(1, MAX_POOL_SIZE),
+    (TensorSpan, "count"): st.integers(1, U64_MAX),
     (CollectiveInitiate, "dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
     (CollectiveInitiate, "quantized_dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
     (CollectiveInitiate, "op"): st.integers(0, len(OP_NAMES) - 1),
@@ -509,7 +534,7 @@ def test_arbitrary_payload_decodes_or_raises_remote_protocol_error(
 
 
 topology_messages = st.sampled_from(
-    [VoteOptimizeTopology, LinkMeasured, MeasureLink, TopologyOptimized]
+    [VoteOptimizeTopology, LinkMeasured, MeasureLink, ExpectBenchmark, TopologyOptimized]
 ).flatmap(records)
 
 
@@ -556,6 +581,7 @@ def test_samples_use_non_default_nested_values() -> None:
             SharedStateFetch(key="a", hash=1, verify=True),
         )), "key 'a' appears twice"),
         (lambda: SharedStateRange(key="", offset=0, nbytes=1), "SharedStateRange.key"),
+        (lambda: TensorSpan(first=3, count=0), "TensorSpan.count"),
     ],
 )
 def test_shared_state_records_refuse_bad_fields(message: Any, words: str) -> None:

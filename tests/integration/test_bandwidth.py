@@ -8,6 +8,7 @@ import pytest
 import trio
 
 import pccl_trio as pccl
+from pccl_trio._core.bandwidth import MEASUREMENT_BYTES
 from pccl_trio._core.messages import PeerEndpoint
 from pccl_trio.testing import PeerSeam
 
@@ -22,7 +23,10 @@ async def test_a_peer_measures_the_link_from_another(cluster: Cluster, clock: ob
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         for measurer, measured in ((0, 1), (1, 0)):
-            result = await PeerSeam(comms[measurer]).measure_link(endpoint_of(comms[measured]))
+            PeerSeam(comms[measured]).expect_benchmark(endpoint_of(comms[measurer]), MEASUREMENT_BYTES)
+            result = await PeerSeam(comms[measurer]).measure_link(
+                endpoint_of(comms[measured]), MEASUREMENT_BYTES
+            )
             assert math.isfinite(result.bandwidth) and result.bandwidth > 0, result
             assert result.latency >= 0 and result.nbytes >= (256 << 10) + 3
             assert result.seconds >= 0
@@ -46,6 +50,6 @@ async def test_a_measured_peer_dying_fails_only_the_measurement(
         target = endpoint_of(comms[2])
         await cluster.kill("p2", comms[2])
         with pytest.raises((OSError, trio.TooSlowError, trio.BrokenResourceError)):
-            await PeerSeam(comms[0]).measure_link(target)
+            await PeerSeam(comms[0]).measure_link(target, MEASUREMENT_BYTES)
         for comm in comms[:2]:
             await comm.aclose()

@@ -145,10 +145,10 @@ async def test_a_second_call_measures_only_the_new_peers_links(
             original = seam.measure_link
 
             async def counting(
-                endpoint: PeerEndpoint, original: MeasureLink = original
+                endpoint: PeerEndpoint, nbytes: int, original: MeasureLink = original
             ) -> LinkMeasurement:
                 measured.append(1)
-                return await original(endpoint)
+                return await original(endpoint, nbytes)
 
             seam.measure_link = counting
         # Nothing new: no link is measured again.
@@ -157,9 +157,9 @@ async def test_a_second_call_measures_only_the_new_peers_links(
         comms = await form_run(comms, [cluster.communicator(hosts[3])])
         original_new = PeerSeam(comms[3]).measure_link
 
-        async def counting_new(endpoint: PeerEndpoint) -> LinkMeasurement:
+        async def counting_new(endpoint: PeerEndpoint, nbytes: int) -> LinkMeasurement:
             measured.append(1)
-            return await original_new(endpoint)
+            return await original_new(endpoint, nbytes)
 
         PeerSeam(comms[3]).measure_link = counting_new
         await all_do(comms, "optimize_topology")
@@ -256,7 +256,7 @@ async def test_a_peer_dying_while_measuring(cluster: Cluster, clock: object) -> 
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(4)])
         victim = comms[3]
 
-        async def die(_endpoint: PeerEndpoint) -> LinkMeasurement:
+        async def die(_endpoint: PeerEndpoint, _nbytes: int) -> LinkMeasurement:
             await cluster.kill("p3", victim)
             raise trio.BrokenResourceError("this peer died")
 
@@ -287,10 +287,10 @@ async def test_an_unmeasurable_link_is_avoided(cluster: Cluster, clock: object) 
         # Peer 1 cannot measure the link from peer 0, whatever the ring was before.
         original = PeerSeam(comms[1]).measure_link
 
-        async def refuse(endpoint: PeerEndpoint) -> LinkMeasurement:
+        async def refuse(endpoint: PeerEndpoint, nbytes: int) -> LinkMeasurement:
             if endpoint.peer_id == comms[0].peer_id:
                 raise OSError("connection refused (firewall)")
-            return await original(endpoint)
+            return await original(endpoint, nbytes)
 
         PeerSeam(comms[1]).measure_link = refuse
         await all_do(comms, "optimize_topology")
@@ -433,10 +433,10 @@ async def test_a_peer_going_silent_while_measured(cluster: Cluster, clock: objec
         silent = comms[1]
         measure = PeerSeam(comms[0]).measure_link
 
-        async def pull_the_cable(endpoint: PeerEndpoint) -> LinkMeasurement:
+        async def pull_the_cable(endpoint: PeerEndpoint, nbytes: int) -> LinkMeasurement:
             if endpoint.peer_id == silent.peer_id:
                 memory.partition("p1")
-            return await measure(endpoint)
+            return await measure(endpoint, nbytes)
 
         PeerSeam(comms[0]).measure_link = pull_the_cable
         survivors = [c for c in comms if c is not silent]

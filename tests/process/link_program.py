@@ -10,6 +10,7 @@ import sys
 
 import trio
 
+from pccl_trio._core.bandwidth import MEASUREMENT_BYTES
 from pccl_trio._core.messages import BenchmarkRequest
 from pccl_trio.peer import _bandwidth as bandwidth
 from pccl_trio.peer._protocol import run_protocol
@@ -28,7 +29,9 @@ async def server(host: str) -> None:
     link = SocketLink.detach(framed, max_data_frame=LIMITS["max_data_frame"])
     assert link is not None
     try:
-        await run_protocol(bandwidth.serve_benchmark(request), link, idle_timeout=10.0)
+        await run_protocol(
+            bandwidth.serve_benchmark(request, budget=MEASUREMENT_BYTES), link, idle_timeout=10.0
+        )
     except trio.BrokenResourceError:
         pass  # the client is done
     finally:
@@ -41,7 +44,8 @@ async def client(host: str) -> None:
     assert link is not None
     try:
         result = await run_protocol(
-            bandwidth.measure_link(peer_id=1, frame_bytes=64 << 20), link, idle_timeout=10.0
+            bandwidth.measure_link(peer_id=1, frame_bytes=64 << 20, budget_bytes=MEASUREMENT_BYTES),
+            link, idle_timeout=10.0,
         )
     finally:
         link.cut()
