@@ -67,7 +67,7 @@ from .peers import (
     out_of_order,
 )
 from .rounds import RingBook
-from .stalls import Waiting
+from .stalls import Waiting, run_vote
 
 __all__ = ["KEEP_MARGIN", "Optimizer"]
 
@@ -272,22 +272,15 @@ class Optimizer:
         """The vote, while some members voted and others did not."""
         if self._current is not None:
             return
-        accepted = self._table.accepted()
-        voters = [p for p in accepted if p.state is PeerState.VOTE_OPTIMIZE]
-        if voters and len(voters) < len(accepted):
-            yield Waiting(
-                key="optimize_topology",
-                call=Call.OPTIMIZE_TOPOLOGY.value,
-                where="the run",
-                since=min(p.voted_at for p in voters),
-                missing=lambda: [
-                    p for p in self._table.accepted() if p.state is not PeerState.VOTE_OPTIMIZE
-                ],
-                fail=lambda reason: self._refuse(
-                    [p for p in self._table.accepted() if p.state is PeerState.VOTE_OPTIMIZE],
-                    reason,
-                ),
-            )
+        yield from run_vote(
+            self._table, Call.OPTIMIZE_TOPOLOGY,
+            voted=lambda p: p.state is PeerState.VOTE_OPTIMIZE,
+            since=lambda p: p.voted_at,
+            fail=lambda reason: self._refuse(
+                [p for p in self._table.accepted() if p.state is PeerState.VOTE_OPTIMIZE],
+                reason,
+            ),
+        )
 
     def _refuse(self, voters: Sequence[Peer], error: str, *, rejoin: bool = False) -> None:
         """End the vote of ``voters`` with ``error``; no optimization runs."""

@@ -69,7 +69,7 @@ from .peers import (
     out_of_order,
 )
 from .ring import find_ring, neighbours
-from .stalls import Waiting
+from .stalls import Waiting, run_vote
 
 __all__ = ["PendingVote", "RingBook", "Rounds"]
 
@@ -246,19 +246,11 @@ class Rounds:
         """The establishment vote, while some members voted and others did not."""
         if self._current is not None:
             return
-        accepted = self._table.accepted()
-        voters = [p for p in accepted if p.state is PeerState.VOTE_ESTABLISH]
-        if voters and len(voters) < len(accepted):
-            yield Waiting(
-                key="update_topology",
-                call=Call.UPDATE_TOPOLOGY.value,
-                where="the run",
-                since=min(p.voted_at for p in voters),
-                missing=lambda: [
-                    p for p in self._table.accepted() if p.state is not PeerState.VOTE_ESTABLISH
-                ],
-                fail=self._refuse,
-            )
+        yield from run_vote(
+            self._table, Call.UPDATE_TOPOLOGY,
+            voted=lambda p: p.state is PeerState.VOTE_ESTABLISH,
+            since=lambda p: p.voted_at, fail=self._refuse,
+        )
 
     def _refuse(self, reason: str) -> None:
         """End the establishment vote without a round: every voter is told why."""
@@ -433,17 +425,10 @@ class PendingVote:
 
     def waiting(self) -> Iterator[Waiting]:
         """The vote, while some members asked and others did not."""
-        accepted = self._table.accepted()
-        askers = [p for p in accepted if p.pending_vote]
-        if askers and len(askers) < len(accepted):
-            yield Waiting(
-                key="are_peers_pending",
-                call=Call.ARE_PEERS_PENDING.value,
-                where="the run",
-                since=min(p.pending_since for p in askers),
-                missing=lambda: [p for p in self._table.accepted() if not p.pending_vote],
-                fail=self._refuse,
-            )
+        yield from run_vote(
+            self._table, Call.ARE_PEERS_PENDING, voted=lambda p: p.pending_vote,
+            since=lambda p: p.pending_since, fail=self._refuse,
+        )
 
     def _refuse(self, reason: str) -> None:
         """Answer every asker with ``reason`` instead of the answer."""

@@ -34,12 +34,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
-from .peers import Peer, PeerTable, pending_calls
+from .peers import Call, Peer, PeerTable, pending_calls
 from .records import bounded
 
-__all__ = ["Stalls", "Waiting"]
+__all__ = ["Stalls", "Waiting", "run_vote"]
 
 log = logging.getLogger("pccl_trio.master")
 
@@ -66,6 +66,25 @@ class Waiting:
 
 
 Source = Callable[[], Iterable[Waiting]]
+
+
+def run_vote(
+    table: PeerTable, call: Call, *, voted: Callable[[Peer], bool],
+    since: Callable[[Peer], float], fail: Callable[[str], None],
+) -> Iterator[Waiting]:
+    """The run-wide vote of ``call`` (every accepted peer takes part), while some have
+    voted (``voted``, since ``since``) and others have not."""
+    accepted = table.accepted()
+    voters = [p for p in accepted if voted(p)]
+    if voters and len(voters) < len(accepted):
+        yield Waiting(
+            key=call.value,
+            call=call.value,
+            where="the run",
+            since=min(since(p) for p in voters),
+            missing=lambda: [p for p in table.accepted() if not voted(p)],
+            fail=fail,
+        )
 
 
 class Stalls:

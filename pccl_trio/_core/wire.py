@@ -53,6 +53,7 @@ __all__ = [
     "LENGTH_SIZE",
     "Admission",
     "DataFrame",
+    "DataFrameReader",
     "DecoderState",
     "FrameDecoder",
     "FrameType",
@@ -260,6 +261,65 @@ def parse_control_kind(
     if admission is not None:
         admission.check(kind, body_length - trailer)
     return kind  # type: ignore[no-any-return]
+
+
+class DataFrameReader:
+    """The data frames of a reader that receives each payload straight into its place
+    (``FramedStream``, ``SocketLink``): its header, then its payload, then (with a
+    channel) the tag that must hold before the payload is used.
+
+    Args:
+        max_data_frame: largest data-frame body accepted, tag not counted.
+        channel: the connection's protection (None: plain frames).
+    """
+
+    def __init__(self, *, max_data_frame: int, channel: Channel | None) -> None:
+        self.channel = channel
+        #: Bytes of authentication tag after each payload.
+        self.trailer = 0 if channel is None else TAG_SIZE
+        self._max = max_data_frame + self.trailer
+        self._header = bytearray(DATA_HEADER.size)
+        self._payload = 0  # bytes of the frame whose header was read, still to come
+
+    def header_buffer(self) -> memoryview:
+        """Where the next frame's header goes.
+
+        Raises:
+            RemoteProtocolError: the last frame's payload was not received.
+        """
+        if self._payload:
+            raise RemoteProtocolError("a data frame's payload was not received")
+        return memoryview(self._header)
+
+    def parse_header(self) -> tuple[int, int, int, int]:
+        """``(tag, seq, offset, nbytes)`` of the header just received."""
+        header = parse_data_header(self._header, max_data_frame=self._max, trailer=self.trailer)
+        self._payload = header[3]
+        return header
+
+    def payload_buffer(self, view: memoryview) -> memoryview:
+        """``view`` as bytes, where the payload goes (exactly as long).
+
+        Raises:
+            RemoteProtocolError: ``view`` is not as long as the payload.
+        """
+        if view.itemsize != 1:
+            view = view.cast("B")
+        if len(view) != self._payload:
+            raise RemoteProtocolError(
+                f"a {self._payload}-byte payload cannot be received into {len(view)} bytes"
+            )
+        self._payload = 0
+        return view
+
+    def accept(self, payload: memoryview, tag: bytes | bytearray) -> None:
+        """Check a received payload against its tag (decrypting it with encryption).
+
+        Raises:
+            RemoteProtocolError: it fails (``payload`` must not be used).
+        """
+        assert self.channel is not None
+        self.channel.accept_data(bytes(self._header), payload, tag)
 
 
 class FrameDecoder:

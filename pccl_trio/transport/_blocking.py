@@ -31,18 +31,16 @@ from contextlib import contextmanager
 import trio
 
 from .._core.channel import TAG_SIZE, Channel
-from .._core.errors import RemoteProtocolError
 from .._core.messages import Message, decode_message
 from .._core.wire import (
     CONTROL_HEADER_SIZE,
-    DATA_HEADER,
     LENGTH_SIZE,
+    DataFrameReader,
     encode_control,
     encode_data_header,
     open_control,
     parse_control_kind,
     parse_control_length,
-    parse_data_header,
 )
 from ._framed import RECEIVE_CHUNK, FramedStream, drop_sent, readable_now
 
@@ -66,11 +64,8 @@ class SocketLink:
         sock.setblocking(True)
         self._sock = sock
         self.channel = channel
-        self._trailer = 0 if channel is None else TAG_SIZE
-        self._payload = 0  # bytes of the data frame whose header was read, still to come
-        self._max_data_frame = max_data_frame
+        self._data = DataFrameReader(max_data_frame=max_data_frame, channel=channel)
         self._max_control_frame = max_control_frame
-        self._header = bytearray(DATA_HEADER.size)
         self._state = threading.Lock()
         self._users = 0
         self._cut = False
@@ -194,7 +189,7 @@ class SocketLink:
         if payload.itemsize != 1:
             payload = payload.cast("B")  # lengths below count bytes
         header = encode_data_header(
-            tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._trailer
+            tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._data.trailer
         )
         if self.channel is None:
             self.send_frames([memoryview(header), payload])
@@ -219,10 +214,10 @@ class SocketLink:
         prefix = bytearray(LENGTH_SIZE + CONTROL_HEADER_SIZE)
         self.receive_into(memoryview(prefix)[:LENGTH_SIZE])
         length = parse_control_length(
-            prefix[:LENGTH_SIZE], max_control_frame=self._max_control_frame + self._trailer
+            prefix[:LENGTH_SIZE], max_control_frame=self._max_control_frame + self._data.trailer
         )
         self.receive_into(memoryview(prefix)[LENGTH_SIZE:])
-        kind = parse_control_kind(prefix[LENGTH_SIZE:], length, None, trailer=self._trailer)
+        kind = parse_control_kind(prefix[LENGTH_SIZE:], length, None, trailer=self._data.trailer)
         remaining = length - CONTROL_HEADER_SIZE
         body = bytearray()
         while len(body) < remaining:  # the buffer grows with what arrived
@@ -240,15 +235,8 @@ class SocketLink:
         Raises:
             RemoteProtocolError: not a valid data frame.
         """
-        if self._payload:
-            raise RemoteProtocolError("a data frame's payload was not received")
-        self.receive_into(memoryview(self._header))
-        header = parse_data_header(
-            self._header, max_data_frame=self._max_data_frame + self._trailer,
-            trailer=self._trailer,
-        )
-        self._payload = header[3]
-        return header
+        self.receive_into(self._data.header_buffer())
+        return self._data.parse_header()
 
     def receive_payload(self, view: memoryview) -> None:
         """Receive the payload of the data frame whose header was just read into
@@ -257,19 +245,13 @@ class SocketLink:
         Raises:
             RemoteProtocolError: the tag failed (``view`` must not be used).
         """
-        if view.itemsize != 1:
-            view = view.cast("B")
-        if len(view) != self._payload:
-            raise RemoteProtocolError(
-                f"a {self._payload}-byte payload cannot be received into {len(view)} bytes"
-            )
-        self._payload = 0
+        view = self._data.payload_buffer(view)
         if self.channel is None:
             self.receive_into(view)
             return
         tag = bytearray(TAG_SIZE)
         self._receive_scattered([view, memoryview(tag)])  # one wake-up for both
-        self.channel.accept_data(bytes(self._header), view, tag)
+        self._data.accept(view, tag)
 
     def receive_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly (blocking)."""

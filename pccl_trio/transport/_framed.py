@@ -26,10 +26,10 @@ from .._core.errors import RemoteProtocolError
 from .._core.messages import Message, decode_message
 from .._core.wire import (
     CONTROL_HEADER_SIZE,
-    DATA_HEADER,
     LENGTH_SIZE,
     Admission,
     DataFrame,
+    DataFrameReader,
     DecoderState,
     FrameDecoder,
     Undecoded,
@@ -38,7 +38,6 @@ from .._core.wire import (
     open_control,
     parse_control_kind,
     parse_control_length,
-    parse_data_header,
 )
 from ._network import InMemoryStream
 
@@ -88,19 +87,16 @@ class FramedStream:
     ) -> None:
         self.stream = stream
         self.channel = channel
-        self._trailer = 0 if channel is None else TAG_SIZE
-        self._max_data_frame = max_data_frame
         self._max_control_frame = max_control_frame
         # Zero-copy paths: a trio socket (TCP) or the memory network's receive_into.
         self._socket: trio.socket.SocketType | None = (
             stream.socket if isinstance(stream, trio.SocketStream) else None
         )
-        self._header = bytearray(DATA_HEADER.size)
+        self._data = DataFrameReader(max_data_frame=max_data_frame, channel=channel)
         self._decoder = FrameDecoder(
             max_control_frame=max_control_frame, max_data_frame=max_data_frame,
             admission=admission, decode=decode, channel=channel,
         )
-        self._payload = 0  # bytes of the data frame whose header was read, still to come
         self._send_lock = trio.StrictFIFOLock()
         self._closed = False
 
@@ -154,7 +150,7 @@ class FramedStream:
         if payload.itemsize != 1:
             payload = payload.cast("B")  # lengths below count bytes
         header = encode_data_header(
-            tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._trailer
+            tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._data.trailer
         )
         async with self._send_lock:
             if self._closed:
@@ -182,15 +178,8 @@ class FramedStream:
         the caller then receives its payload with ``receive_payload``."""
         if self._decoder.buffered:
             raise RemoteProtocolError("unexpected bytes before the data stream")
-        if self._payload:
-            raise RemoteProtocolError("a data frame's payload was not received")
-        await self.receive_into(memoryview(self._header))
-        header = parse_data_header(
-            self._header, max_data_frame=self._max_data_frame + self._trailer,
-            trailer=self._trailer,
-        )
-        self._payload = header[3]
-        return header
+        await self.receive_into(self._data.header_buffer())
+        return self._data.parse_header()
 
     async def receive_payload(self, view: memoryview) -> None:
         """Receive the payload of the data frame whose header was just read into
@@ -199,18 +188,12 @@ class FramedStream:
         Raises:
             RemoteProtocolError: the tag failed (``view`` must not be used).
         """
-        if view.itemsize != 1:
-            view = view.cast("B")
-        if len(view) != self._payload:
-            raise RemoteProtocolError(
-                f"a {self._payload}-byte payload cannot be received into {len(view)} bytes"
-            )
-        self._payload = 0
+        view = self._data.payload_buffer(view)
         await self.receive_into(view)
         if self.channel is not None:
             tag = bytearray(TAG_SIZE)
             await self.receive_into(memoryview(tag))
-            self.channel.accept_data(bytes(self._header), view, tag)
+            self._data.accept(view, tag)
 
     async def receive_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly from the stream.
@@ -271,10 +254,10 @@ class FramedStream:
         prefix = bytearray(LENGTH_SIZE + CONTROL_HEADER_SIZE)
         await self.receive_into(memoryview(prefix)[:LENGTH_SIZE])
         length = parse_control_length(
-            prefix[:LENGTH_SIZE], max_control_frame=self._max_control_frame + self._trailer
+            prefix[:LENGTH_SIZE], max_control_frame=self._max_control_frame + self._data.trailer
         )
         await self.receive_into(memoryview(prefix)[LENGTH_SIZE:])
-        kind = parse_control_kind(prefix[LENGTH_SIZE:], length, admission, trailer=self._trailer)
+        kind = parse_control_kind(prefix[LENGTH_SIZE:], length, admission, trailer=self._data.trailer)
         remaining = length - CONTROL_HEADER_SIZE
         body = bytearray()
         while len(body) < remaining:  # the buffer grows with what arrived
