@@ -26,6 +26,19 @@ import enum
 import typing
 
 from .errors import RemoteProtocolError
+from .nested import (
+    DTYPE_NAMES,
+    MAX_KEY,
+    MAX_POOL_SIZE,
+    PeerEndpoint,
+    SharedStateEntry,
+    SharedStateFetch,
+    SharedStateFetcher,
+    SharedStateRange,
+    TensorSpan,
+    WorldSizes,
+    check_pool_size,
+)
 from .records import (
     C2M,
     M2C,
@@ -33,19 +46,18 @@ from .records import (
     U16_MAX,
     U32_MAX,
     Message,
-    Record,
     body_limit,
     bounded,
     decode_message,
     encode_message,
     message,
     message_kinds,
-    record,
 )
 
 __all__ = [
     "BenchmarkRequest",
     "C2M",
+    "DTYPE_NAMES",
     "CollectiveAbort",
     "CollectiveCommence",
     "CollectiveComplete",
@@ -53,6 +65,7 @@ __all__ = [
     "CollectiveVerdict",
     "ExpectBenchmark",
     "M2C",
+    "MAX_KEY",
     "MAX_POOL_SIZE",
     "MAX_TIMER",
     "P2P",
@@ -106,12 +119,6 @@ def body_limits(
 #: Bumped whenever the wire format or a message changes incompatibly.
 PROTOCOL_VERSION = 5
 
-#: Names by wire value; the public enums in ``pccl_trio._types`` use the same values
-#: (a test holds them together).
-DTYPE_NAMES = (
-    "UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64",
-    "FLOAT16", "BFLOAT16", "FLOAT", "DOUBLE",
-)
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
 DISTRIBUTION_HINT_NAMES = ("NONE", "NORMAL", "UNIFORM")
@@ -140,129 +147,10 @@ STRATEGY_NAMES = tuple(strategy.name for strategy in SyncStrategy)
 MAX_BENCHMARK_BYTES = 1 << 30
 #: Largest group whose link matrices ``TopologyOptimized`` carries.
 MATRIX_LIMIT = 128
-#: Longest shared-state key, in characters.
-MAX_KEY = 1024
 #: Longest liveness timeout a master may impose, in seconds.
 MAX_TIMER = 3600.0
 #: Longest host name (DNS) or address a peer may advertise.
 MAX_HOST = 253
-#: Most connections per ring neighbour (a pool's slots are numbered from 0 below it).
-MAX_POOL_SIZE = 1024
-
-
-def _check_pool_size(pool_size: int, where: str) -> None:
-    if not 1 <= pool_size <= MAX_POOL_SIZE:
-        raise RemoteProtocolError(f"{where}: {pool_size} is not in 1..{MAX_POOL_SIZE}")
-
-
-# --- nested records -------------------------------------------------------------
-
-
-@record
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class PeerEndpoint(Record):
-    """Where a peer accepts p2p connections (and the host its own connections come
-    from), and how many connections its ring pool opens."""
-
-    peer_id: int
-    host: str
-    port: int
-    pool_size: int = 1
-
-    def _validate(self) -> None:
-        if not 1 <= self.port <= U16_MAX:
-            raise RemoteProtocolError(f"PeerEndpoint.port: {self.port} is not a TCP port")
-        _check_pool_size(self.pool_size, "PeerEndpoint.pool_size")
-
-
-@record
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class WorldSizes(Record):
-    """The four world-size attributes of one peer's view of the run."""
-
-    global_world_size: int
-    peer_group_world_size: int
-    num_distinct_peer_groups: int
-    largest_peer_group_world_size: int
-
-
-def _check_key(key: str, where: str) -> None:
-    if not key or len(key) > MAX_KEY:
-        raise RemoteProtocolError(f"{where}: a shared-state key has 1 to {MAX_KEY} characters")
-
-
-@record
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateEntry(Record):
-    """One tensor of a peer's shared state, as it votes: what the master compares."""
-
-    key: str
-    hash: int
-    dtype: int
-    count: int
-    allow_content_inequality: bool
-
-    def _validate(self) -> None:
-        _check_key(self.key, "SharedStateEntry.key")
-        if self.dtype >= len(DTYPE_NAMES):
-            raise RemoteProtocolError(f"SharedStateEntry.dtype: unknown value {self.dtype}")
-
-    def describe(self) -> str:
-        return f"{self.count} x {DTYPE_NAMES[self.dtype]}"
-
-
-@record
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateFetch(Record):
-    """A tensor a peer must fetch, and the hash it must have (unless not ``verify``)."""
-
-    key: str
-    hash: int
-    verify: bool
-
-    def _validate(self) -> None:
-        _check_key(self.key, "SharedStateFetch.key")
-
-
-@record
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class TensorSpan(Record):
-    """Tensors ``first`` to ``first + count - 1`` of the popular state, in vote order."""
-
-    first: int
-    count: int
-
-    def _validate(self) -> None:
-        if self.count == 0:
-            raise RemoteProtocolError("TensorSpan.count: must be at least 1")
-
-
-@record
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateFetcher(Record):
-    """A peer a distributor may serve in a sync: its id, the host its connections come
-    from, and the tensors it may ask for."""
-
-    peer_id: int
-    host: str
-    tensors: tuple[TensorSpan, ...]
-
-
-@record
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateRange(Record):
-    """Bytes ``[offset, offset + nbytes)`` of one shared-state tensor."""
-
-    key: str
-    offset: int
-    nbytes: int
-
-    def _validate(self) -> None:
-        _check_key(self.key, "SharedStateRange.key")
-
-
-
-
 def _check_unique_keys(keys: typing.Iterable[str], where: str) -> None:
     seen: set[str] = set()
     for key in keys:
@@ -289,7 +177,7 @@ class Register(Message):
     pool_size: int = 1  # connections it opens to its successor (slots 0 to pool_size - 1)
 
     def _validate(self) -> None:
-        _check_pool_size(self.pool_size, "Register.pool_size")
+        check_pool_size(self.pool_size, "Register.pool_size")
         if len(self.advertised_host) > MAX_HOST:
             raise RemoteProtocolError(
                 f"Register.advertised_host: {len(self.advertised_host)} characters, more "
