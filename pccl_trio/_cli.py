@@ -1,4 +1,5 @@
-"""Command line: ``pccl-trio master ...`` (and ``python -m pccl_trio.master ...``)."""
+"""Command line: ``pccl-trio master ...`` (and ``python -m pccl_trio.master ...``),
+``pccl-trio identity PATH`` and ``pccl-trio bench ...``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import trio
 
 from ._bench import parse_size
 from ._config import SECRET_ENVIRONMENT, Config
+from ._identity import IdentityError, load_allowlist, load_identity, public_hex
 from .master import serve_master
 from .transport import TcpNetwork, format_address, listen_host, listener_address, parse_address
 
@@ -44,6 +46,12 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
         metavar="PATH",
         help="file holding the run secret shared with every peer (default: "
         f"${SECRET_ENVIRONMENT}); with one, every connection is authenticated",
+    )
+    parser.add_argument(
+        "--allow-identities",
+        metavar="FILE",
+        help="admit only peers proving one of the node identities listed in FILE (one "
+        "public key per line, as `pccl-trio identity` prints it); needs a run secret",
     )
     parser.add_argument(
         "--insecure",
@@ -158,9 +166,17 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
             insecure=args.insecure,
             stall_timeout=args.stall_timeout,
             stall_warning=args.stall_warning,
+            allowed_identities=(
+                None if args.allow_identities is None else load_allowlist(args.allow_identities)
+            ),
         )
     except ValueError as exc:
         parser.error(str(exc))
+    if config.allowed_identities is not None and config.secret is None:
+        parser.error(
+            f"--allow-identities needs a run secret (--secret-file or ${SECRET_ENVIRONMENT}): "
+            "identities are proven in the run-secret handshake"
+        )
     level = {"TRACE": "DEBUG", "WARN": "WARNING"}.get(args.log_level, args.log_level)
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -179,14 +195,32 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
     return 0
 
 
+def identity_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio identity") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Print this node's public identity key (creating the key file, mode "
+        "0600, on first use): the line to add to a master's --allow-identities file.",
+    )
+    parser.add_argument("path", metavar="PATH", help="the key file (Config(identity=PATH))")
+    args = parser.parse_args(argv)
+    try:
+        key = load_identity(args.path)
+    except (IdentityError, OSError) as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
+    print(public_hex(key))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ._bench import bench_main
 
-    commands = {"master": master_main, "bench": bench_main}
+    commands = {"master": master_main, "identity": identity_main, "bench": bench_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: pccl-trio {master,bench} [options]\n\n"
+        print("usage: pccl-trio {master,identity,bench} [options]\n\n"
               "commands:\n  master   run the master of a run (see pccl-trio master --help)\n"
+              "  identity print this node's public identity key, creating the key file\n"
               "  bench    all-reduce benchmark with local peers (see pccl-trio bench --help)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

@@ -12,6 +12,7 @@ import os
 from typing import Literal
 
 from ._core.channel import check_secret
+from ._core.identity import IDENTITY_SIZE
 from ._core.messages import MAX_POOL_SIZE, MAX_TIMER
 
 __all__ = ["SECRET_ENVIRONMENT", "Config"]
@@ -107,6 +108,12 @@ class Config:
     run_secret: bytes | str | None = dataclasses.field(default=None, repr=False)
     data_protection: Literal["mac", "encrypt"] = "mac"
     insecure: bool = False
+    stall_timeout: float = 1800.0
+    stall_warning: float = 60.0
+    shared_state_min_rate: float = 64 * 1024
+    shared_state_grace: float = 30.0
+    identity: str | os.PathLike[str] | None = None
+    allowed_identities: frozenset[bytes] | None = None
 
     @property
     def secret(self) -> bytes | None:
@@ -121,10 +128,6 @@ class Config:
         if self.run_secret is not None or not os.environ.get(SECRET_ENVIRONMENT):
             return self
         return dataclasses.replace(self, run_secret=os.environ[SECRET_ENVIRONMENT])
-    stall_timeout: float = 1800.0
-    stall_warning: float = 60.0
-    shared_state_min_rate: float = 64 * 1024
-    shared_state_grace: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout"):
@@ -175,6 +178,17 @@ class Config:
             )
         if not isinstance(self.insecure, bool):
             raise ValueError(f"Config.insecure must be a bool, got {self.insecure!r}")
+        if self.identity is not None and not isinstance(self.identity, str | os.PathLike):
+            raise ValueError(f"Config.identity must be a path, got {self.identity!r}")
+        if self.allowed_identities is not None:
+            allowed = frozenset(self.allowed_identities)
+            bad = [key for key in allowed if not (isinstance(key, bytes) and len(key) == IDENTITY_SIZE)]
+            if bad:
+                raise ValueError(
+                    f"Config.allowed_identities must hold {IDENTITY_SIZE}-byte public keys, "
+                    f"got {bad[0]!r}"
+                )
+            object.__setattr__(self, "allowed_identities", allowed)
         for name in ("stall_timeout", "stall_warning"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and not math.isnan(value) and value > 0):

@@ -1,4 +1,5 @@
-"""A node's identity key on disk: created on first use, kept private.
+"""A node's identity key on disk, created on first use and kept private; a master's
+allowlist of public keys.
 
 Theory of operation
 -------------------
@@ -8,6 +9,10 @@ permissions 0600 and linked into place whole, so two processes starting at once 
 with one key; its directory, if made here, gets 0700. Like ssh, a key file others may read is
 refused: the key is what lets a master and the other peers tell this node from any
 other holder of the run secret.
+
+``load_allowlist(path)`` reads the public keys a master admits: one per line, as the
+64 hex digits ``pccl-trio identity`` prints, optionally followed by a name; blank
+lines and ``#`` comments are skipped, and a malformed line is refused with its number.
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from cryptography.hazmat.primitives.serialization import (
     load_pem_private_key,
 )
 
-__all__ = ["IdentityError", "load_identity"]
+from ._core.identity import IDENTITY_SIZE, public_bytes
+
+__all__ = ["IdentityError", "load_allowlist", "load_identity", "public_hex"]
 
 
 class IdentityError(ValueError):
@@ -53,6 +60,40 @@ def load_identity(path: str | os.PathLike[str]) -> Ed25519PrivateKey:
     if not isinstance(key, Ed25519PrivateKey):
         raise IdentityError(f"{file} holds a {type(key).__name__}, not an Ed25519 key")
     return key
+
+
+def public_hex(key: Ed25519PrivateKey) -> str:
+    """The public half of ``key`` as 64 hex digits (an allowlist line)."""
+    return public_bytes(key).hex()
+
+
+def load_allowlist(path: str | os.PathLike[str]) -> frozenset[bytes]:
+    """The public identity keys listed in ``path``.
+
+    Raises:
+        IdentityError: the file cannot be read, or a line is not a key.
+    """
+    file = Path(path).expanduser()
+    try:
+        lines = file.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise IdentityError(f"cannot read the allowlist {file}: {exc}") from None
+    keys: set[bytes] = set()
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        try:
+            key = bytes.fromhex(words[0])
+        except ValueError:
+            key = b""
+        if len(key) != IDENTITY_SIZE:
+            raise IdentityError(
+                f"{file}, line {number}: {words[0][:80]!r} is not a public identity key "
+                f"({2 * IDENTITY_SIZE} hex digits, as `pccl-trio identity` prints)"
+            )
+        keys.add(key)
+    return frozenset(keys)
 
 
 def _create(file: Path) -> None:

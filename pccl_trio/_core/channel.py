@@ -16,11 +16,22 @@ with a handshake of three fixed-size messages, exchanged before any frame is par
   same transcript, under the same key but another label.
 
 The keys come from HKDF-SHA256 over the run secret, salted with both nonces and bound
-to the purpose: an authentication key and one AES-256-GCM key per direction, new for
-every connection. Each side checks the other's proof before it sends anything more, so
+to the purpose: an authentication key, one AES-256-GCM key per direction and two
+identity masks, new for every connection. Each side checks the other's proof before it sends anything more, so
 the handshake is mutual: a peer learns that it talks to the run's master, and a
 listener that its client holds the secret. A failed proof closes the connection
 without a word (no error text that could serve as an oracle).
+
+A side with a node identity (``identity``: an Ed25519 key) says so in its flags
+(``FLAG_IDENTITY``) and appends an *identity block* of ``IDENTITY_BLOCK_SIZE`` bytes to
+its proof: its 32-byte public key, masked (XOR) with its direction's identity mask so
+that only holders of the secret learn which node answered, then its signature over the
+connection's *binding* (a value derived from the transcript that only the two ends
+know) and its role. The server's block follows ``REPLY``, the client's ``FINISH``, so
+identities cost no round trip. Each side checks the other's signature before it sends
+anything more, and the channel records the proven key (``Channel.peer_identity``,
+empty if the other side has none); whether it is the key expected of that peer is for
+the caller to judge, once it knows whom the other side claims to be.
 
 Afterwards a ``Channel`` protects every frame. Each direction counts its frames from
 zero; the count is the AES-GCM nonce, so a replayed, dropped or reordered frame fails
@@ -40,6 +51,7 @@ import enum
 import hmac
 import os
 import struct
+import typing
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -47,11 +59,16 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+if typing.TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from . import identity as identities
 from .errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "FINISH_SIZE",
     "HELLO_SIZE",
+    "IDENTITY_BLOCK_SIZE",
     "MIN_SECRET_BYTES",
     "REPLY_SIZE",
     "TAG_SIZE",
@@ -75,6 +92,10 @@ MIN_SECRET_BYTES = 16
 
 #: Flag bit: this side wants data payloads encrypted.
 FLAG_ENCRYPT_DATA = 1
+#: Flag bit: this side proves a node identity (an identity block follows its proof).
+FLAG_IDENTITY = 2
+#: Bytes of an identity block: the masked public key, then the signature.
+IDENTITY_BLOCK_SIZE = identities.IDENTITY_SIZE + identities.PROOF_SIZE
 
 _HELLO = struct.Struct(f">4sBBH{NONCE_SIZE}s")
 _FLAGS = struct.Struct(">H")
@@ -112,16 +133,51 @@ def check_secret(secret: bytes) -> bytes:
     return secret
 
 
-def _keys(secret: bytes, hello: bytes, server_nonce: bytes, purpose: int) -> tuple[bytes, ...]:
-    """(authentication key, client->server key, server->client key)."""
+class _Keys(typing.NamedTuple):
+    auth: bytes
+    client_to_server: bytes
+    server_to_client: bytes
+    client_mask: bytes  # masks the client's public key in its identity block
+    server_mask: bytes
+
+
+def _keys(secret: bytes, hello: bytes, server_nonce: bytes, purpose: int) -> _Keys:
     client_nonce = hello[-NONCE_SIZE:]
     material = HKDF(
         algorithm=hashes.SHA256(),
-        length=96,
+        length=160,
         salt=client_nonce + server_nonce,
         info=b"pccl-trio handshake %d purpose %d" % (HANDSHAKE_VERSION, purpose),
     ).derive(secret)
-    return material[:32], material[32:64], material[64:]
+    return _Keys(*(material[i : i + 32] for i in range(0, 160, 32)))
+
+
+def _mask(data: bytes, mask: bytes) -> bytes:
+    return bytes(a ^ b for a, b in zip(data, mask, strict=True))
+
+
+def _identity_block(key: Ed25519PrivateKey, mask: bytes, binding: bytes, role: bytes) -> bytes:
+    return _mask(identities.public_bytes(key), mask) + identities.prove(key, binding, role)
+
+
+def _proven_identity(block: bytes, mask: bytes, binding: bytes, role: bytes) -> bytes:
+    """The public key an identity block proves on this connection.
+
+    Raises:
+        HandshakeFailed: the signature does not hold (not made by that key, for this
+            connection and role).
+    """
+    public = _mask(block[: identities.IDENTITY_SIZE], mask)
+    try:
+        identities.verify(public, binding, role, block[identities.IDENTITY_SIZE :])
+    except RemoteProtocolError as exc:
+        raise HandshakeFailed(f"the other side's node identity: {exc}") from None
+    return public
+
+
+def identity_bytes(flags: int) -> int:
+    """Bytes of identity block that follow a proof sent with ``flags``."""
+    return IDENTITY_BLOCK_SIZE if flags & FLAG_IDENTITY else 0
 
 
 def _proof(key: bytes, label: bytes, hello: bytes, server_part: bytes) -> bytes:
@@ -130,63 +186,99 @@ def _proof(key: bytes, label: bytes, hello: bytes, server_part: bytes) -> bytes:
 
 
 class ClientHandshake:
-    """The connecting side: ``hello()``, then ``finish(reply)``; then ``channel``."""
+    """The connecting side: ``hello()``, then ``finish(reply)``; then ``channel``.
 
-    def __init__(self, secret: bytes, purpose: Purpose, *, encrypt_data: bool = False) -> None:
+    The reply is ``REPLY_SIZE`` bytes and an identity block if its flags say so
+    (``reply_extra``).
+    """
+
+    def __init__(
+        self, secret: bytes, purpose: Purpose, *, encrypt_data: bool = False,
+        identity: Ed25519PrivateKey | None = None,
+    ) -> None:
         self._secret = check_secret(secret)
         self._purpose = purpose
         self._encrypt_data = encrypt_data
-        flags = FLAG_ENCRYPT_DATA if encrypt_data else 0
+        self._identity = identity
+        flags = (FLAG_ENCRYPT_DATA if encrypt_data else 0) | (FLAG_IDENTITY if identity else 0)
         self._hello = _HELLO.pack(MAGIC, HANDSHAKE_VERSION, purpose, flags, os.urandom(NONCE_SIZE))
         self.channel: Channel | None = None
 
     def hello(self) -> bytes:
         return self._hello
 
+    @staticmethod
+    def reply_extra(reply: bytes) -> int:
+        """Bytes that follow the ``REPLY_SIZE`` bytes of ``reply`` (its identity block;
+        judged from the flags before they are proven: a lie only fails the proof)."""
+        (flags,) = _FLAGS.unpack_from(reply, NONCE_SIZE)
+        return identity_bytes(flags)
+
     def finish(self, reply: bytes) -> bytes:
-        """Check the server's proof in ``reply``; the ``FINISH`` message to send.
+        """Check the server's proof (and identity) in ``reply``; the ``FINISH`` message
+        to send (with this side's identity block, if it has an identity).
 
         Raises:
-            HandshakeFailed: the server does not hold the run secret.
+            HandshakeFailed: the server does not hold the run secret, or its identity
+                block does not hold.
         """
-        if len(reply) != REPLY_SIZE:
-            raise LocalProtocolError(f"a handshake reply is {REPLY_SIZE} bytes, got {len(reply)}")
-        server_part, proof = bytes(reply[:-PROOF_SIZE]), bytes(reply[-PROOF_SIZE:])
-        server_nonce = server_part[:NONCE_SIZE]
-        auth, c2s, s2c = _keys(self._secret, self._hello, server_nonce, self._purpose)
-        if not hmac.compare_digest(proof, _proof(auth, b"server", self._hello, server_part)):
+        if len(reply) < REPLY_SIZE or len(reply) != REPLY_SIZE + self.reply_extra(reply):
+            raise LocalProtocolError(f"a handshake reply of {len(reply)} bytes")
+        server_part = bytes(reply[: NONCE_SIZE + _FLAGS.size])
+        proof = bytes(reply[len(server_part) : REPLY_SIZE])
+        keys = _keys(self._secret, self._hello, server_part[:NONCE_SIZE], self._purpose)
+        if not hmac.compare_digest(proof, _proof(keys.auth, b"server", self._hello, server_part)):
             raise HandshakeFailed("the other side does not hold this run's secret")
         (server_flags,) = _FLAGS.unpack_from(server_part, NONCE_SIZE)
+        binding = _proof(keys.auth, b"binding", self._hello, server_part)
+        peer_identity = b""
+        if server_flags & FLAG_IDENTITY:
+            peer_identity = _proven_identity(
+                bytes(reply[REPLY_SIZE:]), keys.server_mask, binding, b"server"
+            )
         encrypt = self._encrypt_data or bool(server_flags & FLAG_ENCRYPT_DATA)
         self.channel = Channel(
-            send_key=c2s, receive_key=s2c, encrypt_data=encrypt,
-            binding=_proof(auth, b"binding", self._hello, server_part),
+            send_key=keys.client_to_server, receive_key=keys.server_to_client,
+            encrypt_data=encrypt, binding=binding, peer_identity=peer_identity,
         )
-        return _proof(auth, b"client", self._hello, server_part)
+        finish = _proof(keys.auth, b"client", self._hello, server_part)
+        if self._identity is not None:
+            finish += _identity_block(self._identity, keys.client_mask, binding, b"client")
+        return finish
 
 
 class ServerHandshake:
-    """The accepting side: ``reply(hello)``, then ``finish(finish)``; then ``channel``.
+    """The accepting side: ``reply(hello)``, then ``finish(finish)`` (``finish_size``
+    bytes); then ``channel``.
 
     Args:
         purposes: the purposes this listener serves (a master serves only
             ``MASTER``); a hello for another is refused.
+        identity: this node's identity key, proven to every client (None: none).
     """
 
     def __init__(
-        self, secret: bytes, purposes: frozenset[Purpose], *, encrypt_data: bool = False
+        self, secret: bytes, purposes: frozenset[Purpose], *, encrypt_data: bool = False,
+        identity: Ed25519PrivateKey | None = None,
     ) -> None:
         self._secret = check_secret(secret)
         self._purposes = purposes
         self._encrypt_data = encrypt_data
+        self._identity = identity
         self._hello = b""
         self._server_part = b""
-        self._keys: tuple[bytes, ...] = ()
+        self._keys: _Keys | None = None
+        self._client_flags = 0
         self.purpose: Purpose | None = None
         self.channel: Channel | None = None
 
+    @property
+    def finish_size(self) -> int:
+        """Bytes of the client's ``FINISH`` (known once its hello is read)."""
+        return FINISH_SIZE + identity_bytes(self._client_flags)
+
     def reply(self, hello: bytes) -> bytes:
-        """The ``REPLY`` to a client's ``HELLO``.
+        """The ``REPLY`` to a client's ``HELLO`` (with this side's identity block).
 
         Raises:
             HandshakeFailed: not a hello of this protocol, or for a purpose not served.
@@ -200,27 +292,47 @@ class ServerHandshake:
             raise HandshakeFailed(f"purpose {purpose} is not served here")
         self.purpose = Purpose(purpose)
         self._hello = bytes(hello)
+        self._client_flags = flags
         self._encrypt_data = self._encrypt_data or bool(flags & FLAG_ENCRYPT_DATA)
         nonce = os.urandom(NONCE_SIZE)
-        self._server_part = nonce + _FLAGS.pack(FLAG_ENCRYPT_DATA if self._encrypt_data else 0)
-        self._keys = _keys(self._secret, self._hello, nonce, purpose)
-        return self._server_part + _proof(self._keys[0], b"server", self._hello, self._server_part)
+        own_flags = (FLAG_ENCRYPT_DATA if self._encrypt_data else 0) | (
+            FLAG_IDENTITY if self._identity else 0
+        )
+        self._server_part = nonce + _FLAGS.pack(own_flags)
+        keys = self._keys = _keys(self._secret, self._hello, nonce, purpose)
+        reply = self._server_part + _proof(keys.auth, b"server", self._hello, self._server_part)
+        if self._identity is not None:
+            reply += _identity_block(self._identity, keys.server_mask, self._binding(), b"server")
+        return reply
+
+    def _binding(self) -> bytes:
+        assert self._keys is not None
+        return _proof(self._keys.auth, b"binding", self._hello, self._server_part)
 
     def finish(self, finish: bytes) -> None:
-        """Check the client's proof; ``channel`` is ready afterwards.
+        """Check the client's proof (and identity); ``channel`` is ready afterwards.
 
         Raises:
-            HandshakeFailed: the client does not hold the run secret.
+            HandshakeFailed: the client does not hold the run secret, or its identity
+                block does not hold.
         """
-        if not self._keys:
+        keys = self._keys
+        if keys is None:
             raise LocalProtocolError("finish before reply")
-        auth, c2s, s2c = self._keys
-        expected = _proof(auth, b"client", self._hello, self._server_part)
-        if not hmac.compare_digest(bytes(finish), expected):
+        if len(finish) != self.finish_size:
+            raise LocalProtocolError(f"a handshake finish is {self.finish_size} bytes, got {len(finish)}")
+        expected = _proof(keys.auth, b"client", self._hello, self._server_part)
+        if not hmac.compare_digest(bytes(finish[:FINISH_SIZE]), expected):
             raise HandshakeFailed("the other side does not hold this run's secret")
+        binding = self._binding()
+        peer_identity = b""
+        if self._client_flags & FLAG_IDENTITY:
+            peer_identity = _proven_identity(
+                bytes(finish[FINISH_SIZE:]), keys.client_mask, binding, b"client"
+            )
         self.channel = Channel(
-            send_key=s2c, receive_key=c2s, encrypt_data=self._encrypt_data,
-            binding=_proof(auth, b"binding", self._hello, self._server_part),
+            send_key=keys.server_to_client, receive_key=keys.client_to_server,
+            encrypt_data=self._encrypt_data, binding=binding, peer_identity=peer_identity,
         )
 
 
@@ -232,11 +344,15 @@ class Channel:
     """
 
     def __init__(
-        self, *, send_key: bytes, receive_key: bytes, encrypt_data: bool, binding: bytes = b""
+        self, *, send_key: bytes, receive_key: bytes, encrypt_data: bool, binding: bytes = b"",
+        peer_identity: bytes = b"",
     ) -> None:
-        #: A value both ends of this connection, and nobody else, know: what a peer
+        #: A value both ends of this connection, and nobody else, know: what a node
         #: signs to prove its identity on this connection (``identity``).
         self.binding = binding
+        #: The public identity key the other side proved in the handshake (empty: it
+        #: has none).
+        self.peer_identity = peer_identity
         self._send_key = send_key
         self._receive_key = receive_key
         self._send_aead = AESGCM(send_key)

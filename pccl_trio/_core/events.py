@@ -53,6 +53,7 @@ class ConnectionOpened:
 
     conn: int
     host: str  # the remote address as the master sees it
+    identity: bytes = b""  # the node identity proven in its handshake (empty: none)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

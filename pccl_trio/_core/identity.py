@@ -6,9 +6,12 @@ A node may have a persistent Ed25519 key (its *identity*; the public half is 32 
 A connection protected by the run secret has a *binding* (``Channel.binding``), a value
 only its two ends know, new for every connection. A peer proves its identity on a
 connection by signing the binding with its key (``prove``); the other end checks the
-signature against the public key it expects for that peer (``verify``). A proof cannot
-be replayed on another connection (other binding) and cannot be made without the key.
-Identities need a run secret: without one there is no binding to sign.
+signature against the public key it states (``verify``); the handshake carries both
+(``channel``), and the caller compares the key with the one it expects for that peer.
+The signed message names the signer's role (client or server), so a proof cannot be
+reflected back to its maker, nor replayed on another connection (other binding), nor
+made without the key. Identities need a run secret: without one there is no binding
+to sign.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from .errors import RemoteProtocolError
 
-__all__ = ["IDENTITY_SIZE", "PROOF_SIZE", "prove", "public_bytes", "verify"]
+__all__ = ["IDENTITY_SIZE", "PROOF_SIZE", "fingerprint", "prove", "public_bytes", "verify"]
 
 #: Bytes of a public identity key.
 IDENTITY_SIZE = 32
@@ -33,13 +36,20 @@ def public_bytes(key: Ed25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def prove(key: Ed25519PrivateKey, binding: bytes) -> bytes:
-    """The proof that the holder of ``key`` is at this end of the connection."""
-    return key.sign(_CONTEXT + binding)
+def fingerprint(identity: bytes) -> str:
+    """A short, printable name for a public identity, for messages and logs."""
+    return identity[:8].hex() if identity else "none"
 
 
-def verify(identity: bytes, binding: bytes, proof: bytes) -> None:
-    """Check that ``proof`` was made on this connection by the holder of ``identity``.
+def prove(key: Ed25519PrivateKey, binding: bytes, role: bytes) -> bytes:
+    """The proof that the holder of ``key`` is the ``role`` end (``b"client"`` or
+    ``b"server"``) of the connection with ``binding``."""
+    return key.sign(_CONTEXT + role + b"\x00" + binding)
+
+
+def verify(identity: bytes, binding: bytes, role: bytes, proof: bytes) -> None:
+    """Check that ``proof`` was made by the holder of ``identity`` as the ``role`` end
+    of the connection with ``binding``.
 
     Raises:
         RemoteProtocolError: it was not (or the key or proof is malformed).
@@ -47,6 +57,8 @@ def verify(identity: bytes, binding: bytes, proof: bytes) -> None:
     if len(identity) != IDENTITY_SIZE or len(proof) != PROOF_SIZE or not binding:
         raise RemoteProtocolError("a malformed identity proof")
     try:
-        Ed25519PublicKey.from_public_bytes(identity).verify(proof, _CONTEXT + binding)
+        Ed25519PublicKey.from_public_bytes(identity).verify(
+            proof, _CONTEXT + role + b"\x00" + binding
+        )
     except (InvalidSignature, ValueError):
         raise RemoteProtocolError("the identity proof does not hold for this connection") from None

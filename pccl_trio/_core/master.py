@@ -163,6 +163,8 @@ class MasterCore:
             refused for its voters (``inf``: votes wait forever).
         stall_warning: a vote waiting this long for members is logged, naming them,
             then again after twice as long, four times, ...
+        allowed_identities: the node identities that may register (None: anyone who
+            reached the core, i.e. who completed the handshake).
     """
 
     def __init__(
@@ -176,6 +178,7 @@ class MasterCore:
         reference_bytes: int = 64 << 20,
         stall_timeout: float = 1800.0,
         stall_warning: float = 60.0,
+        allowed_identities: frozenset[bytes] | None = None,
     ) -> None:
         if not 0 < heartbeat_interval < liveness_timeout:
             raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
@@ -189,6 +192,7 @@ class MasterCore:
             heartbeat_interval=heartbeat_interval,
             liveness_timeout=liveness_timeout,
             on_leave=self._peer_left,
+            allowed_identities=allowed_identities,
         )
         self._book = RingBook()
         self._optimizer = Optimizer(
@@ -241,8 +245,8 @@ class MasterCore:
                         self._stalls.changed()
                         self._on_message(conn, message)
                         self._reevaluate()
-            case ConnectionOpened(conn=conn_id, host=host):
-                self._table.open(conn_id, host)
+            case ConnectionOpened(conn=conn_id, host=host, identity=identity):
+                self._table.open(conn_id, host, identity)
             case ConnectionBroken(conn=conn_id, reason=reason):
                 if conn_id in self._table.conns:
                     self._stalls.changed()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from .errors import RemoteProtocolError
+from .identity import IDENTITY_SIZE
 from .records import U16_MAX, Record, record
 
 __all__ = [
@@ -58,11 +59,13 @@ class PeerEndpoint(Record):
     host: str
     port: int
     pool_size: int = 1
+    identity: bytes = b""  # the node identity it proved to the master (empty: none)
 
     def _validate(self) -> None:
         if not 1 <= self.port <= U16_MAX:
             raise RemoteProtocolError(f"PeerEndpoint.port: {self.port} is not a TCP port")
         check_pool_size(self.pool_size, "PeerEndpoint.pool_size")
+        check_identity(self.identity, "PeerEndpoint.identity")
 
 
 @record
@@ -74,6 +77,13 @@ class WorldSizes(Record):
     peer_group_world_size: int
     num_distinct_peer_groups: int
     largest_peer_group_world_size: int
+
+
+def check_identity(identity: bytes, where: str) -> None:
+    if len(identity) not in (0, IDENTITY_SIZE):
+        raise RemoteProtocolError(
+            f"{where}: a node identity has {IDENTITY_SIZE} bytes (or none), got {len(identity)}"
+        )
 
 
 def check_key(key: str, where: str) -> None:
@@ -131,11 +141,15 @@ class TensorSpan(Record):
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateFetcher(Record):
     """A peer a distributor may serve in a sync: its id, the host its connections come
-    from, and the tensors it may ask for."""
+    from, the node identity it proved to the master, and the tensors it may ask for."""
 
     peer_id: int
     host: str
+    identity: bytes
     tensors: tuple[TensorSpan, ...]
+
+    def _validate(self) -> None:
+        check_identity(self.identity, "SharedStateFetcher.identity")
 
 
 @record

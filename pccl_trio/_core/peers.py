@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from .errors import LocalProtocolError, RemoteProtocolError
 from .events import Action, Close, Send
+from .identity import fingerprint
 from .messages import (
     PROTOCOL_VERSION,
     Heartbeat,
@@ -266,6 +267,7 @@ class Peer:
     host: str
     port: int
     pool_size: int = 1  # connections it opens to its successor
+    identity: bytes = b""  # the node identity it proved (empty: none)
     phase: PeerPhase = PeerPhase.REGISTERED
     state: PeerState = PeerState.IDLE
     accept_new_peers: bool = False  # its VoteEstablish asked to admit waiting peers
@@ -290,6 +292,7 @@ class Conn:
     host: str
     last_heard: float
     last_sent: float
+    identity: bytes = b""
     peer: Peer | None = None
 
 
@@ -375,6 +378,7 @@ class PeerTable:
         heartbeat_interval: seconds between heartbeats on quiet links.
         liveness_timeout: a connection silent this long is kicked.
         on_leave: called with each peer removed (and why), after the registry forgot it.
+        allowed_identities: the node identities that may register (None: any).
     """
 
     def __init__(
@@ -383,7 +387,9 @@ class PeerTable:
         heartbeat_interval: float,
         liveness_timeout: float,
         on_leave: Callable[[Peer, str], None],
+        allowed_identities: frozenset[bytes] | None = None,
     ) -> None:
+        self._allowed = allowed_identities
         self._heartbeat_interval = heartbeat_interval
         self._liveness_timeout = liveness_timeout
         self._on_leave = on_leave
@@ -413,11 +419,13 @@ class PeerTable:
 
     # --- connections and registration ------------------------------------------------
 
-    def open(self, conn_id: int, host: str) -> None:
-        """A new connection, heard from now."""
+    def open(self, conn_id: int, host: str, identity: bytes = b"") -> None:
+        """A new connection, heard from now, whose handshake proved ``identity``."""
         if conn_id in self.conns:
             raise LocalProtocolError(f"connection {conn_id} opened twice")
-        self.conns[conn_id] = Conn(conn=conn_id, host=host, last_heard=self.now, last_sent=self.now)
+        self.conns[conn_id] = Conn(
+            conn=conn_id, host=host, last_heard=self.now, last_sent=self.now, identity=identity
+        )
 
     def register(self, conn: Conn, message: Register) -> None:
         """Admit a new peer to the registry (REGISTERED, IDLE) and welcome it, or kick
@@ -428,6 +436,10 @@ class PeerTable:
                 f"protocol version {message.protocol_version} is not supported; this master "
                 f"speaks version {PROTOCOL_VERSION}: run the same pccl_trio version everywhere",
             )
+            return
+        refusal = self._identity_refusal(conn.identity)
+        if refusal:
+            self.kick(conn, refusal)
             return
         host = message.advertised_host or conn.host
         others = list(self.peers.values())
@@ -446,13 +458,14 @@ class PeerTable:
             host=host,
             port=message.p2p_port,
             pool_size=message.pool_size,
+            identity=conn.identity,
         )
         self._next_peer_id += 1
         conn.peer = peer
         self.peers[peer.peer_id] = peer
         log.info(
-            "peer %d registered from %s (group %d, p2p port %d)",
-            peer.peer_id, host, peer.peer_group, peer.port,
+            "peer %d registered from %s (group %d, p2p port %d, identity %s)",
+            peer.peer_id, host, peer.peer_group, peer.port, fingerprint(peer.identity),
         )
         self.send(
             peer,
@@ -461,6 +474,21 @@ class PeerTable:
                 heartbeat_interval=self._heartbeat_interval,
                 liveness_timeout=self._liveness_timeout,
             ),
+        )
+
+    def _identity_refusal(self, identity: bytes) -> str:
+        """Why a connection that proved ``identity`` may not register (empty: it may)."""
+        if self._allowed is None or identity in self._allowed:
+            return ""
+        if not identity:
+            return (
+                "this master admits only listed node identities and this peer proved none: "
+                "start it with Config(identity=PATH) and add the key `pccl-trio identity "
+                "PATH` prints to the master's --allow-identities file"
+            )
+        return (
+            f"node identity {identity.hex()} is not in this master's allowlist "
+            "(--allow-identities)"
         )
 
     # --- queries ---------------------------------------------------------------------
@@ -477,7 +505,8 @@ class PeerTable:
         """Where peer ``peer_id`` accepts p2p connections."""
         peer = self.peers[peer_id]
         return PeerEndpoint(
-            peer_id=peer_id, host=peer.host, port=peer.port, pool_size=peer.pool_size
+            peer_id=peer_id, host=peer.host, port=peer.port, pool_size=peer.pool_size,
+            identity=peer.identity,
         )
 
     def views(self) -> list[PeerView]:

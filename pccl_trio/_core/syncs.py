@@ -223,6 +223,7 @@ class Syncs:
             SharedStateFetcher(
                 peer_id=peer.peer_id,
                 host=peer.host,
+                identity=peer.identity,
                 tensors=tensor_spans(sorted(position[f.key] for f in election.fetches[peer.peer_id])),
             )
             for peer in remaining if election.fetches[peer.peer_id]

@@ -113,6 +113,7 @@ class _MasterServer:
             reference_bytes=config.topology_reference_bytes,
             stall_timeout=config.stall_timeout,
             stall_warning=config.stall_warning,
+            allowed_identities=config.allowed_identities,
         )
         # Bounded: a connection whose frames arrive faster than the core handles them
         # waits (and, through TCP, so does its sender), instead of burying the
@@ -179,7 +180,10 @@ class _MasterServer:
         )
         self.connections[conn.conn_id] = conn
         try:
-            await self.events_send.send(ConnectionOpened(conn=conn.conn_id, host=remote_host(stream)))
+            await self.events_send.send(ConnectionOpened(
+                conn=conn.conn_id, host=remote_host(stream),
+                identity=b"" if channel is None else channel.peer_identity,
+            ))
             with conn.scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.write_loop, conn)

@@ -63,6 +63,7 @@ from .._types import (
     TopologyInfo,
 )
 from ..transport import (
+    Credential,
     FramedStream,
     Network,
     TcpNetwork,
@@ -165,6 +166,10 @@ class Communicator:
                 p2p_host = listen_host(p2p_host, secured=secured, insecure=insecure, who="this peer")
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
+        try:
+            credential = Credential.of(config)
+        except ValueError as exc:  # an identity without a secret, an unusable key file
+            raise InvalidArgument(str(exc)) from None
         self._peer_group = peer_group
         self._p2p_host = p2p_host
         self._p2p_port = p2p_port
@@ -173,10 +178,12 @@ class Communicator:
 
         life = self._life = Lifecycle()
         session = self._session = MasterSession(
-            config=config, network=network, lifecycle=life, host=master_host, port=master_port
+            config=config, network=network, lifecycle=life, host=master_host, port=master_port,
+            credential=credential,
         )
         p2p = self._p2p = P2PConnections(
             config=config, network=network, lifecycle=life, session=session,
+            credential=credential,
             pool_size=p2p_connection_pool_size or config.p2p_connection_pool_size,
         )
         receiver = self._receiver = DataReceiver(lifecycle=life, p2p=p2p)

@@ -48,13 +48,13 @@ from .._core.messages import (
 from .._core.wire import max_payload
 from .._errors import InvalidUsage, TopologyOptimizationFailed, UpdateTopologyFailed
 from .._types import TopologyInfo
-from ..transport import FramedStream, comes_from, remote_host
+from ..transport import FramedStream
 from . import _bandwidth as measurement
 from ._bandwidth import LinkMeasurement
 from ._context import PeerContext
 from ._lifecycle import Call
 from ._membership import Membership
-from ._p2p import LINK_ERRORS
+from ._p2p import LINK_ERRORS, claim_refusal
 
 __all__ = ["TopologyOptimizer"]
 
@@ -235,15 +235,13 @@ class TopologyOptimizer:
         announced = self._announced.get(request.peer_id)
         if announced is None:
             refusal = "the master announced no measurement by it"
-        elif not await comes_from(framed.stream, announced.measurer.host):
-            refusal = (
-                f"the connection comes from {remote_host(framed.stream)}, but the master "
-                f"knows that peer at {announced.measurer.host}"
-            )
-        elif self._announced.get(request.peer_id) is not announced:
-            # Taken by another connection, or the optimization ended, meanwhile.
-            refusal = "its announced measurement is no longer open"
         else:
+            refusal = await claim_refusal(framed, announced.measurer)
+            if not refusal and self._announced.get(request.peer_id) is not announced:
+                # Taken by another connection, or the optimization ended, meanwhile.
+                refusal = "its announced measurement is no longer open"
+        if not refusal:
+            assert announced is not None
             del self._announced[request.peer_id]
             return announced
         log.warning(

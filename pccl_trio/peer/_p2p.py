@@ -21,6 +21,13 @@ keeps a healthy pool to the successor or opens a new one, and closes the pools o
 peers that are no longer neighbours: which pools change is decided first, then the IO
 is done.
 
+Whoever claims to be a peer must show what the master knows of it (``claim_refusal``):
+the host, and, where the master named a node identity for it, that identity proven in
+the connection's handshake. This holds on both sides: a listener checks the peer a
+first frame names (ring sender, shared-state fetcher, measuring peer), and ``connect``
+checks that the listener it reached proved the identity the master named for it. An
+identity thus cannot be claimed by another holder of the run secret.
+
 Once its handshake is over, a TCP connection is handed to a worker thread as a
 ``SocketLink`` (``to_link``) where the threaded data path is on and threads are
 allowed; otherwise it stays a ``FramedStream`` driven by trio tasks. ``connect`` and
@@ -41,6 +48,7 @@ import trio
 from .._config import Config
 from .._core.channel import Channel, HandshakeFailed, Purpose
 from .._core.errors import RemoteProtocolError
+from .._core.identity import fingerprint, public_bytes
 from .._core.messages import (
     MAX_POOL_SIZE,
     PROTOCOL_VERSION,
@@ -73,7 +81,7 @@ from ._lifecycle import Lifecycle
 from ._protocol import Protocol, run_protocol
 from ._session import MasterSession
 
-__all__ = ["LINK_ERRORS", "P2PConnections"]
+__all__ = ["LINK_ERRORS", "P2PConnections", "claim_refusal"]
 
 log = logging.getLogger("pccl_trio.peer")
 
@@ -121,6 +129,36 @@ class _Pool:
             await stream.aclose()
 
 
+class Claimed(typing.Protocol):
+    """What the master says of a peer: the host its connections come from and the node
+    identity it proved (empty: none)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def identity(self) -> bytes: ...
+
+
+async def claim_refusal(framed: FramedStream, claimed: Claimed) -> str:
+    """Why the connection ``framed`` is not the peer the master described as ``claimed``
+    (empty: nothing against it): its node identity is not proven, or it comes from
+    another host."""
+    if claimed.identity:
+        proven = b"" if framed.channel is None else framed.channel.peer_identity
+        if proven != claimed.identity:
+            return (
+                f"the master named node identity {fingerprint(claimed.identity)} for it and "
+                f"the connection proved {fingerprint(proven)}"
+            )
+    if not await comes_from(framed.stream, claimed.host):
+        return (
+            f"the connection comes from {remote_host(framed.stream)} and the master knows "
+            f"it at {claimed.host}"
+        )
+    return ""
+
+
 class P2PConnections:
     """See the module docstring."""
 
@@ -132,6 +170,7 @@ class P2PConnections:
         lifecycle: Lifecycle,
         session: MasterSession,
         pool_size: int,
+        credential: Credential | None,
     ) -> None:
         self._config = config
         self._network = network
@@ -145,7 +184,7 @@ class P2PConnections:
         # Peers allowed to open data connections to us: predecessors named by the master.
         self._expected_senders: dict[int, PeerEndpoint] = {}
         self._expected_lot = trio.lowlevel.ParkingLot()
-        self._credential = Credential.of(config)
+        self._credential = credential
         self._fresh = 0  # accepted connections waiting for their first frame
         self._first_frames = body_limits(
             typing.get_args(FirstFrame), config.max_control_frame
@@ -167,6 +206,12 @@ class P2PConnections:
         self._listener = await self._network.listen(host, port)
         self._life.spawn(self._accept, self._listener)
         return listener_address(self._listener)[1]
+
+    @property
+    def identity(self) -> bytes:
+        """The node identity this peer proves in its handshakes (empty: none)."""
+        key = None if self._credential is None else self._credential.identity
+        return b"" if key is None else public_bytes(key)
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -261,10 +306,10 @@ class P2PConnections:
                     f"P2PHello from peer {hello.peer_id} for slot {hello.slot}, but its pool "
                     f"has {sender.pool_size} connection(s)"
                 )
-            if not await comes_from(framed.stream, sender.host):
+            refusal = await claim_refusal(framed, sender)
+            if refusal:
                 raise RemoteProtocolError(
-                    f"P2PHello claiming to be peer {hello.peer_id} from "
-                    f"{remote_host(framed.stream)}, but the master knows it at {sender.host}"
+                    f"P2PHello claiming to be peer {hello.peer_id}, but {refusal}"
                 )
             pool = self._rx.setdefault(hello.peer_id, _Pool(peer_id=hello.peer_id))
             old = pool.slots.get(hello.slot)
@@ -387,6 +432,7 @@ class P2PConnections:
             OSError: nobody answers there.
             trio.TooSlowError: connecting (or the handshake) took ``connect_timeout``.
             HandshakeFailed: the other side does not hold this run's secret.
+            RemoteProtocolError: it did not prove the identity the master named.
         """
         with trio.fail_after(self._config.connect_timeout):
             stream = await self._network.connect(endpoint.host, endpoint.port)
@@ -394,6 +440,13 @@ class P2PConnections:
                 return self.framed(stream)
             try:
                 channel = await secure_client(stream, self._credential, purpose)
+                if endpoint.identity and channel.peer_identity != endpoint.identity:
+                    raise RemoteProtocolError(
+                        f"peer {endpoint.peer_id} at "
+                        f"{format_address(endpoint.host, endpoint.port)} proved node identity "
+                        f"{fingerprint(channel.peer_identity)}, but the master named "
+                        f"{fingerprint(endpoint.identity)}"
+                    )
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise

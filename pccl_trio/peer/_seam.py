@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from .._core.channel import Purpose
 from .._core.messages import ExpectBenchmark, Message, PeerEndpoint, SharedStateRequest
 from .._core.ring import neighbours
 from ..transport import Connection, FramedStream
@@ -52,8 +53,19 @@ class PeerSeam:
         assert peer_id is not None, "the communicator is not registered yet"
         host, port = self.p2p_address
         return PeerEndpoint(
-            peer_id=peer_id, host=host, port=port, pool_size=self._comm._p2p.pool_size
+            peer_id=peer_id, host=host, port=port, pool_size=self._comm._p2p.pool_size,
+            identity=self.identity,
         )
+
+    @property
+    def identity(self) -> bytes:
+        """The node identity this communicator proves in its handshakes (empty: none)."""
+        return self._comm._p2p.identity
+
+    async def connect(self, endpoint: PeerEndpoint, purpose: Purpose) -> FramedStream:
+        """A p2p connection to ``endpoint`` for ``purpose``, opened as the communicator
+        opens its own (the caller closes it)."""
+        return await self._comm._p2p.connect(endpoint, purpose)
 
     @property
     def voted(self) -> bool:

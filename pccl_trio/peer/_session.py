@@ -56,11 +56,13 @@ class MasterSession:
     """A peer's link to its master (see the module docstring)."""
 
     def __init__(
-        self, *, config: Config, network: Network, lifecycle: Lifecycle, host: str, port: int
+        self, *, config: Config, network: Network, lifecycle: Lifecycle, host: str, port: int,
+        credential: Credential | None,
     ) -> None:
         self._config = config
         self._network = network
         self._life = lifecycle
+        self._credential = credential
         self.host, self.port = host, port
         self.peer_id: int | None = None
         self.heartbeat_interval = config.heartbeat_interval
@@ -97,7 +99,7 @@ class MasterSession:
                 f"could not reach the master at {self.address} ({exc or 'timed out'}); "
                 "check that `pccl-trio master` runs there and the address is right"
             ) from exc
-        credential = Credential.of(self._config)
+        credential = self._credential
         channel = None
         if credential is not None:
             try:

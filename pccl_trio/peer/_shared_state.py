@@ -181,6 +181,7 @@ class Allowance:
     """What one fetcher may ask a distributor for in a sync (from the master's plan)."""
 
     host: str  # where its connections come from
+    identity: bytes  # the node identity it proved to the master (empty: none)
     keys: frozenset[str]  # the tensors it fetches
     left: int  # bytes of them not sent to it yet
 
@@ -220,7 +221,8 @@ class Serving:
                 for i in range(span.first, min(span.first + span.count, len(order)))
             )
             self.fetchers[fetcher.peer_id] = Allowance(
-                host=fetcher.host, keys=keys, left=sum(self.tensors[k].nbytes for k in keys)
+                host=fetcher.host, identity=fetcher.identity, keys=keys,
+                left=sum(self.tensors[k].nbytes for k in keys),
             )
 
     def claim(self, request: SharedStateRequest, peer_id: int) -> str:

@@ -48,16 +48,14 @@ from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
 from ..transport import (
     Connection,
     FramedStream,
-    comes_from,
     hash_threads,
-    remote_host,
     run_off_loop,
 )
 from . import _shared_state as sharing
 from ._context import PeerContext
 from ._lifecycle import Call
 from ._membership import Membership
-from ._p2p import LINK_ERRORS
+from ._p2p import LINK_ERRORS, claim_refusal
 
 __all__ = ["SharedStateSync"]
 
@@ -298,11 +296,9 @@ class SharedStateSync:
         serving.handlers += 1
         try:
             allowance = serving.fetchers.get(request.peer_id)
-            if allowance is not None and not await comes_from(framed.stream, allowance.host):
-                refusal = (
-                    f"a request of peer {request.peer_id} from {remote_host(framed.stream)}, "
-                    f"but the master knows that peer at {allowance.host}"
-                )
+            refusal = "" if allowance is None else await claim_refusal(framed, allowance)
+            if refusal:
+                refusal = f"a request claiming to be peer {request.peer_id}, but {refusal}"
                 log.warning("peer %s: refusing shared state: %s", self._session.peer_id, refusal)
                 await framed.send_message(SharedStateResponse(error=bounded(refusal)))
                 return

@@ -12,6 +12,10 @@ early; nothing is parsed but the fixed-size handshake. Both return the connectio
 A side that fails (wrong secret, a stranger's bytes, too slow) gets an exception and
 the caller closes the connection without sending any text: a stranger learns nothing
 but that the connection closed.
+
+A credential may hold the node's identity key (``Config.identity``): both sides then
+prove their keys within the same messages, and ``Channel.peer_identity`` holds the
+other side's; the caller decides whether it is the one it expected.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from typing import TYPE_CHECKING
 import trio
 
 from .._core.channel import (
-    FINISH_SIZE,
     HELLO_SIZE,
     REPLY_SIZE,
     Channel,
@@ -31,8 +34,11 @@ from .._core.channel import (
     ServerHandshake,
     check_secret,
 )
+from .._identity import load_identity
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from .._config import Config
 
 __all__ = ["Credential", "secure_client", "secure_server"]
@@ -46,11 +52,13 @@ class Credential:
         secret: the run secret (at least ``channel.MIN_SECRET_BYTES`` bytes).
         encrypt_data: encrypt data-frame payloads too (else they carry a tag only).
         timeout: seconds the whole handshake may take.
+        identity: this node's identity key, proven in every handshake (None: none).
     """
 
     secret: bytes = dataclasses.field(repr=False)
     encrypt_data: bool = False
     timeout: float = 5.0
+    identity: Ed25519PrivateKey | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_secret(self.secret)
@@ -58,13 +66,24 @@ class Credential:
     @classmethod
     def of(cls, config: Config) -> Credential | None:
         """The credential ``config`` names (None: it has no run secret); handshakes
-        get ``connect_timeout``."""
+        get ``connect_timeout``, and the identity key is read from ``config.identity``.
+
+        Raises:
+            IdentityError: the identity key file cannot be used.
+            ValueError: an identity or allowlist without a run secret.
+        """
         secret = config.secret
         if secret is None:
+            if config.identity is not None or config.allowed_identities is not None:
+                raise ValueError(
+                    "node identities need a run secret (Config.run_secret or "
+                    "$PCCL_TRIO_RUN_SECRET): a handshake without one has nothing to sign"
+                )
             return None
         return cls(
             secret=secret, encrypt_data=config.data_protection == "encrypt",
             timeout=config.connect_timeout,
+            identity=None if config.identity is None else load_identity(config.identity),
         )
 
 
@@ -92,11 +111,17 @@ async def secure_client(stream: trio.abc.Stream, credential: Credential, purpose
         trio.BrokenResourceError: the connection broke or was closed (a server that
             refuses the secret closes without a word).
     """
-    handshake = ClientHandshake(credential.secret, purpose, encrypt_data=credential.encrypt_data)
+    handshake = ClientHandshake(
+        credential.secret, purpose, encrypt_data=credential.encrypt_data,
+        identity=credential.identity,
+    )
     with trio.fail_after(credential.timeout):
         await stream.send_all(handshake.hello())
-        finish = handshake.finish(await _receive_exactly(stream, REPLY_SIZE))
-        await stream.send_all(finish)
+        reply = await _receive_exactly(stream, REPLY_SIZE)
+        extra = handshake.reply_extra(reply)
+        if extra:
+            reply += await _receive_exactly(stream, extra)
+        await stream.send_all(handshake.finish(reply))
     assert handshake.channel is not None
     return handshake.channel
 
@@ -112,10 +137,13 @@ async def secure_server(
         trio.TooSlowError: the client did not finish within the credential's timeout.
         trio.BrokenResourceError: the connection broke.
     """
-    handshake = ServerHandshake(credential.secret, purposes, encrypt_data=credential.encrypt_data)
+    handshake = ServerHandshake(
+        credential.secret, purposes, encrypt_data=credential.encrypt_data,
+        identity=credential.identity,
+    )
     with trio.fail_after(credential.timeout):
         reply = handshake.reply(await _receive_exactly(stream, HELLO_SIZE))
         await stream.send_all(reply)
-        handshake.finish(await _receive_exactly(stream, FINISH_SIZE))
+        handshake.finish(await _receive_exactly(stream, handshake.finish_size))
     assert handshake.purpose is not None and handshake.channel is not None
     return handshake.purpose, handshake.channel

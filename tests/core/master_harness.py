@@ -431,6 +431,8 @@ def canonical(value: Any) -> str:
             return str(int(value))
         case float() | str() | None:
             return repr(value)
+        case bytes():
+            return f"0x{value.hex()}"
         case numpy.ndarray():
             return f"array({value.dtype},{value.shape},{canonical(value.ravel().tolist())})"
         case list() | tuple() | set() | frozenset():

@@ -68,7 +68,7 @@ WORLD = WorldSizes(
 )
 NEIGHBOURS = (
     PeerEndpoint(peer_id=2, host="10.0.0.2", port=48149, pool_size=4),
-    PeerEndpoint(peer_id=5, host="10.0.0.5", port=65535, pool_size=1024),
+    PeerEndpoint(peer_id=5, host="10.0.0.5", port=65535, pool_size=1024, identity=bytes(range(32))),
 )
 
 #: One valid, non-trivial instance per message class (every field away from its default).
@@ -111,7 +111,7 @@ SAMPLES: dict[type[Message], Message] = {
         fetches=(SharedStateFetch(key="w", hash=3391090508, verify=True),),
         distributors=NEIGHBOURS,
         fetchers=(
-            SharedStateFetcher(peer_id=3, host="10.0.0.3", tensors=(
+            SharedStateFetcher(peer_id=3, host="10.0.0.3", identity=b"\x07" * 32, tensors=(
                 TensorSpan(first=0, count=1), TensorSpan(first=2, count=40),
             )),
         ),

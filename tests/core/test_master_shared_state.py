@@ -68,7 +68,7 @@ def fetcher(conn: int, *spans: tuple[int, int], host: str = "127.0.0.1") -> Shar
     """Peer ``conn`` fetching the tensors of ``spans`` (first position, count), as a
     distributor's plan names it."""
     return SharedStateFetcher(
-        peer_id=conn, host=host,
+        peer_id=conn, host=host, identity=b"",
         tensors=tuple(TensorSpan(first=first, count=count) for first, count in spans),
     )
 

@@ -290,9 +290,9 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     (P2PInfo, replaced(SAMPLES[P2PInfo], (1,), 5), "P2PInfo.ring: expected an array"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (1, 1), "2"), r"P2PInfo.ring\[1\]"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 1), [5, "h"]),
-     r"P2PInfo.neighbours\[1\]: expected 4 fields, got 2"),
+     r"P2PInfo.neighbours\[1\]: expected 5 fields, got 2"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0), "peer"),
-     r"P2PInfo.neighbours\[0\]: expected 4 fields, got str"),
+     r"P2PInfo.neighbours\[0\]: expected 5 fields, got str"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0, 2), 0), "PeerEndpoint.port"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0, 1), 7), "PeerEndpoint.host"),
     (P2PInfo, replaced(SAMPLES[P2PInfo], (2, 0, 3), MAX_POOL_SIZE + 1), "PeerEndpoint.pool_size"),
@@ -310,10 +310,14 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     (LinkMeasured, wire_fields(SAMPLES[LinkMeasured])[:-1], "LinkMeasured: expected 5 fields, got 4"),
     (MeasureLink, replaced(SAMPLES[MeasureLink], (1, 2), 0), "PeerEndpoint.port"),
     (MeasureLink, replaced(SAMPLES[MeasureLink], (1,), None),
-     "MeasureLink.source: expected 4 fields, got NoneType"),
+     "MeasureLink.source: expected 5 fields, got NoneType"),
     (ExpectBenchmark, replaced(SAMPLES[ExpectBenchmark], (2,), "1"), "ExpectBenchmark.nbytes"),
-    (SharedStatePlan, replaced(SAMPLES[SharedStatePlan], (4, 0, 2, 1), [2, 0]),
+    (SharedStatePlan, replaced(SAMPLES[SharedStatePlan], (4, 0, 3, 1), [2, 0]),
      "TensorSpan.count: must be at least 1"),
+    (SharedStatePlan, replaced(SAMPLES[SharedStatePlan], (4, 0, 2), b"\x01" * 31),
+     "SharedStateFetcher.identity: a node identity has 32 bytes"),
+    (SharedStatePlan, replaced(SAMPLES[SharedStatePlan], (3, 1, 4), b"\x01" * 33),
+     "PeerEndpoint.identity: a node identity has 32 bytes"),
     (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (2,), [1, 2, 2]),
      "TopologyOptimized.peers: a peer appears twice"),
     (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (3,), [0.0] * 8),
@@ -463,6 +467,8 @@ def valid(hint: Any) -> st.SearchStrategy[Any]:
         return st.floats(allow_nan=False, allow_infinity=False) | st.integers(0, 1000)
     if hint is str:
         return st.text(max_size=30)
+    if hint is bytes:  # the only bytes fields are node identities
+        return st.sampled_from([b"", bytes(32)]) | st.binary(min_size=32, max_size=32)
     if typing.get_origin(hint) is tuple:
         return st.lists(valid(typing.get_args(hint)[0]), max_size=5).map(tuple)
     return records(hint)

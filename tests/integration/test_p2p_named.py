@@ -178,7 +178,7 @@ async def test_shared_state_goes_only_to_the_plans_fetchers(cluster: Cluster, cl
                 ("f1", shared_state_request(f1.peer_id, number, part),
                  f"names no peer {f1.peer_id}"),
                 (ELSEWHERE, shared_state_request(jid, number, part),
-                 "but the master knows that peer at"),
+                 "and the master knows it at"),
                 ("joiner", shared_state_request(jid, number, ("moments", 0, 4000)),
                  "does not fetch a tensor named 'moments'"),
                 ("joiner", shared_state_request(jid, number, ("weights", 0, weights),

@@ -113,3 +113,49 @@ def test_communicators_without_a_secret_stay_on_this_machine(monkeypatch: pytest
     pccl.Communicator("192.0.2.1:48148", config=pccl.Config(run_secret=SECRET))
     monkeypatch.setenv("PCCL_TRIO_RUN_SECRET", SECRET)
     pccl.Communicator("192.0.2.1:48148")  # the environment's secret counts
+
+
+def identity_command(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pccl_trio", "identity", *argv], capture_output=True, text=True,
+        check=False, timeout=60, env=environment(),
+    )
+
+
+async def test_the_allowlist_file_admits_the_keys_pccl_trio_identity_prints(tmp_path: Path) -> None:
+    """``pccl-trio identity PATH`` creates a key once and prints its public half; a
+    master given that line in ``--allow-identities`` admits the node, and refuses
+    another one with a reason."""
+    first = identity_command(str(tmp_path / "node.key"))
+    again = identity_command(str(tmp_path / "node.key"))
+    assert first.returncode == 0 and len(first.stdout.strip()) == 64, first
+    assert again.stdout == first.stdout  # the same key, not a new one
+    allowlist = tmp_path / "allowed"
+    allowlist.write_text(f"# the run's nodes\n{first.stdout.strip()}  node-a\n\n")
+    master = Master("--listen", "127.0.0.1:0", "--allow-identities", str(allowlist), secret=SECRET)
+    address = f"127.0.0.1:{master.port}"
+    try:
+        with trio.fail_after(60):
+            config = pccl.Config(run_secret=SECRET, identity=tmp_path / "node.key")
+            async with pccl.Communicator(address, config=config, p2p_host="127.0.0.1") as comm:
+                assert comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 1
+            other = pccl.Config(run_secret=SECRET, identity=tmp_path / "other.key")
+            stranger = pccl.Communicator(address, config=other, p2p_host="127.0.0.1")
+            with pytest.raises(pccl.Kicked, match="is not in this master's allowlist"):
+                await stranger.connect()
+    finally:
+        master.stop()
+
+
+def test_bad_identity_options_are_clear_errors(tmp_path: Path) -> None:
+    allowlist = tmp_path / "allowed"
+    allowlist.write_text("0123\n")
+    malformed = refused("--allow-identities", str(allowlist), "--secret-file", __file__)
+    assert malformed.returncode == 2 and "line 1: '0123' is not a public identity key" in malformed.stderr
+    allowlist.write_text("")
+    no_secret = refused("--allow-identities", str(allowlist))
+    assert no_secret.returncode == 2 and "--allow-identities needs a run secret" in no_secret.stderr
+    (tmp_path / "open.key").write_text("")
+    os.chmod(tmp_path / "open.key", 0o644)
+    unusable = identity_command(str(tmp_path / "open.key"))
+    assert unusable.returncode == 1 and "chmod 600" in unusable.stderr
