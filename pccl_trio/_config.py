@@ -90,6 +90,14 @@ class Config:
             top of the time one data frame takes at the minimum rate: it covers
             connecting, the distributor waiting for its own plan (up to the liveness
             timeout) and the first bytes.
+        identity: the file of this node's Ed25519 identity key (created there, mode
+            0600, on first use; ``pccl-trio identity`` prints its public half). Every
+            handshake proves it; the master binds it to the peer's id and names it to
+            the peers that connect to this one, who check it. Needs a run secret.
+            Several peers on one node may share one key.
+        allowed_identities: (master) the public identity keys (32 bytes each) allowed
+            to join; a peer without one of them is refused with a reason. None: any
+            holder of the run secret. Needs a run secret.
     """
 
     heartbeat_interval: float = 0.5

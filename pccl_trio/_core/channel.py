@@ -391,35 +391,39 @@ class Channel:
 
     # --- data frames ------------------------------------------------------------------
 
+    def seal_data(self, header: bytes, *, encrypt: bool | None = None) -> DataSeal:
+        """Start protecting the data frame with ``header`` (its payload follows in
+        parts, in order; see ``DataSeal``), encrypted if ``encrypt`` (default: as the
+        connection agreed)."""
+        encrypt = self.encrypt_data if encrypt is None else encrypt
+        return DataSeal(self._send_key, self._next_send(), header, encrypt=encrypt)
+
+    def open_data(self, header: bytes, *, decrypt: bool | None = None) -> DataOpening:
+        """Start checking the received data frame with ``header`` (its payload follows
+        in parts as they arrive; see ``DataOpening``), decrypting it if ``decrypt``
+        (default: as the connection agreed)."""
+        decrypt = self.encrypt_data if decrypt is None else decrypt
+        return DataOpening(self._receive_key, self._next_receive(), header, decrypt=decrypt)
+
     def tag_data(self, header: bytes, payload: memoryview) -> bytes:
         """The tag that follows a data frame's payload (``encrypt_data`` off)."""
-        tagger = Cipher(algorithms.AES(self._send_key), modes.GCM(self._next_send())).encryptor()
-        tagger.authenticate_additional_data(header)
-        tagger.authenticate_additional_data(payload)
-        tagger.finalize()
-        return tagger.tag
+        seal = self.seal_data(header, encrypt=False)
+        seal.authenticate(payload)
+        return seal.finish()
 
     def check_data(
         self, header: bytes, payload: memoryview, tag: bytes | bytearray | memoryview
     ) -> None:
         """Raise ``RemoteProtocolError`` unless ``tag`` is the data frame's tag."""
-        checker = Cipher(
-            algorithms.AES(self._receive_key), modes.GCM(self._next_receive(), bytes(tag))
-        ).decryptor()
-        checker.authenticate_additional_data(header)
-        checker.authenticate_additional_data(payload)
-        try:
-            checker.finalize()
-        except InvalidTag:
-            raise RemoteProtocolError("a data frame failed its authentication") from None
+        opening = self.open_data(header, decrypt=False)
+        opening.update(payload)
+        opening.finish(tag)
 
     def encrypt_data_into(self, header: bytes, payload: memoryview, out: memoryview) -> bytes:
         """Encrypt ``payload`` into ``out`` (as long); the tag (``encrypt_data`` on)."""
-        encryptor = Cipher(algorithms.AES(self._send_key), modes.GCM(self._next_send())).encryptor()
-        encryptor.authenticate_additional_data(header)
-        encryptor.update_into(payload, out)  # GCM is a stream mode: exactly as long
-        encryptor.finalize()
-        return encryptor.tag
+        seal = self.seal_data(header, encrypt=True)
+        seal.encrypt_into(payload, out)
+        return seal.finish()
 
     def decrypt_data_into(
         self, header: bytes, ciphertext: memoryview, out: memoryview,
@@ -427,15 +431,9 @@ class Channel:
     ) -> None:
         """Decrypt ``ciphertext`` into ``out``; raise ``RemoteProtocolError`` if the
         tag fails (``out`` then holds garbage the caller must discard)."""
-        decryptor = Cipher(
-            algorithms.AES(self._receive_key), modes.GCM(self._next_receive(), bytes(tag))
-        ).decryptor()
-        decryptor.authenticate_additional_data(header)
-        decryptor.update_into(ciphertext, out)
-        try:
-            decryptor.finalize()
-        except InvalidTag:
-            raise RemoteProtocolError("a data frame failed its authentication") from None
+        opening = self.open_data(header, decrypt=True)
+        opening.decrypt_into(ciphertext, out)
+        opening.finish(tag)
 
     # --- a data frame as the transport sends and receives it ------------------------------
 
@@ -458,7 +456,67 @@ class Channel:
             RemoteProtocolError: forged, altered, replayed or reordered; ``payload``
                 then holds bytes that must not be used.
         """
-        if self.encrypt_data:
-            self.decrypt_data_into(header, payload, payload, tag)
+        opening = self.open_data(header)
+        opening.update(payload)
+        opening.finish(tag)
+
+
+class DataSeal:
+    """The protection of one data frame being sent, fed its payload in order, in parts
+    of any size: ``authenticate`` each part after it is sent (tags only), or
+    ``encrypt_into`` each part before it is sent (``encrypt``); then ``finish`` gives the
+    tag that follows the payload. Fed in parts or whole, the tag is the same."""
+
+    def __init__(self, key: bytes, nonce: bytes, header: bytes, *, encrypt: bool) -> None:
+        self.header = header
+        self.encrypt = encrypt
+        self._gcm = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+        self._gcm.authenticate_additional_data(header)
+
+    def authenticate(self, part: memoryview) -> None:
+        if self.encrypt:
+            raise LocalProtocolError("an encrypting seal encrypts its payload")
+        self._gcm.authenticate_additional_data(part)
+
+    def encrypt_into(self, part: memoryview, out: memoryview) -> None:
+        """Encrypt ``part`` into ``out`` (as long: GCM is a stream mode)."""
+        if not self.encrypt:
+            raise LocalProtocolError("a tagging seal sends its payload as it is")
+        self._gcm.update_into(part, out)
+
+    def finish(self) -> bytes:
+        self._gcm.finalize()
+        return self._gcm.tag
+
+
+class DataOpening:
+    """The check of one received data frame, fed its payload in order, in parts of any
+    size, as it arrives (decrypted in place with ``decrypt``); ``finish(tag)`` raises
+    unless the frame is authentic. Until it returns, the payload must not be used."""
+
+    def __init__(self, key: bytes, nonce: bytes, header: bytes, *, decrypt: bool) -> None:
+        self.decrypt = decrypt
+        self._gcm = Cipher(algorithms.AES(key), modes.GCM(nonce)).decryptor()
+        self._gcm.authenticate_additional_data(header)
+
+    def update(self, part: memoryview) -> None:
+        """Take the next part of the payload (decrypted in place with ``decrypt``)."""
+        if self.decrypt:
+            self._gcm.update_into(part, part)
         else:
-            self.check_data(header, payload, tag)
+            self._gcm.authenticate_additional_data(part)
+
+    def decrypt_into(self, part: memoryview, out: memoryview) -> None:
+        """Decrypt the next part of the payload into ``out`` (as long)."""
+        if not self.decrypt:
+            raise LocalProtocolError("a tag-only frame is not decrypted")
+        self._gcm.update_into(part, out)
+
+    def finish(self, tag: bytes | bytearray | memoryview) -> None:
+        """Raises:
+            RemoteProtocolError: the frame was forged, altered, replayed or reordered.
+        """
+        try:
+            self._gcm.finalize_with_tag(bytes(tag))
+        except (InvalidTag, ValueError):
+            raise RemoteProtocolError("a data frame failed its authentication") from None

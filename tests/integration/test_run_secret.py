@@ -21,8 +21,8 @@ import pccl_trio as pccl
 from pccl_trio._core.channel import (
     HELLO_SIZE,
     REPLY_SIZE,
-    Channel,
     ClientHandshake,
+    DataSeal,
     Purpose,
     ServerHandshake,
 )
@@ -210,21 +210,20 @@ async def test_a_stranger_gets_nothing_from_a_peer(secured: Cluster) -> None:
 async def test_an_altered_data_frame_aborts_the_attempt(
     secured: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A man in the middle flips one payload byte of every frame of tag 7 after it was
-    tagged: each receiver's check fails, so the attempt aborts everywhere with the
-    inputs restored (never a wrong result), and the next all-reduce is exact."""
-    real = Channel.protect_data
+    """A man in the middle flips one bit of every data frame of tag 7 after it was
+    tagged (here: in its tag, which for GCM is the same as in its payload): each
+    receiver's check fails, so the attempt aborts everywhere with the inputs restored
+    (never a wrong result), and the next all-reduce is exact."""
+    real = DataSeal.finish
 
-    def altered(self: Channel, header: bytes, payload: memoryview) -> list[memoryview]:
-        buffers = real(self, header, payload)
-        (_length, _type, tag, _seq, _offset, nbytes) = DATA_HEADER.unpack(header)
+    def altered(self: DataSeal) -> bytes:
+        tag_bytes = real(self)
+        (_length, _type, tag, _seq, _offset, nbytes) = DATA_HEADER.unpack(self.header)
         if tag == 7 and nbytes:
-            flipped = bytearray(buffers[1])
-            flipped[nbytes // 2] ^= 0x40
-            buffers[1] = memoryview(flipped)
-        return buffers
+            return bytes([tag_bytes[0] ^ 0x40]) + tag_bytes[1:]
+        return tag_bytes
 
-    monkeypatch.setattr(Channel, "protect_data", altered)
+    monkeypatch.setattr(DataSeal, "finish", altered)
     with trio.fail_after(120):
         comms = await form_run([], [with_config(secured, f"p{i}") for i in range(3)])
         data = [np.arange(100_000, dtype=np.float32) * (i + 1) for i in range(3)]
