@@ -54,6 +54,14 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
         "public key per line, as `pccl-trio identity` prints it); needs a run secret",
     )
     parser.add_argument(
+        "--content-digest",
+        action="store_true",
+        help="have peers vote a BLAKE2b-256 digest of their shared state beside the "
+        "simplehash, and compare content by both: a forged simplehash collision no longer "
+        "passes a sync; costs one BLAKE2b pass per compared tensor per sync (~1 GB/s per "
+        "core)",
+    )
+    parser.add_argument(
         "--insecure",
         action="store_true",
         help="without a run secret, listen on other interfaces than loopback anyway "
@@ -164,6 +172,7 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
             topology_reference_bytes=args.topology_reference_size,
             run_secret=_read_secret(args.secret_file),
             insecure=args.insecure,
+            content_digest=args.content_digest,
             stall_timeout=args.stall_timeout,
             stall_warning=args.stall_warning,
             allowed_identities=(

@@ -165,6 +165,9 @@ class MasterCore:
             then again after twice as long, four times, ...
         allowed_identities: the node identities that may register (None: anyone who
             reached the core, i.e. who completed the handshake).
+        content_digest: require a BLAKE2b-256 content digest beside the simplehash in
+            every shared-state vote (announced in ``Welcome``; a vote without kicks its
+            peer), and compare content by both.
     """
 
     def __init__(
@@ -179,6 +182,7 @@ class MasterCore:
         stall_timeout: float = 1800.0,
         stall_warning: float = 60.0,
         allowed_identities: frozenset[bytes] | None = None,
+        content_digest: bool = False,
     ) -> None:
         if not 0 < heartbeat_interval < liveness_timeout:
             raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
@@ -193,6 +197,7 @@ class MasterCore:
             liveness_timeout=liveness_timeout,
             on_leave=self._peer_left,
             allowed_identities=allowed_identities,
+            content_digest=content_digest,
         )
         self._book = RingBook()
         self._optimizer = Optimizer(
@@ -205,7 +210,7 @@ class MasterCore:
         )
         self._pending = PendingVote(self._table)
         self._collectives = Collectives(self._table, self._book)
-        self._syncs = Syncs(self._table)
+        self._syncs = Syncs(self._table, content_digest=content_digest)
         self._stalls = Stalls(
             self._table,
             [

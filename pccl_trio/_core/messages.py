@@ -27,6 +27,7 @@ import typing
 
 from .errors import RemoteProtocolError
 from .nested import (
+    DIGEST_SIZE,
     DTYPE_NAMES,
     MAX_KEY,
     MAX_POOL_SIZE,
@@ -57,6 +58,7 @@ from .records import (
 __all__ = [
     "BenchmarkRequest",
     "C2M",
+    "DIGEST_SIZE",
     "DTYPE_NAMES",
     "CollectiveAbort",
     "CollectiveCommence",
@@ -117,7 +119,7 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
@@ -331,11 +333,13 @@ class LinkMeasured(Message):
 @message(64, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Welcome(Message):
-    """Registration accepted: the peer's id and the liveness timers to use."""
+    """Registration accepted: the peer's id, the liveness timers to use, and whether
+    its shared-state votes must carry content digests (``SharedStateEntry.digest``)."""
 
     peer_id: int
     heartbeat_interval: float
     liveness_timeout: float
+    content_digest: bool = False
 
     def _validate(self) -> None:
         if not 0 < self.heartbeat_interval < self.liveness_timeout <= MAX_TIMER:

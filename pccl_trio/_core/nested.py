@@ -6,6 +6,11 @@ These are records (``records.record``), not messages: they have no kind of their
 and travel only as fields of the messages in ``messages``, which re-exports them as
 part of the one vocabulary of the protocol. Like messages, they check their fields
 when built, so a decoded endpoint or entry is a valid one.
+
+A shared-state entry names its tensor's content twice: ``hash``, the 32-bit simplehash
+every run compares (fast, but anyone can craft other bytes with the same value), and
+``digest``, a BLAKE2b-256 of the same bytes (``DIGEST_SIZE``), which peers send only
+when the master requires it (``Welcome.content_digest``) and which is empty otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from .identity import IDENTITY_SIZE
 from .records import U16_MAX, Record, record
 
 __all__ = [
+    "DIGEST_SIZE",
     "DTYPE_NAMES",
     "MAX_KEY",
     "MAX_POOL_SIZE",
@@ -27,6 +33,7 @@ __all__ = [
     "SharedStateRange",
     "TensorSpan",
     "WorldSizes",
+    "check_digest",
     "check_key",
     "check_pool_size",
 ]
@@ -37,6 +44,8 @@ DTYPE_NAMES = (
     "UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64",
     "FLOAT16", "BFLOAT16", "FLOAT", "DOUBLE",
 )
+#: Bytes of a shared-state content digest (BLAKE2b-256).
+DIGEST_SIZE = 32
 #: Longest shared-state key, in characters.
 MAX_KEY = 1024
 
@@ -86,6 +95,13 @@ def check_identity(identity: bytes, where: str) -> None:
         )
 
 
+def check_digest(digest: bytes, where: str) -> None:
+    if len(digest) not in (0, DIGEST_SIZE):
+        raise RemoteProtocolError(
+            f"{where}: a content digest has {DIGEST_SIZE} bytes (or none), got {len(digest)}"
+        )
+
+
 def check_key(key: str, where: str) -> None:
     if not key or len(key) > MAX_KEY:
         raise RemoteProtocolError(f"{where}: a shared-state key has 1 to {MAX_KEY} characters")
@@ -94,16 +110,23 @@ def check_key(key: str, where: str) -> None:
 @record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateEntry(Record):
-    """One tensor of a peer's shared state, as it votes: what the master compares."""
+    """One tensor of a peer's shared state, as it votes: what the master compares.
+
+    ``hash`` is the simplehash of its bytes, ``digest`` their BLAKE2b-256 when the run
+    requires digests (empty otherwise). A tensor whose content may differ
+    (``allow_content_inequality``) is never compared: it votes hash 0 and no digest.
+    """
 
     key: str
     hash: int
     dtype: int
     count: int
     allow_content_inequality: bool
+    digest: bytes = b""
 
     def _validate(self) -> None:
         check_key(self.key, "SharedStateEntry.key")
+        check_digest(self.digest, "SharedStateEntry.digest")
         if self.dtype >= len(DTYPE_NAMES):
             raise RemoteProtocolError(f"SharedStateEntry.dtype: unknown value {self.dtype}")
 
@@ -114,14 +137,17 @@ class SharedStateEntry(Record):
 @record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SharedStateFetch(Record):
-    """A tensor a peer must fetch, and the hash it must have (unless not ``verify``)."""
+    """A tensor a peer must fetch, and the hash (and, when not empty, the digest) it
+    must have, unless not ``verify``."""
 
     key: str
     hash: int
     verify: bool
+    digest: bytes = b""
 
     def _validate(self) -> None:
         check_key(self.key, "SharedStateFetch.key")
+        check_digest(self.digest, "SharedStateFetch.digest")
 
 
 @record

@@ -379,6 +379,7 @@ class PeerTable:
         liveness_timeout: a connection silent this long is kicked.
         on_leave: called with each peer removed (and why), after the registry forgot it.
         allowed_identities: the node identities that may register (None: any).
+        content_digest: whether ``Welcome`` tells peers to vote content digests.
     """
 
     def __init__(
@@ -388,8 +389,10 @@ class PeerTable:
         liveness_timeout: float,
         on_leave: Callable[[Peer, str], None],
         allowed_identities: frozenset[bytes] | None = None,
+        content_digest: bool = False,
     ) -> None:
         self._allowed = allowed_identities
+        self._content_digest = content_digest
         self._heartbeat_interval = heartbeat_interval
         self._liveness_timeout = liveness_timeout
         self._on_leave = on_leave
@@ -473,6 +476,7 @@ class PeerTable:
                 peer_id=peer.peer_id,
                 heartbeat_interval=self._heartbeat_interval,
                 liveness_timeout=self._liveness_timeout,
+                content_digest=self._content_digest,
             ),
         )
 

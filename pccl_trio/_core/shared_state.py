@@ -3,9 +3,13 @@
 Theory of operation
 -------------------
 When every member of a peer group has voted its shared state (revision, strategy, and
-one entry per tensor: key, content hash, dtype, element count, whether content may
-differ), :func:`elect` decides the sync, as a pure function of the votes and the
-revision the group expects next (None before its first sync):
+one entry per tensor: key, content hash and digest, dtype, element count, whether
+content may differ), :func:`elect` decides the sync, as a pure function of the votes and
+the revision the group expects next (None before its first sync). A tensor's *content*
+is its simplehash and its digest together: in a run that requires digests
+(``Welcome.content_digest``) two entries with the same simplehash but different digests
+hold different content; elsewhere every digest is empty and the simplehash alone
+decides.
 
 1. **Revision.** A vote above the expected revision was refused when it arrived (the
    master kicks it: revisions advance by exactly one per sync). The sync's *target*
@@ -16,16 +20,17 @@ revision the group expects next (None before its first sync):
 2. **Strategies.** ENFORCE_POPULAR cannot be mixed with the others: if the group mixes
    them, the peers that did not ENFORCE_POPULAR are kicked. RECEIVE_ONLY peers offer no
    candidate; if nobody offers one, every voter is kicked.
-3. **Popularity.** Identical entry lists are counted together. Lists voted by a current
-   peer beat lists voted only by outdated peers, whatever their numbers; among equals the
-   most votes wins, and a tie goes to the list of the lowest peer id (deterministic, where
-   PCCL leaves it to hash-map order).
+3. **Popularity.** Identical entry lists (content included: hashes and digests) are
+   counted together. Lists voted by a current peer beat lists voted only by outdated
+   peers, whatever their numbers; among equals the most votes wins, and a tie goes to the
+   list of the lowest peer id (deterministic, where PCCL leaves it to hash-map order).
 4. **Mismatch.** A voter whose entry list differs from the winner's in anything but the
-   hashes (a key, its dtype, its element count, ``allow_content_inequality``, the number
-   of entries) is kicked, with a reason naming the first key that differs. A hash that
-   differs makes that key *dirty* for the voter; an outdated voter also gets every
-   ``allow_content_inequality`` key (joiners obtain some version of those), which are
-   never compared otherwise.
+   content (a key, its dtype, its element count, ``allow_content_inequality``, the number
+   of entries) is kicked, with a reason naming the first key that differs. Content that
+   differs (the hash, or the digest) makes that key *dirty* for the voter: it fetches it,
+   told the popular hash and digest to verify what arrives against. An outdated voter
+   also gets every ``allow_content_inequality`` key (joiners obtain some version of
+   those), which are never compared otherwise.
 5. **Send-only peers** must already hold the popular state: one that would have to fetch
    anything, or is outdated, is kicked.
 6. **Distributors** are the remaining voters that offer a candidate and need no key. The
@@ -112,10 +117,12 @@ def elect(ballots: Mapping[int, Ballot], expected: int | None) -> Election:
             continue
         dirty = tuple(
             SharedStateFetch(key=popular.key, hash=popular.hash,
-                             verify=not popular.allow_content_inequality)
+                             verify=not popular.allow_content_inequality,
+                             digest=popular.digest)
             for mine, popular in zip(ballot.entries, winner, strict=True)
             if (popular.allow_content_inequality and outdated)
-            or (not popular.allow_content_inequality and mine.hash != popular.hash)
+            or (not popular.allow_content_inequality
+                and (mine.hash, mine.digest) != (popular.hash, popular.digest))
         )
         if ballot.strategy == SyncStrategy.SEND_ONLY and (dirty or outdated):
             kicks[peer_id] = (

@@ -5,13 +5,15 @@ Theory of operation
 A sync is a vote of one peer group. Each member votes ``SharedStateVote`` (VOTE_SYNC)
 with its *ballot*: revision, strategy and one entry per tensor. A vote whose revision
 skips ahead of the one the group expects next is refused at once (the peer is kicked:
-revisions advance by exactly one per sync). Once every accepted member of the group
-voted, :func:`shared_state.elect` decides, as a pure function of the ballots: who is
-kicked, which revision everyone holds afterwards, who fetches which keys, and who may
-distribute them. Every remaining voter gets its ``SharedStatePlan`` (SYNCING), fetches
-from the distributors peer to peer, and reports ``SharedStateDone`` (SYNC_DONE); when
-all have, each gets ``SharedStateComplete`` (IDLE) and the group expects the next
-revision.
+revisions advance by exactly one per sync), and so is a vote whose entries do not carry
+content digests exactly as the run requires (``content_digest``: a BLAKE2b-256 digest on
+every entry whose content must match, none elsewhere; without it, none at all). Once
+every accepted member of the group voted, :func:`shared_state.elect` decides, as a pure
+function of the ballots: who is kicked, which revision everyone holds afterwards, who
+fetches which keys, and who may distribute them. Every remaining voter gets its
+``SharedStatePlan`` (SYNCING), fetches from the distributors peer to peer, and reports
+``SharedStateDone`` (SYNC_DONE); when all have, each gets ``SharedStateComplete`` (IDLE)
+and the group expects the next revision.
 
 A vote the group cannot complete is refused rather than left waiting: when a member
 waits in a topology vote (``peers.BLOCKED_BY``), or when the election left nobody who
@@ -52,7 +54,7 @@ from .peers import (
 from .shared_state import Ballot, elect, tensor_spans
 from .stalls import Waiting
 
-__all__ = ["Syncs"]
+__all__ = ["Syncs", "check_digests"]
 
 log = logging.getLogger("pccl_trio.master")
 
@@ -66,11 +68,32 @@ class _Sync:
     done: set[int] = dataclasses.field(default_factory=set)
 
 
+def check_digests(vote: SharedStateVote, *, required: bool) -> None:
+    """Raise ``RemoteProtocolError`` (the peer is kicked) unless every entry of ``vote``
+    whose content must match carries a content digest when ``required``, and no other
+    entry carries one."""
+    for entry in vote.entries:
+        wanted = required and not entry.allow_content_inequality
+        if wanted and not entry.digest:
+            raise RemoteProtocolError(
+                f"shared-state tensor {entry.key!r:.100} carries no content digest, but this "
+                "run requires a BLAKE2b-256 digest of every tensor whose content must match "
+                "(the master runs with --content-digest)"
+            )
+        if entry.digest and not wanted:
+            raise RemoteProtocolError(
+                f"shared-state tensor {entry.key!r:.100} carries a content digest, but "
+                + ("its content may differ (allow_content_inequality)" if required else
+                   "this run uses none (the master runs without --content-digest)")
+            )
+
+
 class Syncs:
     """The shared-state syncs of every peer group."""
 
-    def __init__(self, table: PeerTable) -> None:
+    def __init__(self, table: PeerTable, *, content_digest: bool = False) -> None:
         self._table = table
+        self._content_digest = content_digest
         # Per peer group: the revision the next sync expects (absent before the first
         # sync), and the sync in its distribution phase.
         self._expected_revision: dict[int, int] = {}
@@ -80,6 +103,7 @@ class Syncs:
     def on_vote(self, peer: Peer, message: SharedStateVote) -> None:
         """A member votes its shared state."""
         check_member_vote(peer, message)
+        check_digests(message, required=self._content_digest)
         peer.apply(PeerEvent.VOTE_SYNC)
         peer.voted_at = self._table.now
         expected = self._expected_revision.get(peer.peer_group)

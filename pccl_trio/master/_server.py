@@ -114,6 +114,7 @@ class _MasterServer:
             stall_timeout=config.stall_timeout,
             stall_warning=config.stall_warning,
             allowed_identities=config.allowed_identities,
+            content_digest=config.content_digest,
         )
         # Bounded: a connection whose frames arrive faster than the core handles them
         # waits (and, through TCP, so does its sender), instead of burying the

@@ -5,7 +5,8 @@ Theory of operation
 ``open`` connects to the master (completing the run-secret handshake first, if the
 run has a secret), starts the *reader* (the only task that ever receives from the
 link) and the *heartbeat* sender, registers, and returns once the master's
-``Welcome`` named this peer and imposed its liveness timers.
+``Welcome`` named this peer and imposed its liveness timers and whether its
+shared-state votes carry content digests (``content_digest``).
 
 The reader applies a few messages at once, in the order they arrive, through the
 synchronous *routes* other parts registered (``route``): a ``CollectiveCommence``
@@ -67,6 +68,9 @@ class MasterSession:
         self.peer_id: int | None = None
         self.heartbeat_interval = config.heartbeat_interval
         self.liveness_timeout = config.liveness_timeout
+        #: Whether the run requires content digests in shared-state votes (the master
+        #: says so in ``Welcome``).
+        self.content_digest = False
         self._link: FramedStream | None = None
         self._inbox: list[Message] = []
         self._inbox_lot = trio.lowlevel.ParkingLot()
@@ -137,6 +141,7 @@ class MasterSession:
         self.peer_id = welcome.peer_id
         self.heartbeat_interval = welcome.heartbeat_interval
         self.liveness_timeout = welcome.liveness_timeout
+        self.content_digest = welcome.content_digest
         self._life.spawn(self._send_heartbeats)
         log.info("peer %d registered with the master at %s", self.peer_id, self.address)
 

@@ -3,11 +3,13 @@
 Theory of operation
 -------------------
 A sync has three parts. The communicator hashes every tensor whose content must match
-(``simplehash``, the same for host and GPU memory), votes its entries to the master and,
-from that moment, *serves* its tensors: peers that received the master's plan earlier
-may already ask. The master answers each peer with a plan: the revision to hold
-afterwards, the tensors to fetch with their expected hashes, and the *distributors*,
-every peer that holds the popular state.
+(``simplehash``, the same for host and GPU memory, and, when the master requires it,
+a BLAKE2b-256 *digest* of the same bytes: the simplehash is fast but can be forged
+offline, the digest cannot), votes its entries to the master and, from that moment,
+*serves* its tensors: peers that received the master's plan earlier may already ask.
+The master answers each peer with a plan: the revision to hold afterwards, the tensors
+to fetch with their expected hashes (and digests), and the *distributors*, every peer
+that holds the popular state.
 
 A distributor serves only the peers the master's plan names as fetchers, each from the
 host the master knows it at, each only the tensors it fetches, and each byte of them at
@@ -22,7 +24,8 @@ serve more pieces; none is singled out. When a distributor fails (it left, broke
 connection, refused, or sent a frame that does not continue the range), the unfinished
 part of its piece goes back to the front of the queue for the others. Before the first
 byte lands, every tensor to fetch is copied aside: if every distributor fails, or a
-received tensor does not hash to the value the master announced, the copies are put
+received tensor does not hash to the value the master announced (or, with the popular
+simplehash, does not have the digest it announced: ``mismatched``), the copies are put
 back, and the state and revision stay what they were. Only a complete, verified state
 is reported as synced.
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import threading
 from collections.abc import Mapping, Sequence
 
@@ -45,9 +49,11 @@ import numpy
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
+    DIGEST_SIZE,
     MAX_KEY,
     PROTOCOL_VERSION,
     SharedStateEntry,
+    SharedStateFetch,
     SharedStateFetcher,
     SharedStateRange,
     SharedStateRequest,
@@ -97,13 +103,14 @@ class Tensor:
     def nbytes(self) -> int:
         return int(self.raw.size)
 
-    def entry(self, content_hash: int) -> SharedStateEntry:
+    def entry(self, content_hash: int, digest: bytes = b"") -> SharedStateEntry:
         return SharedStateEntry(
             key=self.key,
             hash=content_hash,
             dtype=from_numpy_dtype(self.array.dtype).value,
             count=int(self.array.size),
             allow_content_inequality=self.allow_content_inequality,
+            digest=digest,
         )
 
     def content_hash(self, threads: int = 1) -> int:
@@ -111,6 +118,20 @@ class Tensor:
         if self.allow_content_inequality:
             return 0
         return simplehash(self.xp, self.raw, threads=threads)
+
+    def content_digest(self) -> bytes:
+        """BLAKE2b-256 of the bytes; empty for a tensor whose content may differ.
+
+        One code path for every array module: the bytes come through ``read``, in place
+        from host memory, copied to the host one piece (``PIECE_BYTES``) at a time from
+        a GPU. hashlib releases the GIL while it hashes, so run it in a worker thread.
+        """
+        if self.allow_content_inequality:
+            return b""
+        digest = hashlib.blake2b(digest_size=DIGEST_SIZE)
+        for start in range(0, self.nbytes, PIECE_BYTES):
+            digest.update(self.read(start, min(PIECE_BYTES, self.nbytes - start)))
+        return digest.digest()
 
     def read(self, offset: int, nbytes: int) -> memoryview:
         """Bytes ``[offset, offset + nbytes)``, zero-copy from host memory (a copy from
@@ -485,10 +506,19 @@ class Backup:
 
 
 def mismatched(
-    tensors: Sequence[Tensor], expected: Mapping[str, int], threads: int = 1
-) -> list[str]:
-    """The keys among ``tensors`` whose content does not hash to ``expected``."""
-    return [
-        t.key for t in tensors
-        if t.key in expected and t.content_hash(threads) != expected[t.key]
-    ]
+    tensors: Sequence[Tensor], expected: Mapping[str, SharedStateFetch], threads: int = 1
+) -> tuple[list[str], list[str]]:
+    """The keys among ``tensors`` whose content does not match what ``expected`` (by
+    key) announced: first those whose simplehash differs, then those whose simplehash
+    matches but whose digest differs from the one announced (when one was)."""
+    wrong_hash: list[str] = []
+    wrong_digest: list[str] = []
+    for t in tensors:
+        fetch = expected.get(t.key)
+        if fetch is None:
+            continue
+        if t.content_hash(threads) != fetch.hash:
+            wrong_hash.append(t.key)
+        elif fetch.digest and t.content_digest() != fetch.digest:
+            wrong_digest.append(t.key)
+    return wrong_hash, wrong_digest

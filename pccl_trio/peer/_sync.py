@@ -3,16 +3,19 @@
 Theory of operation
 -------------------
 ``sync`` hashes the tensors whose content must match (in worker threads where threads
-are allowed), votes their entries with the state's revision, and from that moment
-*serves* them: peers whose plan arrived earlier may already ask (``serve``, the p2p
-handler of ``SharedStateRequest``, waits for this peer's own plan before answering).
-A distributor's plan names the peers that fetch from it and what they fetch; it serves
-them only, from the hosts the master knows them at (``_shared_state.Serving``).
-The master's plan names the tensors this peer must fetch and the distributors that hold
-them. Fetching spreads pieces over every distributor (``_shared_state.Fetcher``), with
-the old bytes kept aside (``Backup``) and put back if the fetch fails or does not verify
-against the hashes the master announced. A distributor must keep up a minimum rate
-(``Config.shared_state_min_rate``, after ``Config.shared_state_grace``): one that
+are allowed; a BLAKE2b-256 digest beside the simplehash, in the same step, when the
+master's ``Welcome`` required content digests), votes their entries with the state's
+revision, and from that moment *serves* them: peers whose plan arrived earlier may
+already ask (``serve``, the p2p handler of ``SharedStateRequest``, waits for this peer's
+own plan before answering). A distributor's plan names the peers that fetch from it and
+what they fetch; it serves them only, from the hosts the master knows them at
+(``_shared_state.Serving``). The master's plan names the tensors this peer must fetch
+and the distributors that hold them. Fetching spreads pieces over every distributor
+(``_shared_state.Fetcher``), with the old bytes kept aside (``Backup``) and put back if
+the fetch fails or does not verify against the hashes the master announced, or against
+the digests where it announced them (content with the popular simplehash but another
+digest fails the fetch just like a wrong hash). A distributor must keep up a minimum
+rate (``Config.shared_state_min_rate``, after ``Config.shared_state_grace``): one that
 trickles bytes, which no idle timeout notices, is cut off and its piece goes to the
 others; when none is left, the sync fails. This peer reports to the master and waits
 for the group's completion; only then does it adopt the new revision. Serving stops when
@@ -36,6 +39,7 @@ from .._core.messages import (
     PeerEndpoint,
     SharedStateComplete,
     SharedStateDone,
+    SharedStateFetch,
     SharedStatePlan,
     SharedStateRequest,
     SharedStateResponse,
@@ -87,12 +91,15 @@ class SharedStateSync:
         tensors = sharing.prepare_state(state)
         await self._membership.ensure_ring()  # see Membership.update_topology
         with self._life.operation(Call.SYNC_SHARED_STATE):
-            threads = hash_threads()
-            hashes = await run_off_loop(lambda: [t.content_hash(threads) for t in tensors])
+            threads, digests = hash_threads(), self._session.content_digest
+            contents = await run_off_loop(lambda: [
+                (t.content_hash(threads), t.content_digest() if digests else b"")
+                for t in tensors
+            ])
             vote = SharedStateVote(
                 revision=state.revision,
                 strategy=strategy.value,
-                entries=tuple(t.entry(h) for t, h in zip(tensors, hashes, strict=True)),
+                entries=tuple(t.entry(*c) for t, c in zip(tensors, contents, strict=True)),
             )
             if len(encode_control(vote)) > self._config.max_control_frame:
                 raise InvalidArgument(
@@ -163,7 +170,7 @@ class SharedStateSync:
                 f"does not have (first: {unknown[0]!r})"
             )
         targets = [by_key[f.key] for f in plan.fetches]
-        expected = {f.key: f.hash for f in plan.fetches if f.verify}
+        expected = {f.key: f for f in plan.fetches if f.verify}
         assert self._session.peer_id is not None
         fetcher = sharing.Fetcher(
             by_key, [t.key for t in targets], sync=plan.sync, peer_id=self._session.peer_id,
@@ -191,7 +198,7 @@ class SharedStateSync:
         plan: SharedStatePlan,
         fetcher: sharing.Fetcher,
         targets: Sequence[sharing.Tensor],
-        expected: dict[str, int],
+        expected: dict[str, SharedStateFetch],
     ) -> str:
         """Fetch every piece and verify the tensors; why it failed (empty: it did not)."""
         # A distributor that fails gives its piece back; the others may have finished
@@ -209,13 +216,22 @@ class SharedStateSync:
                 + ("; ".join(fetcher.failures) or "none is left") + ")"
             )
         threads = hash_threads()
-        wrong = await run_off_loop(lambda: sharing.mismatched(targets, expected, threads))
+        wrong, forged = await run_off_loop(
+            lambda: sharing.mismatched(targets, expected, threads)
+        )
+        problems = []
         if wrong:
-            return (
+            problems.append(
                 f"tensors {wrong} arrived but do not hash to the popular state's values "
                 "(a distributor changed them during the sync?)"
             )
-        return ""
+        if forged:
+            problems.append(
+                f"tensors {forged} arrived with the popular state's simplehash but their "
+                "content digest (BLAKE2b-256) differs: a distributor sent other content "
+                "than the popular state's"
+            )
+        return "; ".join(problems)
 
     async def _fetch_from(self, endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
         """One distributor's worker: fetch pieces from it until none is left or it fails."""

@@ -106,6 +106,7 @@ class MasterHarness:
         reference_bytes: int = 64 << 20,
         stall_timeout: float = 1800.0,
         stall_warning: float = 60.0,
+        content_digest: bool = False,
     ) -> None:
         self.core = MasterCore(
             heartbeat_interval=heartbeat_interval,
@@ -116,6 +117,7 @@ class MasterHarness:
             reference_bytes=reference_bytes,
             stall_timeout=stall_timeout,
             stall_warning=stall_warning,
+            content_digest=content_digest,
         )
         self.now = 0.0
         self.sent: dict[int, list[Message]] = collections.defaultdict(list)

@@ -81,7 +81,7 @@ SAMPLES: dict[type[Message], Message] = {
     VoteEstablish: VoteEstablish(accept_new_peers=True),
     P2PEstablished: P2PEstablished(round=3, success=False, failed_peers=(2, 5)),
     VotePeersPending: VotePeersPending(),
-    Welcome: Welcome(peer_id=1, heartbeat_interval=0.5, liveness_timeout=2.0),
+    Welcome: Welcome(peer_id=1, heartbeat_interval=0.5, liveness_timeout=2.0, content_digest=True),
     Kick: Kick(reason="kicked: ünïcödé ✓"),
     P2PInfo: P2PInfo(round=3, ring=(1, 2, 5), neighbours=NEIGHBOURS, world=WORLD),
     P2PEstablishResult: P2PEstablishResult(round=3, success=True, ring=(1, 2, 5), world=WORLD),
@@ -100,7 +100,7 @@ SAMPLES: dict[type[Message], Message] = {
         strategy=2,
         entries=(
             SharedStateEntry(key="w", hash=3391090508, dtype=10, count=1 << 20,
-                             allow_content_inequality=False),
+                             allow_content_inequality=False, digest=bytes(range(32, 64))),
             SharedStateEntry(key="ëtä", hash=0, dtype=9, count=3, allow_content_inequality=True),
         ),
     ),
@@ -108,7 +108,9 @@ SAMPLES: dict[type[Message], Message] = {
     SharedStatePlan: SharedStatePlan(
         sync=4,
         revision=13,
-        fetches=(SharedStateFetch(key="w", hash=3391090508, verify=True),),
+        fetches=(
+            SharedStateFetch(key="w", hash=3391090508, verify=True, digest=bytes(range(32, 64))),
+        ),
         distributors=NEIGHBOURS,
         fetchers=(
             SharedStateFetcher(peer_id=3, host="10.0.0.3", identity=b"\x07" * 32, tensors=(

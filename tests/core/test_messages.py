@@ -227,6 +227,10 @@ def test_defaults() -> None:
     assert PeerEndpoint(peer_id=1, host="h", port=1).pool_size == 1
     assert SharedStatePlan(sync=1, revision=0, fetches=(), distributors=()).fetchers == ()
     assert P2PEstablished(round=1, success=True).failed_peers == ()
+    assert Welcome(peer_id=1, heartbeat_interval=1, liveness_timeout=2).content_digest is False
+    assert SharedStateEntry(key="k", hash=0, dtype=0, count=0,
+                            allow_content_inequality=False).digest == b""
+    assert SharedStateFetch(key="k", hash=0, verify=True).digest == b""
 
 
 def test_records_are_frozen_and_keyword_only() -> None:
@@ -274,14 +278,14 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     (Kick, ["x" * (MAX_STRING + 1)], "Kick.reason"),
     (VoteEstablish, [1], "VoteEstablish.accept_new_peers"),
     (VoteEstablish, ["true"], "VoteEstablish.accept_new_peers"),
-    (Welcome, [1, math.nan, 2.0], "Welcome.heartbeat_interval"),
-    (Welcome, [1, 1.0, math.inf], "Welcome.liveness_timeout"),
-    (Welcome, [1, -math.inf, 2.0], "Welcome.heartbeat_interval"),
-    (Welcome, [1, None, 2.0], "Welcome.heartbeat_interval"),
+    (Welcome, [1, math.nan, 2.0, False], "Welcome.heartbeat_interval"),
+    (Welcome, [1, 1.0, math.inf, False], "Welcome.liveness_timeout"),
+    (Welcome, [1, -math.inf, 2.0, False], "Welcome.heartbeat_interval"),
+    (Welcome, [1, None, 2.0, False], "Welcome.heartbeat_interval"),
     # A master (or an impostor) could make peers spin on heartbeats or never time out.
-    (Welcome, [1, 0.0, 2.0], r"Welcome: heartbeat interval 0.0s .* not 0 < interval"),
-    (Welcome, [1, 3.0, 2.0], r"not 0 < interval < timeout"),
-    (Welcome, [1, 1.0, 1e9], r"timeout <= 3600.0s"),
+    (Welcome, [1, 0.0, 2.0, False], r"Welcome: heartbeat interval 0.0s .* not 0 < interval"),
+    (Welcome, [1, 3.0, 2.0, False], r"not 0 < interval < timeout"),
+    (Welcome, [1, 1.0, 1e9, False], r"timeout <= 3600.0s"),
     (P2PEstablished, [1, True, {"2": 2}], "P2PEstablished: undecodable payload .*max_map_len"),
     (P2PEstablished, [1, True, [2, None]], r"P2PEstablished.failed_peers\[1\]"),
     (P2PEstablished, [1, True, list(range(MAX_SEQUENCE + 1))],
@@ -318,6 +322,19 @@ INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
      "SharedStateFetcher.identity: a node identity has 32 bytes"),
     (SharedStatePlan, replaced(SAMPLES[SharedStatePlan], (3, 1, 4), b"\x01" * 33),
      "PeerEndpoint.identity: a node identity has 32 bytes"),
+    # content digests: none, or exactly 32 bytes
+    (SharedStatePlan, replaced(SAMPLES[SharedStatePlan], (2, 0, 3), b"\x01" * 31),
+     "SharedStateFetch.digest: a content digest has 32 bytes .*got 31"),
+    (SharedStatePlan, replaced(SAMPLES[SharedStatePlan], (2, 0, 3), "digest"),
+     "SharedStateFetch.digest: invalid value 'digest'"),
+    (SharedStateVote, replaced(SAMPLES[SharedStateVote], (2, 0, 5), b"\x01" * 33),
+     "SharedStateEntry.digest: a content digest has 32 bytes .*got 33"),
+    (SharedStateVote, replaced(SAMPLES[SharedStateVote], (2, 1, 5), b"\x01"),
+     "SharedStateEntry.digest: a content digest has 32 bytes .*got 1"),
+    (SharedStateVote, wire_fields(SAMPLES[SharedStateVote])[:2] + [[["w", 1, 10, 4, False]]],
+     r"SharedStateVote.entries\[0\]: expected 6 fields, got 5"),
+    (Welcome, replaced(SAMPLES[Welcome], (3,), 1), "Welcome.content_digest"),
+    (Welcome, wire_fields(SAMPLES[Welcome])[:3], "Welcome: expected 4 fields, got 3"),
     (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (2,), [1, 2, 2]),
      "TopologyOptimized.peers: a peer appears twice"),
     (TopologyOptimized, replaced(SAMPLES[TopologyOptimized], (3,), [0.0] * 8),
@@ -441,12 +458,14 @@ def topology_reports(draw: st.DrawFn) -> TopologyOptimized:
 def welcomes() -> st.SearchStrategy[Welcome]:
     """Timers with 0 < heartbeat interval < liveness timeout <= MAX_TIMER."""
     return st.builds(
-        lambda peer_id, timeout, share: Welcome(
-            peer_id=peer_id, heartbeat_interval=timeout * share, liveness_timeout=timeout
+        lambda peer_id, timeout, share, digest: Welcome(
+            peer_id=peer_id, heartbeat_interval=timeout * share, liveness_timeout=timeout,
+            content_digest=digest,
         ),
         st.integers(0, U64_MAX),
         st.floats(min_value=0.001, max_value=MAX_TIMER),
         st.floats(min_value=0.01, max_value=0.99),
+        st.booleans(),
     )
 
 
@@ -467,7 +486,7 @@ def valid(hint: Any) -> st.SearchStrategy[Any]:
         return st.floats(allow_nan=False, allow_infinity=False) | st.integers(0, 1000)
     if hint is str:
         return st.text(max_size=30)
-    if hint is bytes:  # the only bytes fields are node identities
+    if hint is bytes:  # node identities and content digests: both none or 32 bytes
         return st.sampled_from([b"", bytes(32)]) | st.binary(min_size=32, max_size=32)
     if typing.get_origin(hint) is tuple:
         return st.lists(valid(typing.get_args(hint)[0]), max_size=5).map(tuple)
@@ -586,6 +605,11 @@ def test_samples_use_non_default_nested_values() -> None:
             SharedStateFetch(key="a", hash=1, verify=True),
             SharedStateFetch(key="a", hash=1, verify=True),
         )), "key 'a' appears twice"),
+        (lambda: SharedStateEntry(key="k", hash=0, dtype=0, count=0,
+                                  allow_content_inequality=False, digest=bytes(16)),
+         "SharedStateEntry.digest: a content digest has 32 bytes"),
+        (lambda: SharedStateFetch(key="k", hash=0, verify=True, digest=bytes(64)),
+         "SharedStateFetch.digest: a content digest has 32 bytes"),
         (lambda: SharedStateRange(key="", offset=0, nbytes=1), "SharedStateRange.key"),
         (lambda: TensorSpan(first=3, count=0), "TensorSpan.count"),
     ],

@@ -17,7 +17,7 @@ from pccl_trio.testing import MemoryNetwork
 def raw_welcome(heartbeat_interval: float, liveness_timeout: float) -> bytes:
     """A Welcome with any timers (the record itself refuses to build a bad one)."""
     body = struct.pack(">BH", 1, Welcome.KIND) + msgpack.packb(
-        [1, heartbeat_interval, liveness_timeout]
+        [1, heartbeat_interval, liveness_timeout, False]  # no content digests
     )
     return struct.pack(">I", len(body)) + body
 
