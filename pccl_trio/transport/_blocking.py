@@ -17,11 +17,7 @@ so ``cut`` shuts the connection down instead, which wakes every blocked call, an
 descriptor is closed by whoever is the last to stop using it.
 
 A link keeps the ``Channel`` of the stream it was detached from (its frame counters
-go on where the stream's stopped) and protects frames as ``FramedStream`` does, with
-one difference in timing: a protected payload is sent and received in parts of
-``PROTECTED_PART`` bytes, the sender tagging each part after sending it and the
-receiver checking each part as it arrives, so that both ends' tag work overlaps the
-transfer instead of adding to it (the bytes on the wire are the same).
+go on where the stream's stopped) and protects frames as ``FramedStream`` does.
 """
 
 from __future__ import annotations
@@ -48,17 +44,7 @@ from .._core.wire import (
 )
 from ._framed import RECEIVE_CHUNK, FramedStream, drop_sent, readable_now
 
-__all__ = ["PROTECTED_PART", "SocketLink"]
-
-#: Bytes of protected payload tagged (or checked) at a time: small enough that one
-#: end's tag work overlaps the other's transfer, large enough to keep calls few.
-PROTECTED_PART = 256 * 1024
-
-
-def parts(view: memoryview, size: int) -> Iterator[memoryview]:
-    """``view`` in consecutive slices of at most ``size`` bytes."""
-    for start in range(0, len(view), size):
-        yield view[start : start + size]
+__all__ = ["SocketLink"]
 
 
 class SocketLink:
@@ -209,21 +195,7 @@ class SocketLink:
             self.send_frames([memoryview(header), payload])
             return
         with self.send_lock:  # tags are made in the order the frames leave
-            seal = self.channel.seal_data(header)
-            # In parts, so that the receiver checks one part while the next is on its
-            # way: each part is tagged after it is sent (or encrypted just before).
-            first = [memoryview(header)]
-            scratch = memoryview(bytearray(min(PROTECTED_PART, len(payload)))) if seal.encrypt else None
-            for part in parts(payload, PROTECTED_PART):
-                if scratch is None:
-                    self._send_locked([*first, part])
-                    seal.authenticate(part)
-                else:
-                    ciphertext = scratch[: len(part)]
-                    seal.encrypt_into(part, ciphertext)
-                    self._send_locked([*first, ciphertext])
-                first = []
-            self._send_locked([*first, memoryview(seal.finish())])
+            self._send_locked(self.channel.protect_data(header, payload))
 
     def send_message(self, message: Message) -> None:
         """Send one control frame (blocking)."""
@@ -277,17 +249,9 @@ class SocketLink:
         if self.channel is None:
             self.receive_into(view)
             return
-        # Checked part by part as it arrives, overlapping the sender's next part.
-        opening = self._data.open()
         tag = bytearray(TAG_SIZE)
-        pieces = list(parts(view, PROTECTED_PART))
-        for part in pieces[:-1]:
-            self.receive_into(part)
-            opening.update(part)
-        last = pieces[-1] if pieces else view
-        self._receive_scattered([last, memoryview(tag)])  # one wake-up for both
-        opening.update(last)
-        opening.finish(tag)
+        self._receive_scattered([view, memoryview(tag)])  # one wake-up for both
+        self._data.accept(view, tag)
 
     def receive_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly (blocking)."""
