@@ -1,7 +1,8 @@
 """Soak: a master and 2-6 peer processes on loopback, peers randomly killed, frozen and
 spawned for ``--minutes``, every step of every peer checked.
 
-Usage: python benchmarks/soak.py [--minutes 5] [--seed 1] [--secret] [--log PATH] [--json PATH]
+Usage: python benchmarks/soak.py [--minutes 5] [--seed 1] [--secret] [--identities N]
+                                 [--content-digest] [--log PATH] [--json PATH]
 
 Theory of operation
 -------------------
@@ -46,7 +47,11 @@ At the end the driver prints a summary (``--json`` writes it as JSON too): minut
 run, kills and spawns, steps (revisions the run advanced by), all-reduces (successful
 calls, summed over peers), aborted attempts that were retried, syncs, joiners' state
 transfers, and the longest stall. ``--secret`` gives the master and every peer a
-fresh random run secret in ``PCCL_TRIO_RUN_SECRET``. ``--log`` writes every report,
+fresh random run secret in ``PCCL_TRIO_RUN_SECRET``. ``--identities N`` (which implies
+``--secret``) creates N node keys, starts the master with an allowlist of them and
+gives each spawned peer one of them in turn (so a key comes back while an earlier
+holder may still be registered, frozen). ``--content-digest`` starts the master with
+``--content-digest``. ``--log`` writes every report,
 tagged with the peer's name, as JSON lines. ``--inject KIND`` breaks the first peer
 on purpose after its 10th step (``soak_peer.py`` describes the kinds) and keeps it from
 being removed: the run must then fail, which is how the checks themselves are tested.
@@ -66,12 +71,15 @@ import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
 import trio
+
+from pccl_trio._identity import load_identity, public_hex
 
 PEER_PROGRAM = Path(__file__).with_name("soak_peer.py")
 GRACE = 1.0  # seconds: the driver's reading lag allowed before a silent peer counts as hung
@@ -145,8 +153,12 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.bound = args.liveness_timeout + args.retry_seconds
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if args.secret:
+        if args.secret or args.identities:
             self.env["PCCL_TRIO_RUN_SECRET"] = secrets.token_hex(32)
+        self.keys = tempfile.TemporaryDirectory(prefix="soak-keys-")
+        self.identities = [
+            Path(self.keys.name) / f"node{i}.key" for i in range(args.identities)
+        ]
         self.peers: list[Peer] = []
         self.revisions: dict[int, Revision] = {}
         self.newest_revision = 0
@@ -198,7 +210,7 @@ class Soak:
         master = self.master = await trio.lowlevel.open_process(
             [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0",
              "--log-level", "WARNING", "--liveness-timeout", str(a.liveness_timeout),
-             "--heartbeat-interval", str(a.heartbeat_interval)],
+             "--heartbeat-interval", str(a.heartbeat_interval), *self.master_options()],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=self.env,
         )
         assert master.stdout is not None and master.stderr is not None
@@ -208,6 +220,16 @@ class Soak:
         self.address = first.rsplit(" ", 1)[1]
         nursery.start_soon(read_lines, master.stderr, self.master_tail.append)
         nursery.start_soon(self.watch_master, master)
+
+    def master_options(self) -> list[str]:
+        options = ["--content-digest"] if self.args.content_digest else []
+        if self.identities:
+            allowlist = Path(self.keys.name) / "allowed"
+            allowlist.write_text("".join(
+                public_hex(load_identity(path)) + "\n" for path in self.identities
+            ))
+            options += ["--allow-identities", str(allowlist)]
+        return options
 
     async def watch_master(self, master: trio.Process) -> None:
         code = await master.wait()
@@ -220,6 +242,8 @@ class Soak:
                 "--step-seconds", str(a.step_seconds)]
         if not a.optimize:
             argv.append("--no-optimize")
+        if self.identities:
+            argv += ["--identity", str(self.identities[len(self.peers) % len(self.identities)])]
         if a.inject is not None and not self.peers:
             argv += ["--inject", a.inject, "--inject-at", "10"]
         process = await trio.lowlevel.open_process(
@@ -458,7 +482,9 @@ class Soak:
             "failure": self.failure,
             "minutes": round(self.minute(self.finished), 2),
             "seed": self.args.seed,
-            "secret": bool(self.args.secret),
+            "secret": bool(self.args.secret or self.args.identities),
+            "identities": self.args.identities,
+            "content_digest": bool(self.args.content_digest),
             "kills": t.kills,
             "frozen_first": t.frozen_first,
             "spawns": t.spawns,
@@ -483,7 +509,9 @@ def summary_text(s: dict[str, Any]) -> str:
     retries = ", ".join(f"{k} x{n}" for k, n in sorted(s["other_retries"].items())) or "none"
     return (
         f"soak {verdict}: {s['minutes']} min, seed {s['seed']}, "
-        f"{'with' if s['secret'] else 'without'} a run secret\n"
+        f"{'with' if s['secret'] else 'without'} a run secret"
+        + (f", {s['identities']} node identities" if s.get("identities") else "")
+        + (", content digests" if s.get("content_digest") else "") + "\n"
         f"  {s['kills']} kills ({s['frozen_first']} frozen first), {s['spawns']} spawns\n"
         f"  {s['steps']} steps (revision {s['newest_revision']}), {s['all_reduces']} all-reduces "
         f"over all peers ({worlds}), {s['aborted_retried']} aborted attempts retried\n"
@@ -574,6 +602,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--no-optimize", dest="optimize", action="store_false",
         help="skip optimize_topology after admissions")
     add("--secret", action="store_true", help="run with a random run secret")
+    add("--identities", type=int, default=0, metavar="N",
+        help="N node keys, an allowlist of them at the master, one per peer in turn "
+        "(implies --secret)")
+    add("--content-digest", action="store_true",
+        help="start the master with --content-digest (BLAKE2b shared-state digests)")
     add("--inject", choices=["wrong-sum", "divergence", "hang"],
         help="break the first peer on purpose (the run must fail)")
     add("--log", help="write every report as JSON lines here")

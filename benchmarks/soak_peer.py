@@ -95,12 +95,12 @@ async def retrying(call: Callable[[], Awaitable[T]], name: str,
 
 
 async def train(master: str, elements: int, step_seconds: float, optimize: bool,
-                inject: str | None, inject_at: int) -> None:
+                inject: str | None, inject_at: int, identity: str | None = None) -> None:
     weights = np.zeros(elements, dtype=np.float32)
     steps = np.zeros(1, dtype=np.int64)
     state = pccl.SharedState([pccl.TensorInfo("weights", weights), pccl.TensorInfo("steps", steps)])
     # The master's timers replace these once registered; they only bound the joining.
-    config = pccl.Config(liveness_timeout=3.0, heartbeat_interval=0.25)
+    config = pccl.Config(liveness_timeout=3.0, heartbeat_interval=0.25, identity=identity)
     async with pccl.Communicator(master, 0, config=config, p2p_host="127.0.0.1") as comm:
         me = comm.peer_id
         assert me is not None
@@ -164,10 +164,11 @@ def main() -> None:
     parser.add_argument("--no-optimize", dest="optimize", action="store_false")
     parser.add_argument("--inject", choices=["wrong-sum", "divergence", "hang"])
     parser.add_argument("--inject-at", type=int, default=20)
+    parser.add_argument("--identity", metavar="PATH", help="this node's identity key file")
     args = parser.parse_args()
     try:
         trio.run(train, args.master, args.elements, args.step_seconds, args.optimize,
-                 args.inject, args.inject_at)
+                 args.inject, args.inject_at, args.identity)
     except pccl.PCCLError as exc:
         emit("error", kind=type(exc).__name__, message=str(exc)[:1000])
         sys.exit(3)
