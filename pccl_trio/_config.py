@@ -90,6 +90,13 @@ class Config:
             top of the time one data frame takes at the minimum rate: it covers
             connecting, the distributor waiting for its own plan (up to the liveness
             timeout) and the first bytes.
+        master_grace: (peers) seconds a member keeps trying to get its master back
+            after losing it (the same address, then the next of several): meanwhile
+            calls wait, and a collective in flight is aborted with its input restored;
+            a master restarted (or a standby) takes it back as the member it was. 0:
+            losing the master ends the communicator at once. A minute: long enough to
+            restart a master by hand or by a supervisor, short enough that a run whose
+            master is gone for good says so.
         identity: the file of this node's Ed25519 identity key (created there, mode
             0600, on first use; ``pccl-trio identity`` prints its public half). Every
             handshake proves it; the master binds it to the peer's id and names it to
@@ -131,6 +138,7 @@ class Config:
     stall_warning: float = 60.0
     shared_state_min_rate: float = 64 * 1024
     shared_state_grace: float = 30.0
+    master_grace: float = 60.0
     identity: str | os.PathLike[str] | None = None
     allowed_identities: frozenset[bytes] | None = None
     content_digest: bool = False
@@ -199,6 +207,12 @@ class Config:
         for name in ("insecure", "content_digest"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if not (isinstance(self.master_grace, int | float) and math.isfinite(self.master_grace)
+                and self.master_grace >= 0):
+            raise ValueError(
+                "Config.master_grace must be a non-negative number of seconds (0: no "
+                f"recovery), got {self.master_grace!r}"
+            )
         if self.identity is not None and not isinstance(self.identity, str | os.PathLike):
             raise ValueError(f"Config.identity must be a path, got {self.identity!r}")
         if self.allowed_identities is not None:

@@ -82,6 +82,10 @@ class Collectives:
         self._running: dict[tuple[int, int], _Collective] = {}  # (group, tag) -> it
         self._next_seq = 1
 
+    def continue_above(self, number: int) -> None:
+        """Number what comes next above ``number`` (a master that took over a run)."""
+        self._next_seq = max(self._next_seq, number + 1)
+
     def on_initiate(self, peer: Peer, message: CollectiveInitiate) -> None:
         """A member votes to run the collective ``message.tag``."""
         if peer.phase is not PeerPhase.ACCEPTED:

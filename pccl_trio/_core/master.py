@@ -25,6 +25,8 @@ The parts, one module each; each owns its state, and all append to one outbox:
   (costs, predictions, reports, the topology view).
 - ``stalls``: votes waiting for peers that do not make the call: a log line naming
   them, then, past the stall timeout, the vote refused for its voters.
+- ``recovery``: members that lost their master registering again as who they were;
+  while a group is coming back, no consensus is decided (``_reevaluate`` waits).
 
 Each part answers the same small surface: one handler per message it owns (``handle``
 routes a message by its type, ``_routes``), ``advance()`` to re-check its consensus,
@@ -102,6 +104,7 @@ from .peers import (
     PeerView,
     transition,
 )
+from .recovery import Recovery
 from .rounds import PendingVote, RingBook, Rounds
 from .stalls import Stalls
 from .syncs import Syncs
@@ -165,6 +168,8 @@ class MasterCore:
             then again after twice as long, four times, ...
         allowed_identities: the node identities that may register (None: anyone who
             reached the core, i.e. who completed the handshake).
+        recovery_window: seconds the members of a group have to come back once the
+            first did, after their master was lost (None: the liveness timeout).
         content_digest: require a BLAKE2b-256 content digest beside the simplehash in
             every shared-state vote (announced in ``Welcome``; a vote without kicks its
             peer), and compare content by both.
@@ -183,6 +188,7 @@ class MasterCore:
         stall_warning: float = 60.0,
         allowed_identities: frozenset[bytes] | None = None,
         content_digest: bool = False,
+        recovery_window: float | None = None,
     ) -> None:
         if not 0 < heartbeat_interval < liveness_timeout:
             raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
@@ -211,6 +217,11 @@ class MasterCore:
         self._pending = PendingVote(self._table)
         self._collectives = Collectives(self._table, self._book)
         self._syncs = Syncs(self._table, content_digest=content_digest)
+        self._recovery = Recovery(
+            self._table, self._book,
+            window=liveness_timeout if recovery_window is None else recovery_window,
+            continue_above=self._continue_above, expect_revision=self._syncs.expect,
+        )
         self._stalls = Stalls(
             self._table,
             [
@@ -276,7 +287,7 @@ class MasterCore:
         """When to deliver a ``Tick`` if no other event comes first (``inf``: never)."""
         return min(
             self._rounds.deadline(), self._optimizer.deadline(), self._table.deadline(),
-            self._stalls.deadline(),
+            self._stalls.deadline(), self._recovery.deadline(),
         )
 
     def peers(self) -> list[PeerView]:
@@ -311,7 +322,9 @@ class MasterCore:
             return
         peer = conn.peer
         if peer is None:
-            if isinstance(message, Register):
+            if isinstance(message, Register) and message.rejoin:
+                self._recovery.on_register(conn, message)
+            elif isinstance(message, Register):
                 self._table.register(conn, message)
             else:
                 self._table.kick(conn, f"{type(message).__name__} before Register")
@@ -336,18 +349,27 @@ class MasterCore:
         silent = self._table.kick_silent()
         late_round = self._rounds.kick_late()
         late_measurement = self._optimizer.kick_late()
-        if silent or late_round or late_measurement:
+        recovered = self._recovery.kick_late()  # groups whose members did not all come back
+        if silent or late_round or late_measurement or recovered:
             self._stalls.changed()
             self._reevaluate()
         if self._stalls.check():
             self._reevaluate()
         self._table.send_heartbeats()
 
+    def _continue_above(self, number: int) -> None:
+        """Hand out only rounds, attempts, syncs and optimizations numbered above
+        ``number`` from now on (a returning member saw numbers up to it)."""
+        for part in (self._rounds, self._collectives, self._syncs, self._optimizer):
+            part.continue_above(number)
+
     # --- consensus -----------------------------------------------------------------
 
     def _reevaluate(self) -> None:
         """Check every consensus that may have become complete, in the one order (see
         the module docstring)."""
+        if self._recovery.holding:
+            return  # members still coming back would be left out
         while True:
             self._rounds.advance()
             self._pending.advance()
@@ -371,3 +393,4 @@ class MasterCore:
         self._collectives.peer_left(peer, reason)  # CollectiveAbort to the others
         self._book.forget_edges(peer.peer_id)
         self._syncs.peer_left(peer)
+        self._recovery.peer_left(peer.peer_id, peer.peer_group)

@@ -119,7 +119,7 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
@@ -151,6 +151,9 @@ MAX_BENCHMARK_BYTES = 1 << 30
 MATRIX_LIMIT = 128
 #: Longest liveness timeout a master may impose, in seconds.
 MAX_TIMER = 3600.0
+#: Largest peer id, revision or round, attempt, sync or optimization number a member
+#: coming back may report (``Register``): far beyond any run, far below overflow.
+MAX_RUN_NUMBER = 1 << 48
 #: Longest host name (DNS) or address a peer may advertise.
 MAX_HOST = 253
 def _check_unique_keys(keys: typing.Iterable[str], where: str) -> None:
@@ -177,9 +180,28 @@ class Register(Message):
     p2p_port: int
     advertised_host: str = ""  # empty: use the address the master sees
     pool_size: int = 1  # connections it opens to its successor (slots 0 to pool_size - 1)
+    # A member that lost its master registers again as the member it was (``recovery``):
+    rejoin: int = 0  # the peer id it had (0: it joins anew; the fields below are 0 too)
+    predecessor: int = 0  # its ring neighbours (0: none, it was alone in its ring)
+    successor: int = 0
+    next_revision: int = 0  # the shared-state revision its group expects next (0: unknown)
+    high_water: int = 0  # the highest round, attempt, sync or optimization number it saw
 
     def _validate(self) -> None:
         check_pool_size(self.pool_size, "Register.pool_size")
+        if not self.rejoin and (
+            self.predecessor or self.successor or self.next_revision or self.high_water
+        ):
+            raise RemoteProtocolError(
+                "Register: ring neighbours, revision or numbers without a peer id to rejoin as"
+            )
+        for name in ("rejoin", "predecessor", "successor", "next_revision", "high_water"):
+            # A master continues its numbers above these: keep them far from overflowing.
+            if getattr(self, name) > MAX_RUN_NUMBER:
+                raise RemoteProtocolError(
+                    f"Register.{name}: {getattr(self, name)} exceeds 2**48, more than a run "
+                    "ever counts to"
+                )
         if len(self.advertised_host) > MAX_HOST:
             raise RemoteProtocolError(
                 f"Register.advertised_host: {len(self.advertised_host)} characters, more "

@@ -155,6 +155,10 @@ class Optimizer:
         self._searches: dict[int, _Job] = {}  # group -> background job
         self._candidates: dict[int, _Candidate] = {}  # group -> better ring
 
+    def continue_above(self, number: int) -> None:
+        """Number what comes next above ``number`` (a master that took over a run)."""
+        self._next_optimization = max(self._next_optimization, number + 1)
+
     @property
     def running(self) -> bool:
         """Whether an optimization runs (until it hands its rings to a round)."""

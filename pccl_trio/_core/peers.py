@@ -399,6 +399,9 @@ class PeerTable:
         self.conns: dict[int, Conn] = {}
         self.peers: dict[int, Peer] = {}  # by id, in registration order
         self._next_peer_id = 1
+        # Every id this master gave out or took back (a rejoined member's): none of them
+        # can be claimed by a member coming back after a restart (``recovery``).
+        self.known_ids: set[int] = set()
         self.now = -math.inf
         self.actions: list[Action] = []
 
@@ -430,45 +433,57 @@ class PeerTable:
             conn=conn_id, host=host, last_heard=self.now, last_sent=self.now, identity=identity
         )
 
-    def register(self, conn: Conn, message: Register) -> None:
-        """Admit a new peer to the registry (REGISTERED, IDLE) and welcome it, or kick
-        the connection if it cannot take part."""
+    def refusal(self, conn: Conn, message: Register) -> str:
+        """Why ``conn`` may not register with ``message`` at all (empty: it may)."""
         if message.protocol_version != PROTOCOL_VERSION:
-            self.kick(
-                conn,
+            return (
                 f"protocol version {message.protocol_version} is not supported; this master "
-                f"speaks version {PROTOCOL_VERSION}: run the same pccl_trio version everywhere",
+                f"speaks version {PROTOCOL_VERSION}: run the same pccl_trio version everywhere"
             )
-            return
         refusal = self._identity_refusal(conn.identity)
         if refusal:
-            self.kick(conn, refusal)
-            return
+            return refusal
         host = message.advertised_host or conn.host
         others = list(self.peers.values())
         if others and _is_loopback(host) != _is_loopback(others[0].host):
-            self.kick(
-                conn,
+            return (
                 f"address {host} mixes loopback and non-loopback peers (peer "
                 f"{others[0].peer_id} is at {others[0].host}); peers could not reach each "
-                "other: start the master and peers on real interfaces, or all on loopback",
+                "other: start the master and peers on real interfaces, or all on loopback"
             )
+        return ""
+
+    def register(self, conn: Conn, message: Register) -> None:
+        """Admit a new peer to the registry (REGISTERED, IDLE) under the next id and
+        welcome it, or kick the connection if it cannot take part."""
+        refusal = self.refusal(conn, message)
+        if refusal:
+            self.kick(conn, refusal)
             return
+        self.admit(conn, message, self._next_peer_id, PeerPhase.REGISTERED)
+
+    def admit(self, conn: Conn, message: Register, peer_id: int, phase: PeerPhase) -> Peer:
+        """Enter the peer ``message`` describes into the registry as ``peer_id`` in
+        ``phase`` and welcome it (the caller checked ``refusal`` and the id)."""
+        host = message.advertised_host or conn.host
         peer = Peer(
-            peer_id=self._next_peer_id,
+            peer_id=peer_id,
             conn=conn.conn,
             peer_group=message.peer_group,
             host=host,
             port=message.p2p_port,
             pool_size=message.pool_size,
             identity=conn.identity,
+            phase=phase,
         )
-        self._next_peer_id += 1
+        self.reserve_ids(peer_id)
+        self.known_ids.add(peer_id)
         conn.peer = peer
         self.peers[peer.peer_id] = peer
         log.info(
-            "peer %d registered from %s (group %d, p2p port %d, identity %s)",
-            peer.peer_id, host, peer.peer_group, peer.port, fingerprint(peer.identity),
+            "peer %d %s from %s (group %d, p2p port %d, identity %s)",
+            peer.peer_id, "registered" if phase is PeerPhase.REGISTERED else "came back",
+            host, peer.peer_group, peer.port, fingerprint(peer.identity),
         )
         self.send(
             peer,
@@ -479,6 +494,11 @@ class PeerTable:
                 content_digest=self._content_digest,
             ),
         )
+        return peer
+
+    def reserve_ids(self, highest: int) -> None:
+        """Ids up to ``highest`` are taken: new peers get higher ones."""
+        self._next_peer_id = max(self._next_peer_id, highest + 1)
 
     def _identity_refusal(self, identity: bytes) -> str:
         """Why a connection that proved ``identity`` may not register (empty: it may)."""

@@ -140,6 +140,10 @@ class Rounds:
         self._current: _Round | None = None
         self._next_round = 1
 
+    def continue_above(self, number: int) -> None:
+        """Number what comes next above ``number`` (a master that took over a run)."""
+        self._next_round = max(self._next_round, number + 1)
+
     @property
     def running(self) -> bool:
         """Whether a round runs (until its verdict is sent)."""
@@ -321,13 +325,19 @@ class Rounds:
             return False
         self._current = None
         success = not current.failed and not current.dropped
+        # A group none of whose participants is left teaches nothing about its ring (and
+        # its ids may belong to others by now: members that came back, ``recovery``).
+        touched = []
         for group, ring in current.rings.items():
-            self._book.rings[group] = [p for p in ring if p in self._table.peers]
+            present = [p for p in ring if p in current.participants]
+            if present:
+                self._book.rings[group] = present
+                touched.append(group)
         worlds = _world_sizes(members)
         if success:
-            self._book.stale_groups.difference_update(current.rings)
+            self._book.stale_groups.difference_update(touched)
         else:
-            self._book.stale_groups.update(current.rings)
+            self._book.stale_groups.update(touched)
         event = PeerEvent.ROUND_SUCCEEDED if success else PeerEvent.ROUND_FAILED
         for peer in members:
             peer.phase = PeerPhase.ACCEPTED

@@ -100,6 +100,14 @@ class Syncs:
         self._running: dict[int, _Sync] = {}
         self._next_sync = 1
 
+    def expect(self, group: int, revision: int) -> None:
+        """Peer group ``group`` expects ``revision`` next (its members said so)."""
+        self._expected_revision[group] = max(self._expected_revision.get(group, 0), revision)
+
+    def continue_above(self, number: int) -> None:
+        """Number what comes next above ``number`` (a master that took over a run)."""
+        self._next_sync = max(self._next_sync, number + 1)
+
     def on_vote(self, peer: Peer, message: SharedStateVote) -> None:
         """A member votes its shared state."""
         check_member_vote(peer, message)

@@ -79,6 +79,7 @@ from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFa
 from ._context import PeerContext
 from ._membership import Membership
 from ._receiver import DataReceiver
+from ._session import MasterLost
 
 __all__ = ["AllReduces", "ReduceRequest"]
 
@@ -380,6 +381,11 @@ class AllReduces:
         """The task behind a handle; every outcome ends up in ``result``."""
         try:
             info = await self._attempt(request, result)
+        except MasterLost as exc:  # the input is restored (``_attempt``), the run goes on
+            result.finish(None, CollectiveAborted(
+                f"the all-reduce with tag {request.tag} was aborted: {exc}; the input was "
+                "restored, and a retry runs once the master is back"
+            ))
         except PCCLError as exc:
             result.finish(None, exc)
         except Exception as exc:  # a bug: report it to the caller, keep the peer alive

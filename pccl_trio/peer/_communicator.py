@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -51,6 +51,7 @@ from .._core.messages import (
     SharedStateRequest,
 )
 from .._core.records import U32_MAX
+from .._core.ring import neighbours
 from .._errors import InvalidArgument, InvalidUsage, MasterConnectionError
 from .._types import (
     Attribute,
@@ -79,12 +80,14 @@ from ._membership import Membership
 from ._optimize import TopologyOptimizer
 from ._p2p import P2PConnections
 from ._receiver import DataReceiver
-from ._session import MasterSession
+from ._session import MasterLost, MasterSession, Standing
 from ._sync import SharedStateSync
 
 __all__ = ["Communicator", "CommunicatorStatistics"]
 
 log = logging.getLogger("pccl_trio.peer")
+
+_T = TypeVar("_T")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -110,7 +113,9 @@ class Communicator:
     Creating one does no IO; ``await comm.connect()`` (or ``async with``) joins the run.
 
     Args:
-        master_address: ``"host:port"`` of the master.
+        master_address: ``"host:port"`` of the master, or several, comma-separated
+            (``"h1:48148,h2:48148"``): the first that answers is used, and a member that
+            loses its master tries them in turn (``Config.master_grace``).
         peer_group: peers all-reduce and sync within their group; votes about
             membership span all groups.
         p2p_connection_pool_size: TCP connections per ring neighbour; 0 picks
@@ -141,7 +146,9 @@ class Communicator:
         advertised_host: str | None = None,
     ) -> None:
         try:
-            master_host, master_port = parse_address(master_address)
+            addresses = [
+                parse_address(part.strip()) for part in str(master_address).split(",")
+            ]
         except ValueError as exc:
             raise InvalidArgument(f"master_address: {exc}") from None
         if not (isinstance(peer_group, int) and not isinstance(peer_group, bool)
@@ -162,7 +169,10 @@ class Communicator:
             # Without a run secret a run stays on this machine unless told otherwise.
             secured, insecure = config.secret is not None, config.insecure
             try:
-                check_remote_host(master_host, secured=secured, insecure=insecure, what="the master")
+                for master_host, _port in addresses:
+                    check_remote_host(
+                        master_host, secured=secured, insecure=insecure, what="the master"
+                    )
                 p2p_host = listen_host(p2p_host, secured=secured, insecure=insecure, who="this peer")
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
@@ -177,8 +187,9 @@ class Communicator:
         self._background_done = trio.Event()
 
         life = self._life = Lifecycle()
+        self._master_address = str(master_address)
         session = self._session = MasterSession(
-            config=config, network=network, lifecycle=life, host=master_host, port=master_port,
+            config=config, network=network, lifecycle=life, addresses=addresses,
             credential=credential,
         )
         p2p = self._p2p = P2PConnections(
@@ -205,6 +216,7 @@ class Communicator:
         p2p.handle(BenchmarkRequest, self._optimizer.serve_benchmark)
         life.close_with(self._close_connections)
         life.describe_with(lambda: f"peer {session.peer_id}")
+        session.standing = self._standing
 
     # --- public API ----------------------------------------------------------------
 
@@ -231,8 +243,8 @@ class Communicator:
 
     @property
     def master_address(self) -> str:
-        """The master's ``"host:port"``, as given."""
-        return self._session.address
+        """The master's ``"host:port"`` (or several), as given."""
+        return self._master_address
 
     def statistics(self) -> CommunicatorStatistics:
         """What this peer currently knows and holds open."""
@@ -289,6 +301,7 @@ class Communicator:
                 )
                 await self._membership.join()
             life.status = Status.CONNECTED
+            self._session.member = True  # from now on, losing the master is survivable
         except BaseException:
             await self._shutdown()
             raise
@@ -305,7 +318,7 @@ class Communicator:
             MasterConnectionError, Kicked: the run is over for this peer.
         """
         self._all_reduces.check_idle("update_topology")
-        await self._membership.update_topology()
+        await self._through_master_loss(self._membership.update_topology)
 
     async def optimize_topology(self) -> None:
         """Collective: measure the links not measured yet, then install the fastest ring.
@@ -329,7 +342,7 @@ class Communicator:
             MasterConnectionError, Kicked: the run is over for this peer.
         """
         self._all_reduces.check_idle("optimize_topology")
-        await self._optimizer.optimize()
+        await self._through_master_loss(self._optimizer.optimize)
 
     async def sync_shared_state(
         self,
@@ -363,12 +376,33 @@ class Communicator:
                 f"strategy must be a pccl_trio.SharedStateSyncStrategy, got {strategy!r}"
             )
         self._all_reduces.check_idle("sync_shared_state")
-        return await self._sync.sync(state, strategy)
+        return await self._through_master_loss(lambda: self._sync.sync(state, strategy))
 
     async def are_peers_pending(self) -> bool:
         """Collective vote: whether peers wait to be admitted by ``update_topology``."""
         self._life.check_connected()
-        return await self._membership.are_peers_pending()
+        return await self._through_master_loss(self._membership.are_peers_pending)
+
+    async def _through_master_loss(self, call: Callable[[], Awaitable[_T]]) -> _T:
+        """Run a membership call; if the master is lost meanwhile, run it again once it
+        is back (the vote died with the lost master; the state it changes is restored
+        or re-voted, see each call)."""
+        while True:
+            try:
+                return await call()
+            except MasterLost as exc:
+                log.info("peer %s: %s; calling again once the master is back",
+                         self._session.peer_id, exc)
+                await self._session.until_back()
+
+    def _standing(self) -> Standing:
+        """What this member tells a master it comes back to."""
+        around = neighbours(self._membership.ring, self._session.peer_id or 0)
+        predecessor, successor = around if around is not None else (0, 0)
+        return Standing(
+            predecessor=predecessor, successor=successor,
+            next_revision=self._sync.next_revision,
+        )
 
     async def all_reduce(
         self,
@@ -499,6 +533,9 @@ class Communicator:
                 self._life.fail(MasterConnectionError(f"internal error in the communicator: {exc!r}"))
             finally:
                 self._life.nursery = None
+                # Cancelled from outside (the program's trio.run ends) while this peer
+                # still waits for its master: close the sockets rather than leak them.
+                await self._close_connections()
                 self._background_done.set()
 
         trio.lowlevel.spawn_system_task(run, name=f"pccl_trio communicator {id(self):#x}")

@@ -1,12 +1,13 @@
-"""The master link of a peer: registration, the one reader, the inbox, heartbeats.
+"""The master link of a peer: registration, the one reader, the inbox, heartbeats, and
+getting the master back when it is lost.
 
 Theory of operation
 -------------------
-``open`` connects to the master (completing the run-secret handshake first, if the
-run has a secret), starts the *reader* (the only task that ever receives from the
-link) and the *heartbeat* sender, registers, and returns once the master's
-``Welcome`` named this peer and imposed its liveness timers and whether its
-shared-state votes carry content digests (``content_digest``).
+``open`` connects to the master (the first of its addresses that answers, completing
+the run-secret handshake first, if the run has a secret), starts the *reader* (the only
+task that ever receives from the link) and the *heartbeat* sender, registers, and
+returns once the master's ``Welcome`` named this peer and imposed its liveness timers
+and whether its shared-state votes carry content digests (``content_digest``).
 
 The reader applies a few messages at once, in the order they arrive, through the
 synchronous *routes* other parts registered (``route``): a ``CollectiveCommence``
@@ -14,15 +15,32 @@ makes an all-reduce attempt reachable by its number before any of its data frame
 can be read, and a ``P2PInfo`` lets the round's predecessor connect. Then every
 message goes into the *inbox*, where calls take the first message of the kind they
 wait for (``wait_for``, PCCL's predicate-matched queue); ``discard`` drops messages
-nobody will take any more. Heartbeats only prove the master alive. If the master
-sends nothing for the liveness timeout, closes the link, breaks the protocol or kicks
-this peer, the communicator fails (``Lifecycle.fail``).
+nobody will take any more. Heartbeats only prove the master alive. A ``Kick`` ends the
+communicator (``Lifecycle.fail``) with the master's reason.
+
+**Losing the master.** If the master sends nothing for the liveness timeout, closes
+the link or breaks the protocol, a peer that is not a member yet fails (it has no
+place in the run to come back to), and so does a member with ``Config.master_grace``
+0. Otherwise the session is *away* for at most the grace. It drops every message of
+the lost master from the inbox and wakes the calls waiting for one: they get
+``MasterLost``, which an all-reduce turns into ``CollectiveAborted`` with its input
+restored and a membership call into a retry once the master is back (its vote died
+with the master). ``send`` waits until the master is back; so does every call started
+meanwhile. The session dials the master's addresses in turn, the lost one first, every
+heartbeat interval, and registers again *as the member it was*: its id, its ring
+neighbours and the revision its group expects next (``standing``), and the highest
+round, attempt, sync or optimization number the master sent it (the master numbers
+everything above it; ``_core.recovery`` says how a master judges such a return). A
+``Welcome`` for the same id ends the absence: a new reader runs on the new link and
+the calls go on. A ``Kick`` (say, the master had removed this peer) ends the
+communicator with the reason, and so does the grace running out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -46,80 +64,154 @@ from .._errors import Kicked, MasterConnectionError, PCCLError
 from ..transport import Credential, FramedStream, Network, format_address, secure_client
 from ._lifecycle import Lifecycle
 
-__all__ = ["MasterSession"]
+__all__ = ["MasterLost", "MasterSession", "Standing"]
 
 log = logging.getLogger("pccl_trio.peer")
 
 _M = TypeVar("_M", bound=Message)
 
+#: Fields of master messages that carry a number the master hands out in order.
+_NUMBERED = ("round", "seq", "sync", "optimization")
+
+
+class MasterLost(MasterConnectionError):
+    """The master was lost while a call needed it; the session is getting it back
+    (``Config.master_grace``), and the call may be made again once it is."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Standing:
+    """What a member tells a master it comes back to, besides its id."""
+
+    predecessor: int = 0  # its ring neighbours (0: none)
+    successor: int = 0
+    next_revision: int = 0  # the shared-state revision its group expects next (0: unknown)
+
 
 class MasterSession:
-    """A peer's link to its master (see the module docstring)."""
+    """A peer's link to its master (see the module docstring).
+
+    Args:
+        addresses: ``(host, port)`` of the master and of its standbys, in the order
+            to try them.
+    """
 
     def __init__(
-        self, *, config: Config, network: Network, lifecycle: Lifecycle, host: str, port: int,
-        credential: Credential | None,
+        self, *, config: Config, network: Network, lifecycle: Lifecycle,
+        addresses: Sequence[tuple[str, int]], credential: Credential | None,
     ) -> None:
+        if not addresses:
+            raise ValueError("a master session needs at least one address")
         self._config = config
         self._network = network
         self._life = lifecycle
         self._credential = credential
-        self.host, self.port = host, port
+        self._addresses = list(addresses)
+        self._at = 0  # the address in use
         self.peer_id: int | None = None
         self.heartbeat_interval = config.heartbeat_interval
         self.liveness_timeout = config.liveness_timeout
         #: Whether the run requires content digests in shared-state votes (the master
         #: says so in ``Welcome``).
         self.content_digest = False
+        #: Whether this peer is a member of the run (admitted by a round): only a member
+        #: gets its master back.
+        self.member = False
+        #: What this member would tell a master it comes back to (set by the communicator).
+        self.standing: Callable[[], Standing] = Standing
         self._link: FramedStream | None = None
+        self._epoch = 0  # links lost so far: a reader or call of an older link is stale
+        self._away = False
+        self._registration: Register | None = None
+        self._high_water = 0  # the highest number the master handed this peer
         self._inbox: list[Message] = []
         self._inbox_lot = trio.lowlevel.ParkingLot()
+        self._back_lot = trio.lowlevel.ParkingLot()
         self._routes: dict[type[Message], Callable[[Any], None]] = {}
         lifecycle.on_failure(self._inbox_lot.unpark_all)
+        lifecycle.on_failure(self._back_lot.unpark_all)
 
     @property
     def address(self) -> str:
-        return format_address(self.host, self.port)
+        """The master's address in use (or last tried)."""
+        return format_address(*self._addresses[self._at])
+
+    @property
+    def away(self) -> bool:
+        """Whether the master is lost and not back yet."""
+        return self._away
 
     def route(self, kind: type[_M], apply: Callable[[_M], None]) -> None:
         """Have the reader call ``apply`` on every ``kind`` message as it arrives, before
         queueing it (``apply`` must not block)."""
         self._routes[kind] = apply
 
+    # --- connecting ----------------------------------------------------------------------
+
     async def open(
         self, *, peer_group: int, p2p_port: int, advertised_host: str, pool_size: int
     ) -> None:
-        """Connect, register, and wait for the master's ``Welcome``.
+        """Connect to the first address that answers, register, and wait for the
+        master's ``Welcome``.
 
         Raises:
-            MasterConnectionError: the master cannot be reached or went away.
+            MasterConnectionError: no master can be reached, or it went away.
             Kicked: the master refused this peer.
         """
+        self._registration = Register(
+            protocol_version=PROTOCOL_VERSION, peer_group=peer_group, p2p_port=p2p_port,
+            advertised_host=advertised_host, pool_size=pool_size,
+        )
+        errors: list[str] = []
+        for index in range(len(self._addresses)):
+            try:
+                link = await self._dial(index)
+            except MasterConnectionError as exc:
+                errors.append(str(exc))
+                continue
+            self._at = index
+            break
+        else:
+            raise MasterConnectionError("; ".join(errors))
+        self._install(link)
+        await self.send(self._registration)
+        welcome = await self.wait_for(Welcome)
+        self._welcomed(welcome)
+        self._life.spawn(self._send_heartbeats)
+        log.info("peer %d registered with the master at %s", self.peer_id, self.address)
+
+    async def _dial(self, index: int) -> FramedStream:
+        """A new link to address ``index``, its handshake done.
+
+        Raises:
+            MasterConnectionError: nobody answers there, or not with this run's secret.
+        """
+        host, port = self._addresses[index]
+        where = format_address(host, port)
         try:
             with trio.fail_after(self._config.connect_timeout):
-                stream = await self._network.connect(self.host, self.port)
+                stream = await self._network.connect(host, port)
         except (OSError, trio.TooSlowError) as exc:
             raise MasterConnectionError(
-                f"could not reach the master at {self.address} ({exc or 'timed out'}); "
+                f"could not reach the master at {where} ({exc or 'timed out'}); "
                 "check that `pccl-trio master` runs there and the address is right"
             ) from exc
-        credential = self._credential
         channel = None
-        if credential is not None:
+        if self._credential is not None:
             try:
-                channel = await secure_client(stream, credential, Purpose.MASTER)
+                channel = await secure_client(stream, self._credential, Purpose.MASTER)
             except (HandshakeFailed, trio.TooSlowError, trio.BrokenResourceError,
                     trio.ClosedResourceError) as exc:
                 await trio.aclose_forcefully(stream)
                 raise MasterConnectionError(
-                    f"the master at {self.address} did not complete the run-secret "
+                    f"the master at {where} did not complete the run-secret "
                     f"handshake ({exc or 'timed out'}): it runs with another secret or "
                     "with none"
                 ) from exc
         limit = self._config.max_control_frame
         # What a master may send: Welcome or Kick first, then its kinds and heartbeats.
         from_master = [c for c in message_kinds().values() if c.DIRECTION == M2C]
-        self._link = FramedStream(
+        return FramedStream(
             stream, max_control_frame=limit,
             admission=Admission(
                 first=body_limits([Welcome, Kick], limit),
@@ -127,23 +219,17 @@ class MasterSession:
             ),
             channel=channel,
         )
-        self._life.spawn(self._read)
-        await self.send(
-            Register(
-                protocol_version=PROTOCOL_VERSION,
-                peer_group=peer_group,
-                p2p_port=p2p_port,
-                advertised_host=advertised_host,
-                pool_size=pool_size,
-            )
-        )
-        welcome = await self.wait_for(Welcome)
+
+    def _install(self, link: FramedStream) -> None:
+        """Make ``link`` the master link, read by a reader of its own."""
+        self._link = link
+        self._life.spawn(self._read, link, self._epoch)
+
+    def _welcomed(self, welcome: Welcome) -> None:
         self.peer_id = welcome.peer_id
         self.heartbeat_interval = welcome.heartbeat_interval
         self.liveness_timeout = welcome.liveness_timeout
         self.content_digest = welcome.content_digest
-        self._life.spawn(self._send_heartbeats)
-        log.info("peer %d registered with the master at %s", self.peer_id, self.address)
 
     async def aclose(self) -> None:
         if self._link is not None:
@@ -152,21 +238,24 @@ class MasterSession:
     # --- sending -------------------------------------------------------------------------
 
     async def send(self, message: Message) -> None:
-        """Send one message to the master.
+        """Send one message to the master (once it is back, if it is lost).
 
         Raises:
-            MasterConnectionError: the link is gone (the communicator fails).
+            MasterLost: the link broke while sending; the master is being got back.
+            MasterConnectionError: the master is gone for good (the communicator fails).
         """
-        self._life.raise_if_failed()
-        link = self._link
+        await self.until_back()
+        link, epoch = self._link, self._epoch
         assert link is not None
         try:
             await link.send_message(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            self._life.fail(
-                MasterConnectionError(f"lost the connection to the master at {self.address} ({exc})")
+            self._lost(
+                MasterConnectionError(f"lost the connection to the master at {self.address} ({exc})"),
+                epoch,
             )
             self._life.raise_if_failed()
+            raise MasterLost(f"lost the master at {self.address} while sending ({exc})") from exc
         except BaseException:
             if link.closed:  # interrupted mid-frame: the link had to go
                 self._life.fail(
@@ -182,11 +271,25 @@ class MasterSession:
         await self.send(message)
         self._life.voted = True
 
+    async def until_back(self) -> None:
+        """Return once the master link is up (at once if it is).
+
+        Raises:
+            MasterConnectionError, Kicked: the run is over for this peer.
+        """
+        while True:
+            self._life.raise_if_failed()
+            if not self._away:
+                return
+            await self._back_lot.park()
+
     async def _send_heartbeats(self) -> None:
         while True:
             await trio.sleep(self.heartbeat_interval)
             try:
                 await self.send(Heartbeat())
+            except MasterLost:
+                continue
             except PCCLError:
                 return
 
@@ -195,13 +298,24 @@ class MasterSession:
     async def wait_for(
         self, kind: type[_M] | tuple[type[_M], ...], match: Callable[[_M], bool] | None = None
     ) -> _M:
-        """Take the first message of ``kind`` (and matching ``match``) from the inbox."""
+        """Take the first message of ``kind`` (and matching ``match``) from the inbox.
+
+        Raises:
+            MasterLost: the master was lost before such a message came (or is lost now).
+            MasterConnectionError, Kicked: the run is over for this peer.
+        """
+        epoch = self._epoch
         while True:
             for index, message in enumerate(self._inbox):
                 if isinstance(message, kind) and (match is None or match(message)):
                     del self._inbox[index]
                     return message
             self._life.raise_if_failed()
+            if self._away or self._epoch != epoch:
+                raise MasterLost(
+                    f"lost the master at {self.address} while waiting for "
+                    f"{getattr(kind, '__name__', 'a reply')}"
+                )
             await self._inbox_lot.park()
 
     def discard(self, unwanted: Callable[[Message], bool]) -> None:
@@ -217,9 +331,7 @@ class MasterSession:
             "the same one, e.g. through PCCL_TRIO_RUN_SECRET)"
         )
 
-    async def _read(self) -> None:
-        link = self._link
-        assert link is not None
+    async def _read(self, link: FramedStream, epoch: int) -> None:
         try:
             while True:
                 with trio.move_on_after(self.liveness_timeout) as silence:
@@ -233,13 +345,14 @@ class MasterSession:
                     raise MasterConnectionError(
                         f"the master at {self.address} sent nothing for "
                         f"{self.liveness_timeout}s (liveness timeout): it or the network "
-                        "is down; restart the run's master and reconnect"
-                        + self._welcome_hint()
+                        "is down" + self._welcome_hint()
                     )
                 if isinstance(message, Kick):
                     raise Kicked(message.reason)
                 if isinstance(message, Heartbeat):
                     continue
+                for name in _NUMBERED:
+                    self._high_water = max(self._high_water, getattr(message, name, 0))
                 # Some messages change what the data path accepts: apply them here, in
                 # order, before any later message or p2p frame can depend on them.
                 if isinstance(message, Welcome):
@@ -249,16 +362,120 @@ class MasterSession:
                     apply(message)
                 self._inbox.append(message)
                 self._inbox_lot.unpark_all()
-        except PCCLError as exc:
+        except Kicked as exc:
             self._life.fail(exc)
+        except MasterConnectionError as exc:
+            self._lost(exc, epoch)
         except RemoteProtocolError as exc:
-            self._life.fail(MasterConnectionError(f"the master sent malformed data ({exc})"))
+            self._lost(MasterConnectionError(f"the master sent malformed data ({exc})"), epoch)
         except trio.BrokenResourceError as exc:
-            self._life.fail(
+            self._lost(
                 MasterConnectionError(
-                    f"lost the connection to the master at {self.address} ({exc}); "
-                    "a run cannot go on without its master" + self._welcome_hint()
-                )
+                    f"lost the connection to the master at {self.address} ({exc})"
+                    + self._welcome_hint()
+                ),
+                epoch,
             )
         except trio.ClosedResourceError:
             pass  # we closed the link ourselves, and whoever did recorded why
+
+    # --- getting the master back ----------------------------------------------------------
+
+    def _lost(self, error: MasterConnectionError, epoch: int) -> None:
+        """The link of ``epoch`` is lost: get the master back, or fail (see the module
+        docstring)."""
+        if epoch != self._epoch or self._life.failure is not None:
+            return  # an older link, or the run is over anyway
+        grace = self._config.master_grace
+        if not (self.member and grace > 0):
+            self._life.fail(MasterConnectionError(
+                f"{error}; a run cannot go on without its master"
+                + ("" if self.member else " (this peer was not admitted yet: connect again)")
+            ))
+            return
+        self._epoch += 1
+        self._away = True
+        self._inbox.clear()  # the lost master's: no new master will follow up on them
+        self._inbox_lot.unpark_all()
+        link, self._link = self._link, None
+        if link is not None:
+            self._life.spawn(link.aclose)
+        log.warning(
+            "peer %s: %s; getting the master back (for up to %gs)", self.peer_id, error, grace
+        )
+        self._life.spawn(self._get_back, error)
+
+    async def _get_back(self, error: MasterConnectionError) -> None:
+        """Dial the addresses in turn until a master takes this member back, or the
+        grace runs out."""
+        grace = self._config.master_grace
+        lost_at = trio.current_time()
+        deadline = lost_at + grace
+        tried: list[str] = []
+        while self._life.failure is None:
+            for step in range(len(self._addresses)):
+                index = (self._at + step) % len(self._addresses)
+                if trio.current_time() >= deadline:
+                    break
+                outcome = await self._rejoin(index, deadline)
+                if outcome is None:
+                    tried.append(format_address(*self._addresses[index]))
+                    continue
+                if isinstance(outcome, Kick):
+                    self._life.fail(Kicked(outcome.reason))
+                    return
+                self._at = index
+                self._welcomed(outcome)
+                self._away = False
+                self._back_lot.unpark_all()
+                log.warning(
+                    "peer %s: back with the master at %s after %.2fs",
+                    self.peer_id, self.address, trio.current_time() - lost_at,
+                )
+                return
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                break
+            await trio.sleep(min(self.heartbeat_interval, remaining))
+        addresses = ", ".join(dict.fromkeys(tried)) or self.address
+        self._life.fail(MasterConnectionError(
+            f"{error}; no master took this peer back within Config.master_grace ({grace:g}s) "
+            f"at {addresses}: restart the run's master (or give the peers a standby "
+            "address) and connect again"
+        ))
+
+    async def _rejoin(self, index: int, deadline: float) -> Welcome | Kick | None:
+        """Register at address ``index`` as the member this peer is; the master's answer
+        (the link installed on a ``Welcome``), or None if none came."""
+        assert self._registration is not None and self.peer_id is not None
+        standing = self.standing()
+        register = dataclasses.replace(
+            self._registration, rejoin=self.peer_id, predecessor=standing.predecessor,
+            successor=standing.successor, next_revision=standing.next_revision,
+            high_water=self._high_water,
+        )
+        link: FramedStream | None = None
+        try:
+            with trio.fail_at(min(deadline, trio.current_time() + self._config.connect_timeout)):
+                link = await self._dial(index)
+                await link.send_message(register)
+                reply = await link.receive_message()
+        except (MasterConnectionError, RemoteProtocolError, trio.TooSlowError,
+                trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.info("peer %s: no master back at %s yet (%s)", self.peer_id,
+                     format_address(*self._addresses[index]), exc or "timed out")
+            if link is not None:
+                await link.aclose()
+            return None
+        if isinstance(reply, Kick):
+            await link.aclose()
+            return reply
+        if not isinstance(reply, Welcome) or reply.peer_id != self.peer_id:
+            await link.aclose()
+            self._life.fail(MasterConnectionError(
+                f"the master at {format_address(*self._addresses[index])} answered this "
+                f"peer's return as peer {self.peer_id} with {reply!r}"
+            ))
+            return None
+        self._install(link)
+        return reply

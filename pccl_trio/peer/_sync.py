@@ -80,6 +80,9 @@ class SharedStateSync:
         self._serving: sharing.Serving | None = None
         self._serving_lot = trio.lowlevel.ParkingLot()
         self._serving_links: set[Connection] = set()
+        #: The revision this peer's group expects next, after the last sync this peer
+        #: completed (0: none yet): what it tells a master it comes back to.
+        self.next_revision = 0
         #: How pieces are fetched from one distributor (replaceable: the test seam holds
         #: or fails fetches here).
         self.fetch_from: Callable[[PeerEndpoint, sharing.Fetcher], Awaitable[None]] = (
@@ -136,6 +139,7 @@ class SharedStateSync:
                     f"{failure}; the state and its revision ({state.revision}) are unchanged"
                 )
             state.revision = plan.revision
+            self.next_revision = plan.revision + 1
             return SharedStateSyncInfo(tx_bytes=serving.tx_bytes, rx_bytes=received)
 
     async def _stop_serving(self, serving: sharing.Serving) -> None:

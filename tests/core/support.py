@@ -75,7 +75,7 @@ NEIGHBOURS = (
 SAMPLES: dict[type[Message], Message] = {
     Register: Register(
         protocol_version=PROTOCOL_VERSION, peer_group=7, p2p_port=48148, advertised_host="10.0.0.1",
-        pool_size=3,
+        pool_size=3, rejoin=12, predecessor=9, successor=14, next_revision=31, high_water=77,
     ),
     Heartbeat: Heartbeat(),
     VoteEstablish: VoteEstablish(accept_new_peers=True),

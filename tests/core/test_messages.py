@@ -118,6 +118,10 @@ INVALID_RECORDS: list[tuple[type[Any], dict[str, Any], str]] = [
      "Register.pool_size: 0 is not in 1..1024"),
     (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1,
                 "pool_size": MAX_POOL_SIZE + 1}, "Register.pool_size: 1025"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1, "successor": 4},
+     "Register: ring neighbours, revision or numbers without a peer id to rejoin as"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1, "rejoin": 3,
+                "high_water": (1 << 48) + 1}, "Register.high_water: .* exceeds 2\\*\\*48"),
     (PeerEndpoint, {"peer_id": 1, "host": "h", "port": 0}, "PeerEndpoint.port"),
     (PeerEndpoint, {"peer_id": 1, "host": "h", "port": 1, "pool_size": 0},
      "PeerEndpoint.pool_size"),
@@ -257,11 +261,11 @@ def test_message_kinds_is_read_only() -> None:
 
 INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     # wrong field count or shape
-    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 5 fields, got 4"),
-    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 5 fields, got 6"),
+    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 10 fields, got 9"),
+    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 10 fields, got 11"),
     # Maps are refused by msgpack itself, before any object is built.
     (Register, {"protocol_version": 1}, "Register: undecodable payload .*max_map_len"),
-    (Register, 5, "Register: expected 5 fields, got int"),
+    (Register, 5, "Register: expected 10 fields, got int"),
     (Heartbeat, [1], "Heartbeat: expected 0 fields, got 1"),
     (VoteEstablish, None, "VoteEstablish: expected 1 fields, got NoneType"),
     # wrong types and ranges
@@ -469,7 +473,30 @@ def welcomes() -> st.SearchStrategy[Welcome]:
     )
 
 
+def registrations() -> st.SearchStrategy[Register]:
+    """A new peer's registration, or a member's coming back (its fields only then)."""
+    def build(fields: dict[str, Any], rejoin: int, back: tuple[int, int, int, int]) -> Register:
+        if rejoin:
+            fields.update(zip(("predecessor", "successor", "next_revision", "high_water"),
+                              back, strict=True))
+        return Register(**fields, rejoin=rejoin)
+
+    return st.builds(
+        build,
+        st.fixed_dictionaries({
+            "protocol_version": st.integers(0, U64_MAX),
+            "peer_group": st.integers(0, U32_MAX),
+            "p2p_port": st.integers(1, U16_MAX),
+            "advertised_host": st.text(max_size=30),
+            "pool_size": st.integers(1, MAX_POOL_SIZE),
+        }),
+        st.integers(0, 1 << 48),
+        st.tuples(*[st.integers(0, 1 << 48)] * 4),
+    )
+
+
 JOINT: dict[type[Any], st.SearchStrategy[Any]] = {
+    Register: registrations(),
     LinkMeasured: link_measurements(),
     TopologyOptimized: topology_reports(),
     Welcome: welcomes(),

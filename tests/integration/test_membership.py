@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import trio
 import trio.lowlevel
@@ -86,6 +88,8 @@ async def test_dead_peer_leaves_the_run(cluster: Cluster, clock: object) -> None
 async def test_silent_peer_is_removed_within_the_liveness_timeout(
     cluster: Cluster, clock: object
 ) -> None:
+    # The partitioned peer waits for its master for the grace, then fails.
+    cluster.config = dataclasses.replace(cluster.config, master_grace=5.0)
     with trio.fail_after(60):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
         silent = comms[2]
@@ -212,12 +216,15 @@ async def test_unreachable_peer_is_kicked_and_the_rest_go_on(
             await comm.aclose()
 
 
-async def test_master_loss_fails_every_call(cluster: Cluster, clock: object) -> None:
+async def test_master_loss_fails_every_call_after_the_grace(cluster: Cluster, clock: object) -> None:
+    """No master takes the peers back (``test_master_recovery`` has those that do):
+    once ``Config.master_grace`` is over, every call fails and says why."""
+    cluster.config = dataclasses.replace(cluster.config, master_grace=1.0)
     with trio.fail_after(60):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         cluster.master_scope.cancel()
         for comm in comms:
-            with pytest.raises(pccl.MasterConnectionError):
+            with pytest.raises(pccl.MasterConnectionError, match="no master took this peer back"):
                 await comm.update_topology()
             with pytest.raises(pccl.MasterConnectionError):
                 comm.get_attribute(A.GLOBAL_WORLD_SIZE)
