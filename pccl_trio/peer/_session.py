@@ -3,7 +3,8 @@
 Theory of operation
 -------------------
 ``open`` connects to the master (completing the run-secret handshake first, if the
-run has a secret), starts the *reader* (the only task that ever receives from the
+run has a secret; given several addresses, those of discovered masters, the first
+that accepts and completes the handshake), starts the *reader* (the only task that ever receives from the
 link) and the *heartbeat* sender, registers, and returns once the master's
 ``Welcome`` named this peer and imposed its liveness timers and whether its
 shared-state votes carry content digests (``content_digest``).
@@ -22,13 +23,13 @@ this peer, the communicator fails (``Lifecycle.fail``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
 
 from .._config import Config
-from .._core.channel import HandshakeFailed, Purpose
+from .._core.channel import Channel, HandshakeFailed, Purpose
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
     M2C,
@@ -65,6 +66,7 @@ class MasterSession:
         self._life = lifecycle
         self._credential = credential
         self.host, self.port = host, port
+        self._targets: tuple[tuple[str, int], ...] = ((host, port),)
         self.peer_id: int | None = None
         self.heartbeat_interval = config.heartbeat_interval
         self.liveness_timeout = config.liveness_timeout
@@ -81,6 +83,13 @@ class MasterSession:
     def address(self) -> str:
         return format_address(self.host, self.port)
 
+    def retarget(self, targets: Sequence[tuple[str, int]]) -> None:
+        """Have ``open`` register with the first of ``targets`` (``(host, port)``: the
+        addresses of discovered masters, best first) that accepts a connection and,
+        with a run secret, proves it holds the secret."""
+        self._targets = tuple(targets)
+        self.host, self.port = self._targets[0]
+
     def route(self, kind: type[_M], apply: Callable[[_M], None]) -> None:
         """Have the reader call ``apply`` on every ``kind`` message as it arrives, before
         queueing it (``apply`` must not block)."""
@@ -95,27 +104,24 @@ class MasterSession:
             MasterConnectionError: the master cannot be reached or went away.
             Kicked: the master refused this peer.
         """
-        try:
-            with trio.fail_after(self._config.connect_timeout):
-                stream = await self._network.connect(self.host, self.port)
-        except (OSError, trio.TooSlowError) as exc:
-            raise MasterConnectionError(
-                f"could not reach the master at {self.address} ({exc or 'timed out'}); "
-                "check that `pccl-trio master` runs there and the address is right"
-            ) from exc
-        credential = self._credential
-        channel = None
-        if credential is not None:
+        failures: list[MasterConnectionError] = []
+        for host, port in self._targets:
+            self.host, self.port = host, port
             try:
-                channel = await secure_client(stream, credential, Purpose.MASTER)
-            except (HandshakeFailed, trio.TooSlowError, trio.BrokenResourceError,
-                    trio.ClosedResourceError) as exc:
-                await trio.aclose_forcefully(stream)
-                raise MasterConnectionError(
-                    f"the master at {self.address} did not complete the run-secret "
-                    f"handshake ({exc or 'timed out'}): it runs with another secret or "
-                    "with none"
-                ) from exc
+                stream, channel = await self._reach()
+            except MasterConnectionError as exc:
+                failures.append(exc)
+                if len(failures) < len(self._targets):
+                    log.warning("%s; trying the next master address", exc)
+                continue
+            break
+        else:
+            if len(failures) == 1:
+                raise failures[0]
+            raise MasterConnectionError(
+                f"none of {len(failures)} master addresses worked: "
+                + "; ".join(str(failure) for failure in failures)
+            ) from failures[-1]
         limit = self._config.max_control_frame
         # What a master may send: Welcome or Kick first, then its kinds and heartbeats.
         from_master = [c for c in message_kinds().values() if c.DIRECTION == M2C]
@@ -144,6 +150,35 @@ class MasterSession:
         self.content_digest = welcome.content_digest
         self._life.spawn(self._send_heartbeats)
         log.info("peer %d registered with the master at %s", self.peer_id, self.address)
+
+    async def _reach(self) -> tuple[trio.abc.Stream, Channel | None]:
+        """A connection to the master at ``host:port``, past the run-secret handshake
+        if the run has a secret.
+
+        Raises:
+            MasterConnectionError: no connection, or a failed handshake.
+        """
+        try:
+            with trio.fail_after(self._config.connect_timeout):
+                stream = await self._network.connect(self.host, self.port)
+        except (OSError, trio.TooSlowError) as exc:
+            raise MasterConnectionError(
+                f"could not reach the master at {self.address} ({exc or 'timed out'}); "
+                "check that `pccl-trio master` runs there and the address is right"
+            ) from exc
+        credential = self._credential
+        if credential is None:
+            return stream, None
+        try:
+            return stream, await secure_client(stream, credential, Purpose.MASTER)
+        except (HandshakeFailed, trio.TooSlowError, trio.BrokenResourceError,
+                trio.ClosedResourceError) as exc:
+            await trio.aclose_forcefully(stream)
+            raise MasterConnectionError(
+                f"the master at {self.address} did not complete the run-secret "
+                f"handshake ({exc or 'timed out'}): it runs with another secret or "
+                "with none"
+            ) from exc
 
     async def aclose(self) -> None:
         if self._link is not None:
