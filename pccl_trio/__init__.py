@@ -9,6 +9,7 @@ A master tracks who is in the run; peers join and leave at any moment. Use it as
 """
 
 from ._config import Config as Config
+from ._core.discovery import MasterAdvert as MasterAdvert
 from ._errors import CollectiveAborted as CollectiveAborted
 from ._errors import InvalidArgument as InvalidArgument
 from ._errors import InvalidUsage as InvalidUsage
@@ -38,5 +39,6 @@ from .peer import Communicator as Communicator
 from .peer import CommunicatorStatistics as CommunicatorStatistics
 from .transport import Network as Network
 from .transport import TcpNetwork as TcpNetwork
+from .transport import list_masters as list_masters
 
 __version__ = "0.1.0"

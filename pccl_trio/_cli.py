@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import trio
 
@@ -17,7 +18,15 @@ from ._bench import parse_size
 from ._config import SECRET_ENVIRONMENT, Config
 from ._identity import IdentityError, load_allowlist, load_identity, public_hex
 from .master import serve_master
-from .transport import TcpNetwork, format_address, listen_host, listener_address, parse_address
+from .transport import (
+    TcpNetwork,
+    advertise_master,
+    check_advertise,
+    format_address,
+    listen_host,
+    listener_address,
+    parse_address,
+)
 
 __all__ = ["main", "master_main"]
 
@@ -60,6 +69,14 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
         "simplehash, and compare content by both: a forged simplehash collision no longer "
         "passes a sync; costs one BLAKE2b pass per compared tensor per sync (~1 GB/s per "
         "core)",
+    )
+    parser.add_argument(
+        "--advertise",
+        metavar="RUN",
+        help="announce this master on the local network over mDNS/DNS-SD as the master of "
+        "the run named RUN (at most 63 bytes), so that peers find it with "
+        "Communicator(discover=RUN); needs a run secret (or --insecure) and "
+        "pip install 'pccl_trio[discovery]'",
     )
     parser.add_argument(
         "--insecure",
@@ -142,7 +159,11 @@ def _read_secret(path: str | None) -> str | bytes | None:
     return secret
 
 
-async def _run_master(host: str, port: int, config: Config) -> None:
+class _AdvertiseFailed(Exception):
+    """The master could not be advertised (the message says why)."""
+
+
+async def _run_master(host: str, port: int, config: Config, advertise: str | None) -> None:
     # Bind before anything else so "address in use" surfaces as a plain OSError.
     listener = await TcpNetwork().listen(host, port)
     bound_host, bound_port = listener_address(listener)
@@ -151,12 +172,34 @@ async def _run_master(host: str, port: int, config: Config) -> None:
             await nursery.start(functools.partial(serve_master, [listener], config=config))
             print(f"pccl-trio master listening on {format_address(bound_host, bound_port)}",
                   flush=True)
-            async for signum in signals:
-                logging.getLogger("pccl_trio.master").info(
-                    "received %s, closing every connection", signal.Signals(signum).name
-                )
-                nursery.cancel_scope.cancel()
-                break
+            failure = await _advertise_until_signal(advertise, host, bound_port, config, signals)
+            nursery.cancel_scope.cancel()
+    if failure is not None:
+        raise _AdvertiseFailed(failure)
+
+
+async def _advertise_until_signal(
+    advertise: str | None, host: str, port: int, config: Config, signals: AsyncIterator[int]
+) -> str | None:
+    """Advertise the master (if asked) until SIGINT or SIGTERM, then withdraw the
+    advertisement; what went wrong if it could not be made, without waiting."""
+    async with contextlib.AsyncExitStack() as stack:
+        if advertise is not None:
+            try:
+                advert = await stack.enter_async_context(advertise_master(
+                    advertise, host, port, secret=config.secret, insecure=config.insecure,
+                ))
+            except ValueError as exc:
+                return str(exc)
+            except OSError as exc:
+                return f"cannot advertise run {advertise!r}: {exc}"
+            print(f"pccl-trio master advertising run {advertise!r} as {advert.instance}", flush=True)
+        async for signum in signals:
+            logging.getLogger("pccl_trio.master").info(
+                "received %s, closing every connection", signal.Signals(signum).name
+            )
+            break
+    return None
 
 
 def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master") -> int:
@@ -186,6 +229,13 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
             f"--allow-identities needs a run secret (--secret-file or ${SECRET_ENVIRONMENT}): "
             "identities are proven in the run-secret handshake"
         )
+    if args.advertise is not None:
+        try:
+            check_advertise(
+                args.advertise, host, secured=config.secret is not None, insecure=config.insecure
+            )
+        except ValueError as exc:
+            parser.error(str(exc))
     level = {"TRACE": "DEBUG", "WARN": "WARNING"}.get(args.log_level, args.log_level)
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -197,7 +247,10 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        trio.run(_run_master, host, port, config)
+        trio.run(_run_master, host, port, config, args.advertise)
+    except _AdvertiseFailed as exc:
+        print(f"pccl-trio master: {exc}", file=sys.stderr)
+        return 1
     except OSError as exc:
         print(f"pccl-trio master: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1

@@ -116,6 +116,10 @@ class Config:
             at every peer, roughly 1 GB/s per core (in a worker thread, beside the
             simplehash; a GPU tensor is copied to host memory for it, one piece at a
             time), plus 32 bytes per tensor in each vote.
+        discovery_timeout: (peer) how long ``Communicator(discover=RUN)`` looks for a
+            master advertising the run over mDNS before ``connect()`` fails with
+            ``MasterConnectionError``; a browse usually finds it within a fraction of a
+            second, then listens half a second more for other masters of the run.
     """
 
     heartbeat_interval: float = 0.5
@@ -142,6 +146,7 @@ class Config:
     identity: str | os.PathLike[str] | None = None
     allowed_identities: frozenset[bytes] | None = None
     content_digest: bool = False
+    discovery_timeout: float = 10.0
 
     @property
     def secret(self) -> bytes | None:
@@ -158,7 +163,10 @@ class Config:
         return dataclasses.replace(self, run_secret=os.environ[SECRET_ENVIRONMENT])
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout"):
+        for name in (
+            "heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout",
+            "discovery_timeout",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"Config.{name} must be a positive number of seconds, got {value!r}")

@@ -16,10 +16,14 @@ take a while to validate are decoded in a worker thread, one at a time, so the e
 loop keeps serving heartbeats; at most ``MAX_NEW_CONNECTIONS`` connections may wait
 for their first frame at once. If handling one connection's event raises all the
 same (a bug), that connection is dropped and the error logged; the master goes on.
+
+``serve_master_tcp(advertise=RUN)`` also announces the master over mDNS/DNS-SD while it
+serves (``transport.advertise_master``), so that peers can find it by the run's name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -55,6 +59,8 @@ from ..transport import (
     Credential,
     FramedStream,
     TcpNetwork,
+    advertise_master,
+    check_advertise,
     listen_host,
     listener_address,
     remote_host,
@@ -406,6 +412,7 @@ async def serve_master_tcp(
     host: str = "0.0.0.0",
     *,
     config: Config | None = None,
+    advertise: str | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Run a master on TCP ``host:port`` until cancelled; started with the bound address.
@@ -413,17 +420,32 @@ async def serve_master_tcp(
     Without a run secret in ``config`` (and not ``insecure``), a wildcard ``host``
     listens on loopback only.
 
+    With ``advertise``, the master is also announced over mDNS as a master of the run
+    of that name (``Communicator(discover=...)`` finds it) from before it is started
+    until it ends; that needs the ``discovery`` extra, a run secret (or ``insecure``)
+    and a ``host`` other than loopback.
+
     Raises:
-        ValueError: an explicit non-loopback ``host`` without a run secret.
+        ValueError: an explicit non-loopback ``host`` without a run secret, or an
+            advertisement that cannot be made (the message says why).
     """
     config = config or Config()
-    host = listen_host(
-        host, secured=config.secret is not None, insecure=config.insecure, who="the master"
-    )
+    secured = config.secret is not None
+    if advertise is not None:
+        check_advertise(advertise, host, secured=secured, insecure=config.insecure)
+    host = listen_host(host, secured=secured, insecure=config.insecure, who="the master")
     listener = await TcpNetwork().listen(host, port)
-    await serve_master(
-        [listener], config=config, task_status=_StartedWith(task_status, listener_address(listener))
-    )
+    address = listener_address(listener)
+    async with contextlib.AsyncExitStack() as stack:
+        if advertise is not None:
+            try:
+                await stack.enter_async_context(advertise_master(
+                    advertise, host, address[1], secret=config.secret, insecure=config.insecure
+                ))
+            except BaseException:
+                await trio.aclose_forcefully(listener)
+                raise
+        await serve_master([listener], config=config, task_status=_StartedWith(task_status, address))
 
 
 class _StartedWith:

@@ -25,6 +25,12 @@ round's predecessor, an ``ExpectBenchmark`` announces a link measurement, all ap
 as they are read) and the p2p listener's handlers (by the first frame of an accepted
 connection).
 
+With ``discover=RUN`` instead of the master's address, ``connect()`` first browses the
+local network over mDNS for masters advertising the run (``transport.find_masters``,
+within ``Config.discovery_timeout``) and then goes on as if the address of the first
+had been given, trying the next address (at most ``MAX_DISCOVERED_TARGETS``) when one
+cannot be reached or fails the run-secret handshake.
+
 ``connect()`` starts the background nursery (as a trio system task, so the
 communicator outlives the call that connected it), listens for p2p connections,
 registers with the master and takes part in the rounds that admit this peer.
@@ -42,6 +48,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._config import Config
+from .._core.discovery import check_run_name
 from .._core.messages import (
     BenchmarkRequest,
     CollectiveCommence,
@@ -64,11 +71,15 @@ from .._types import (
     TopologyInfo,
 )
 from ..transport import (
+    ADVICE,
+    MISSING_ZEROCONF,
     Credential,
     FramedStream,
     Network,
     TcpNetwork,
     check_remote_host,
+    discovery_available,
+    find_masters,
     listen_host,
     parse_address,
 )
@@ -88,6 +99,10 @@ __all__ = ["Communicator", "CommunicatorStatistics"]
 log = logging.getLogger("pccl_trio.peer")
 
 _T = TypeVar("_T")
+
+#: Addresses of discovered masters tried at most, in order, before ``connect`` fails:
+#: each may cost ``Config.connect_timeout``.
+MAX_DISCOVERED_TARGETS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,7 +130,8 @@ class Communicator:
     Args:
         master_address: ``"host:port"`` of the master, or several, comma-separated
             (``"h1:48148,h2:48148"``): the first that answers is used, and a member that
-            loses its master tries them in turn (``Config.master_grace``).
+            loses its master tries them in turn (``Config.master_grace``); None with
+            ``discover``.
         peer_group: peers all-reduce and sync within their group; votes about
             membership span all groups.
         p2p_connection_pool_size: TCP connections per ring neighbour; 0 picks
@@ -131,11 +147,17 @@ class Communicator:
         p2p_port: port for the p2p listener (0: any free port).
         advertised_host: the address other peers should use to reach this one; by
             default the address the master sees.
+        discover: instead of ``master_address``, the name of the run whose master
+            ``connect()`` looks for on the local network (mDNS/DNS-SD, for
+            ``Config.discovery_timeout``): one started ``--advertise RUN`` whose
+            protocol version and run secret match this peer's. Needs the
+            ``discovery`` extra (python-zeroconf), TCP, and a run secret (or
+            ``config.insecure``).
     """
 
     def __init__(
         self,
-        master_address: str,
+        master_address: str | None = None,
         peer_group: int = 0,
         p2p_connection_pool_size: int = 0,
         *,
@@ -144,13 +166,22 @@ class Communicator:
         p2p_host: str = "0.0.0.0",
         p2p_port: int = 0,
         advertised_host: str | None = None,
+        discover: str | None = None,
     ) -> None:
-        try:
-            addresses = [
-                parse_address(part.strip()) for part in str(master_address).split(",")
-            ]
-        except ValueError as exc:
-            raise InvalidArgument(f"master_address: {exc}") from None
+        if (master_address is None) == (discover is None):
+            raise InvalidArgument(
+                "give either the master's address (Communicator('host:port')) or the name of "
+                "a run whose master to discover (Communicator(discover='RUN')), "
+                + ("not both" if discover is not None else "got neither")
+            )
+        addresses: list[tuple[str, int]] = [("", 0)]
+        if master_address is not None:
+            try:
+                addresses = [
+                    parse_address(part.strip()) for part in str(master_address).split(",")
+                ]
+            except ValueError as exc:
+                raise InvalidArgument(f"master_address: {exc}") from None
         if not (isinstance(peer_group, int) and not isinstance(peer_group, bool)
                 and 0 <= peer_group <= U32_MAX):
             raise InvalidArgument(f"peer_group must be an integer in [0, 2**32-1], got {peer_group!r}")
@@ -165,14 +196,17 @@ class Communicator:
             raise InvalidArgument(f"p2p_port must be 0-65535, got {p2p_port!r}")
         config = (config or Config()).with_environment_secret()
         network = network if network is not None else TcpNetwork()
+        if discover is not None:
+            self._check_discover(discover, config, network)
         if isinstance(network, TcpNetwork):
             # Without a run secret a run stays on this machine unless told otherwise.
             secured, insecure = config.secret is not None, config.insecure
             try:
-                for master_host, _port in addresses:
-                    check_remote_host(
-                        master_host, secured=secured, insecure=insecure, what="the master"
-                    )
+                if discover is None:
+                    for master_host, _port in addresses:
+                        check_remote_host(
+                            master_host, secured=secured, insecure=insecure, what="the master"
+                        )
                 p2p_host = listen_host(p2p_host, secured=secured, insecure=insecure, who="this peer")
             except ValueError as exc:
                 raise InvalidArgument(str(exc)) from None
@@ -184,6 +218,9 @@ class Communicator:
         self._p2p_host = p2p_host
         self._p2p_port = p2p_port
         self._advertised_host = advertised_host or ""
+        self._discover = discover
+        self._discovered = False
+        self._config = config
         self._background_done = trio.Event()
 
         life = self._life = Lifecycle()
@@ -243,7 +280,10 @@ class Communicator:
 
     @property
     def master_address(self) -> str:
-        """The master's ``"host:port"`` (or several), as given."""
+        """The master's ``"host:port"`` (or several), as given or, with ``discover``,
+        as found by ``connect()`` ("" before)."""
+        if self._discover is not None:
+            return self._session.address if self._discovered else ""
         return self._master_address
 
     def statistics(self) -> CommunicatorStatistics:
@@ -288,6 +328,14 @@ class Communicator:
         life.status = Status.CONNECTING
         try:
             with life.operation(Call.CONNECT):
+                if self._discover is not None:
+                    masters = await find_masters(
+                        self._discover, secret=self._config.secret,
+                        seconds=self._config.discovery_timeout,
+                    )
+                    targets = [(host, master.port) for master in masters for host in master.addresses]
+                    self._session.retarget(targets[:MAX_DISCOVERED_TARGETS])
+                    self._discovered = True
                 await self._start_background()
                 try:
                     port = await self._p2p.listen(self._p2p_host, self._p2p_port)
@@ -512,10 +560,31 @@ class Communicator:
         await self.aclose()
 
     def __repr__(self) -> str:
+        master = self.master_address or f"(run {self._discover!r}, not found yet)"
         return (
             f"<Communicator peer={self.peer_id} group={self._peer_group} "
-            f"{self._life.status.name.lower()} master={self.master_address}>"
+            f"{self._life.status.name.lower()} master={master}>"
         )
+
+    @staticmethod
+    def _check_discover(run: str, config: Config, network: Network) -> None:
+        """Refuse ``discover=run`` where it cannot work."""
+        try:
+            check_run_name(run)
+        except ValueError as exc:
+            raise InvalidArgument(f"discover: {exc}") from None
+        if not isinstance(network, TcpNetwork):
+            raise InvalidArgument(
+                "discover= finds masters over mDNS on real networks; with another network "
+                f"({type(network).__name__}), give the master's address"
+            )
+        if config.secret is None and not config.insecure:
+            raise InvalidArgument(
+                f"discover={run!r} looks for a master on other hosts, which a peer without a "
+                f"run secret does not reach: {ADVICE}"
+            )
+        if not discovery_available():
+            raise InvalidArgument(f"discover={run!r}: {MISSING_ZEROCONF}")
 
     # --- lifecycle -------------------------------------------------------------------
 

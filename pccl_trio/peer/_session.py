@@ -3,8 +3,9 @@ getting the master back when it is lost.
 
 Theory of operation
 -------------------
-``open`` connects to the master (the first of its addresses that answers, completing
-the run-secret handshake first, if the run has a secret), starts the *reader* (the only
+``open`` connects to the master (the first of its addresses, given or discovered, that
+answers and completes the run-secret handshake, if the run has a secret), starts the
+*reader* (the only
 task that ever receives from the link) and the *heartbeat* sender, registers, and
 returns once the master's ``Welcome`` named this peer and imposed its liveness timers
 and whether its shared-state votes carry content digests (``content_digest``).
@@ -141,6 +142,13 @@ class MasterSession:
         """Whether the master is lost and not back yet."""
         return self._away
 
+    def retarget(self, addresses: Sequence[tuple[str, int]]) -> None:
+        """Use ``addresses`` instead of those given (``(host, port)``: discovered
+        masters, best first)."""
+        if not addresses:
+            raise ValueError("a master session needs at least one address")
+        self._addresses, self._at = list(addresses), 0
+
     def route(self, kind: type[_M], apply: Callable[[_M], None]) -> None:
         """Have the reader call ``apply`` on every ``kind`` message as it arrives, before
         queueing it (``apply`` must not block)."""
@@ -162,17 +170,24 @@ class MasterSession:
             protocol_version=PROTOCOL_VERSION, peer_group=peer_group, p2p_port=p2p_port,
             advertised_host=advertised_host, pool_size=pool_size,
         )
-        errors: list[str] = []
+        failures: list[MasterConnectionError] = []
         for index in range(len(self._addresses)):
             try:
                 link = await self._dial(index)
             except MasterConnectionError as exc:
-                errors.append(str(exc))
+                failures.append(exc)
+                if len(failures) < len(self._addresses):
+                    log.warning("%s; trying the next master address", exc)
                 continue
             self._at = index
             break
         else:
-            raise MasterConnectionError("; ".join(errors))
+            if len(failures) == 1:
+                raise failures[0]
+            raise MasterConnectionError(
+                f"none of {len(failures)} master addresses worked: "
+                + "; ".join(str(failure) for failure in failures)
+            ) from failures[-1]
         self._install(link)
         await self.send(self._registration)
         welcome = await self.wait_for(Welcome)

@@ -6,6 +6,13 @@ Everything above this package gets its streams from a ``Network`` (``listen`` an
 """
 
 from ._blocking import SocketLink as SocketLink
+from ._discovery import MISSING_ZEROCONF as MISSING_ZEROCONF
+from ._discovery import advertise_master as advertise_master
+from ._discovery import check_advertise as check_advertise
+from ._discovery import discovery_available as discovery_available
+from ._discovery import find_masters as find_masters
+from ._discovery import list_masters as list_masters
+from ._exposure import ADVICE as ADVICE
 from ._exposure import check_remote_host as check_remote_host
 from ._exposure import listen_host as listen_host
 from ._framed import Connection as Connection

@@ -16,13 +16,13 @@ from __future__ import annotations
 import ipaddress
 import logging
 
-__all__ = ["LOOPBACK", "is_loopback", "listen_host", "check_remote_host"]
+__all__ = ["ADVICE", "LOOPBACK", "is_loopback", "listen_host", "check_remote_host"]
 
 log = logging.getLogger("pccl_trio")
 
 LOOPBACK = "127.0.0.1"
 _WILDCARDS = ("", "0.0.0.0", "::")
-_ADVICE = (
+ADVICE = (
     "set a run secret (PCCL_TRIO_RUN_SECRET, `--secret-file`, or Config(run_secret=...)), "
     "or accept an unauthenticated run with `--insecure` / Config(insecure=True)"
 )
@@ -56,12 +56,12 @@ def listen_host(host: str, *, secured: bool, insecure: bool, who: str) -> str:
     if host in _WILDCARDS:
         log.warning(
             "%s has no run secret, so it listens on loopback (%s) only; to accept other "
-            "hosts, %s", who, LOOPBACK, _ADVICE,
+            "hosts, %s", who, LOOPBACK, ADVICE,
         )
         return LOOPBACK
     if is_loopback(host):
         return host
-    raise ValueError(f"{who} will not listen on {host} without a run secret: {_ADVICE}")
+    raise ValueError(f"{who} will not listen on {host} without a run secret: {ADVICE}")
 
 
 def check_remote_host(host: str, *, secured: bool, insecure: bool, what: str) -> None:
@@ -72,4 +72,4 @@ def check_remote_host(host: str, *, secured: bool, insecure: bool, what: str) ->
     """
     if secured or insecure or is_loopback(host):
         return
-    raise ValueError(f"{what} at {host} is not on this machine and there is no run secret: {_ADVICE}")
+    raise ValueError(f"{what} at {host} is not on this machine and there is no run secret: {ADVICE}")
