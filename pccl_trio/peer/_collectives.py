@@ -449,6 +449,10 @@ class AllReduces:
             await attempt.settle()
             attempt.restore()
             attempt.release()
+            if isinstance(exc, MasterLost) and attempt.seq:
+                # Data was moving when the master was lost: the ring's connections may
+                # hold parts of frames. Re-establish it before the retry, as after any abort.
+                self._membership.stale = True
             if verdict is None and isinstance(exc, Exception) and not isinstance(exc, PCCLError):
                 # A bug after this peer voted (the protocol's own errors leave the
                 # master informed).

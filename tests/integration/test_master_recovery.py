@@ -20,9 +20,16 @@ import trio
 import trio.testing
 
 import pccl_trio as pccl
-from pccl_trio.testing import MemoryNetwork
+from pccl_trio._core.messages import (
+    Message,
+    SharedStateVote,
+    VoteEstablish,
+    VoteOptimizeTopology,
+)
+from pccl_trio.peer._seam import Vote
+from pccl_trio.testing import MemoryNetwork, PeerSeam
 
-from .conftest import TCP_CONFIG, form_run
+from .conftest import FINE, TCP_CONFIG, form_run, run_all, started
 
 STEPS = 12
 KILL_AFTER = 4  # steps every peer completed before the master dies
@@ -141,7 +148,9 @@ def check_run(states: list[pccl.SharedState], progress: Progress) -> None:
     assert all(s.tensors[0].data.tobytes() == first for s in states)
 
 
-async def test_a_master_restarted_at_the_same_address_takes_the_run_back(masters: Masters) -> None:
+async def test_a_master_restarted_at_the_same_address_takes_the_run_back(
+    masters: Masters, clock: object
+) -> None:
     with trio.fail_after(120):
         address, scope = await masters.start("master")
         port = int(address.rsplit(":", 1)[1])
@@ -163,7 +172,7 @@ async def test_a_master_restarted_at_the_same_address_takes_the_run_back(masters
             await comm.aclose()
 
 
-async def test_a_standby_master_takes_the_run_over(masters: Masters) -> None:
+async def test_a_standby_master_takes_the_run_over(masters: Masters, clock: object) -> None:
     with trio.fail_after(120):
         first, scope = await masters.start("master")
         standby, _ = await masters.start("standby")
@@ -178,7 +187,7 @@ async def test_a_standby_master_takes_the_run_over(masters: Masters) -> None:
             await comm.aclose()
 
 
-async def test_without_a_master_calls_fail_after_the_grace(masters: Masters) -> None:
+async def test_without_a_master_calls_fail_after_the_grace(masters: Masters, clock: object) -> None:
     masters.config = dataclasses.replace(masters.config, master_grace=5.0)
     with trio.fail_after(120):
         address, scope = await masters.start("master")
@@ -190,7 +199,7 @@ async def test_without_a_master_calls_fail_after_the_grace(masters: Masters) -> 
             await comm.aclose()
 
 
-async def test_with_no_grace_losing_the_master_ends_the_communicator(masters: Masters) -> None:
+async def test_with_no_grace_losing_the_master_ends_the_communicator(masters: Masters, clock: object) -> None:
     masters.config = dataclasses.replace(masters.config, master_grace=0.0)
     with trio.fail_after(60):
         address, scope = await masters.start("master")
@@ -198,5 +207,140 @@ async def test_with_no_grace_losing_the_master_ends_the_communicator(masters: Ma
         scope.cancel()
         with pytest.raises(pccl.MasterConnectionError, match="cannot go on without its master"):
             await comms[0].update_topology()
+        for comm in comms:
+            await comm.aclose()
+
+
+def kill_when_all_voted(
+    comms: list[pccl.Communicator], kind: type[Message], scope: trio.CancelScope,
+    killed: trio.Event,
+) -> None:
+    """Kill the master (``scope``) as the last peer of ``comms`` is about to send it a
+    ``kind`` vote: every peer is in the call, and the master cannot have decided it."""
+    voted = [0]
+    for comm in comms:
+        seam = PeerSeam(comm)
+        original = seam.vote
+
+        async def vote(message: Message, original: Vote = original) -> None:
+            if isinstance(message, kind) and not killed.is_set():
+                voted[0] += 1
+                if voted[0] == len(comms):
+                    scope.cancel()
+                    killed.set()
+                    await trio.lowlevel.checkpoint()  # let the master die first
+            await original(message)
+
+        seam.vote = vote
+
+
+async def restart_when(killed: trio.Event, masters: Masters, port: int) -> None:
+    await killed.wait()
+    await trio.sleep(2.0)
+    await masters.start("master", port=port)
+
+
+@pytest.mark.parametrize("call", ["update_topology", "sync_shared_state", "optimize_topology"])
+async def test_a_membership_call_the_master_died_in_completes_once_it_is_back(
+    masters: Masters, clock: object, call: str
+) -> None:
+    """The master dies once every peer voted (a round, a sync, an optimization); the
+    call is made again with the new master and completes everywhere, as if nothing
+    had happened: the sync moves no byte and advances the revision by one."""
+    with trio.fail_after(120):
+        address, scope = await masters.start("master")
+        port = int(address.rsplit(":", 1)[1])
+        comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
+        states = [
+            pccl.SharedState([pccl.TensorInfo("w", np.arange(10_000, dtype=np.float32))])
+            for _ in comms
+        ]
+        await run_all(comms, lambda i, c: c.sync_shared_state(states[i]))
+        for state in states:
+            state.revision += 1
+        killed = trio.Event()
+        kind = {"update_topology": VoteEstablish, "sync_shared_state": SharedStateVote,
+                "optimize_topology": VoteOptimizeTopology}[call]
+        kill_when_all_voted(comms, kind, scope, killed)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_when, killed, masters, port)
+            if call == "sync_shared_state":
+                results = await run_all(comms, lambda i, c: c.sync_shared_state(states[i]))
+                assert all(isinstance(r, pccl.SharedStateSyncInfo) and r.rx_bytes == 0
+                           for r in results), results
+                assert all(s.revision == 1 for s in states)
+            else:
+                results = await run_all(comms, lambda i, c: getattr(c, call)())
+                assert results == [None, None, None], results
+        assert killed.is_set()
+        assert all(c.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 3 for c in comms)
+        values = [np.full(1000, i + 1.0, np.float32) for i in range(3)]
+        await run_all(comms, lambda i, c: c.all_reduce(values[i]))
+        assert all(v.tobytes() == np.full(1000, 6.0, np.float32).tobytes() for v in values)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_an_all_reduce_the_master_died_in_is_aborted_with_its_input_restored(
+    masters: Masters, clock: object
+) -> None:
+    """The master dies while the peers' all-reduce moves its data: each peer gets
+    ``CollectiveAborted`` with its input as it was (no verdict can come), and the retry
+    completes with the new master."""
+    masters.config = dataclasses.replace(masters.config, slice_bytes=FINE.slice_bytes)
+    with trio.fail_after(120):
+        address, scope = await masters.start("master")
+        port = int(address.rsplit(":", 1)[1])
+        comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
+        inputs = [np.arange(200_000, dtype=np.float32) * (i + 1) for i in range(3)]
+        buffers = [a.copy() for a in inputs]
+        results: list[object] = []
+        killed = trio.Event()
+
+        async def reduce() -> None:
+            results.extend(await run_all(comms, lambda i, c: c.all_reduce(buffers[i], tag=3)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reduce)
+            await started(comms[0], 3)
+            scope.cancel()
+            killed.set()
+            nursery.start_soon(restart_when, killed, masters, port)
+        assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results
+        assert all(b.tobytes() == a.tobytes() for a, b in zip(inputs, buffers, strict=True))
+        results = await run_all(comms, lambda i, c: c.all_reduce(buffers[i], tag=3))
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        assert all(b.tobytes() == sum(inputs).tobytes() for b in buffers)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_a_joiner_not_admitted_yet_fails_and_the_members_go_on(masters: Masters, clock: object) -> None:
+    """A peer still in ``connect()`` has no place to come back to: its ``connect``
+    fails with the reason; the members' ``update_topology`` completes without it."""
+    with trio.fail_after(120):
+        address, scope = await masters.start("master")
+        port = int(address.rsplit(":", 1)[1])
+        comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(2)])
+        joiner = masters.communicator("joiner", address)
+        killed = trio.Event()
+        kill_when_all_voted(comms, VoteEstablish, scope, killed)
+        outcome: list[object] = []
+
+        async def join() -> None:
+            try:
+                await joiner.connect()
+            except pccl.MasterConnectionError as exc:
+                outcome.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(join)
+            while not all(await run_all(comms, lambda i, c: c.are_peers_pending())):
+                pass
+            nursery.start_soon(restart_when, killed, masters, port)
+            results = await run_all(comms, lambda i, c: c.update_topology())
+        assert results == [None, None], results
+        assert len(outcome) == 1 and "not admitted yet" in str(outcome[0]), outcome
+        assert comms[0].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 2
         for comm in comms:
             await comm.aclose()
