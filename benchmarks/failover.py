@@ -1,0 +1,245 @@
+"""Failover: how long the peers of a run go without a step when their master dies.
+
+Usage: python benchmarks/failover.py [--repeats 3] [--restart-delay 2] [--json PATH]
+
+Theory of operation
+-------------------
+Each repeat runs two cases, each with a fresh run of three peer processes
+(``soak_peer.py``, next to this file: every step syncs the shared state and
+all-reduces, and reports it as a JSON line with ``time.monotonic()``, one clock for
+every process on this machine):
+
+* ``restart``: one master (``python -m pccl_trio.master``) on a fixed port; it is
+  SIGKILLed and a new master is started on the same port ``--restart-delay`` seconds
+  later, as a supervisor would.
+* ``standby``: the peers are given two addresses, the master's and a standby's, which
+  runs all along; the master is SIGKILLed and nothing is restarted.
+
+The master is killed once every peer completed ``--steps-before`` steps, so mid-step
+for some of them. For each peer the *recovery* is the time from the kill to the end of
+its first step that needed a master after it: the step after its first sync that ended
+after the kill (a step already past its sync may still end without a master). The run
+must go on as if nothing happened, else the repeat fails (exit 1): no peer exits,
+every peer steps ``--steps-after`` more times, the revisions go on without a gap, no
+sync after a peer's first moves a byte (nobody diverged), every all-reduce result is
+exact (the peers check it, ``wrong``) and the weights are bit-identical at every
+revision. Printed: the medians over peers and repeats, and for ``restart`` the same
+from the moment the new master listened (what the peers add to the supervisor's
+restart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+PEER_PROGRAM = Path(__file__).with_name("soak_peer.py")
+PEERS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Run:
+    """One run: masters and peers as processes, the peers' reports as they come."""
+
+    def __init__(self, nursery: trio.Nursery, args: argparse.Namespace) -> None:
+        self.nursery = nursery
+        self.args = args
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.masters: dict[int, trio.Process] = {}
+        self.peers: list[trio.Process] = []
+        self.reports: list[list[dict[str, Any]]] = [[] for _ in range(PEERS)]
+        self.changed = trio.Event()
+        self.failure: str | None = None
+
+    async def master(self, port: int) -> None:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "pccl_trio.master", "--listen", f"127.0.0.1:{port}",
+             "--log-level", "ERROR"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env,
+        )
+        assert process.stdout is not None
+        line = await read_line(process.stdout)
+        if not line.startswith("pccl-trio master listening on"):
+            raise SystemExit(f"failover: a master did not start: {line!r}")
+        self.masters[port] = process
+
+    async def peer(self, index: int, address: str) -> None:
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(PEER_PROGRAM), address, "--elements", "65536",
+             "--step-seconds", str(self.args.step_seconds), "--no-optimize"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env,
+        )
+        self.peers.append(process)
+        self.nursery.start_soon(self.follow, index, process)
+
+    async def follow(self, index: int, process: trio.Process) -> None:
+        assert process.stdout is not None
+        buffer = b""
+        async for chunk in process.stdout:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                report = json.loads(line)
+                self.reports[index].append(report)
+                if report["event"] == "error":
+                    self.failure = f"peer {index} failed: {report}"
+                self.changed.set()
+                self.changed = trio.Event()
+        if self.failure is None and process.returncode not in (None, -signal.SIGKILL):
+            self.failure = f"peer {index} exited with {await process.wait()}"
+        self.changed.set()
+
+    def steps(self, index: int, after: float = float("-inf")) -> list[dict[str, Any]]:
+        return [r for r in self.reports[index] if r["event"] == "step" and r["t"] > after]
+
+    def recovered(self, index: int, killed_at: float) -> float:
+        """When peer ``index`` completed its first step that needed a master after the
+        kill: the step after its first sync that ended after the kill (a sync cannot
+        end without a master; a step already past its sync may end without one)."""
+        synced = next(r["t"] for r in self.reports[index]
+                      if r["event"] == "sync" and r["t"] > killed_at)
+        return float(self.steps(index, synced)[0]["t"])
+
+    async def until(self, done: Callable[[], bool]) -> None:
+        while not done():
+            if self.failure is not None:
+                raise SystemExit(f"failover: {self.failure}")
+            with trio.move_on_after(self.args.timeout / 4) as quiet:
+                await self.changed.wait()
+            if quiet.cancelled_caught:
+                last = [r[-1] if r else None for r in self.reports]
+                raise SystemExit(f"failover: the peers stopped reporting; last reports: {last}")
+
+    def stop(self) -> None:
+        for process in [*self.peers, *self.masters.values()]:
+            if process.returncode is None:
+                process.kill()
+
+
+async def one_case(case: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """For every peer, in one run of ``case``: the seconds from the kill to its next
+    step, and from the moment a master listened again (the restart, or the kill for a
+    standby) to that step."""
+    ports = [free_port(), free_port()]
+    with trio.fail_after(args.timeout):
+        async with trio.open_nursery() as nursery:
+            run = Run(nursery, args)
+            try:
+                await run.master(ports[0])
+                if case == "standby":
+                    await run.master(ports[1])
+                address = ",".join(
+                    f"127.0.0.1:{p}" for p in (ports if case == "standby" else ports[:1])
+                )
+                for index in range(PEERS):
+                    await run.peer(index, address)
+                await run.until(lambda: all(
+                    len(run.steps(i)) >= args.steps_before for i in range(PEERS)
+                ))
+                killed_at = time.monotonic()  # the clock of the peers' reports
+                run.masters.pop(ports[0]).kill()
+                back_at = killed_at
+                if case == "restart":
+                    await trio.sleep(args.restart_delay)
+                    await run.master(ports[0])
+                    back_at = time.monotonic()
+                await run.until(lambda: all(
+                    len(run.steps(i, killed_at)) >= args.steps_after for i in range(PEERS)
+                ))
+                check(run)
+                nexts = [run.recovered(i, killed_at) for i in range(PEERS)]
+                return [t - killed_at for t in nexts], [t - back_at for t in nexts]
+            finally:
+                run.stop()
+                nursery.cancel_scope.cancel()
+
+
+def check(run: Run) -> None:
+    """The run went on as if the master had never died (see the module docstring)."""
+    weights: dict[int, str] = {}
+    for index, reports in enumerate(run.reports):
+        steps = [r for r in reports if r["event"] == "step"]
+        revisions = [r["rev"] for r in steps]
+        if revisions != list(range(revisions[0], revisions[0] + len(revisions))):
+            raise SystemExit(f"failover: peer {index} skipped a revision: {revisions}")
+        for report in steps:
+            if report["wrong"] is not None:
+                raise SystemExit(f"failover: peer {index} got a wrong sum: {report}")
+            if weights.setdefault(report["rev"], report["weights"]) != report["weights"]:
+                raise SystemExit(f"failover: the weights diverged at revision {report['rev']}")
+        moved = [r["rx"] for r in reports if r["event"] == "sync" and not r["first"]]
+        if any(moved):
+            raise SystemExit(f"failover: peer {index} received bytes in a sync: {moved}")
+
+
+async def read_line(stream: trio.abc.ReceiveStream) -> str:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = await stream.receive_some(1)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode().strip()
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, tuple[list[float], list[float]]] = {
+        "restart": ([], []), "standby": ([], []),
+    }
+    for repeat in range(args.repeats):
+        for case, (from_kill, from_back) in results.items():
+            since_kill, since_back = await one_case(case, args)
+            from_kill.extend(since_kill)
+            from_back.extend(since_back)
+            print(f"repeat {repeat + 1} {case:8s} from the kill to each peer's next step: "
+                  + ", ".join(f"{r:.3f} s" for r in since_kill), flush=True)
+    summary: dict[str, Any] = {"repeats": args.repeats, "restart_delay": args.restart_delay}
+    for case, (from_kill, from_back) in results.items():
+        summary[case] = {
+            "median_s": statistics.median(from_kill), "max_s": max(from_kill),
+            "median_after_listening_s": statistics.median(from_back), "samples": from_kill,
+        }
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--restart-delay", type=float, default=2.0)
+    parser.add_argument("--steps-before", type=int, default=20)
+    parser.add_argument("--steps-after", type=int, default=20)
+    parser.add_argument("--step-seconds", type=float, default=0.05)
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args(argv)
+    summary = trio.run(main_async, args)
+    restart, standby = summary["restart"], summary["standby"]
+    print(f"restart: median {restart['median_s']:.3f} s from the kill to each peer's next "
+          f"step ({restart['median_after_listening_s']:.3f} s after the new master "
+          f"listened), max {restart['max_s']:.3f} s")
+    print(f"standby: median {standby['median_s']:.3f} s, max {standby['max_s']:.3f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
