@@ -31,6 +31,11 @@ within ``Config.discovery_timeout``) and then goes on as if the address of the f
 had been given, trying the next address (at most ``MAX_DISCOVERED_TARGETS``) when one
 cannot be reached or fails the run-secret handshake.
 
+A member that loses its master does not fail: the session gets a master back
+(``_session``, ``Config.master_grace``), an all-reduce in flight becomes
+``CollectiveAborted`` with its input restored, and a membership call the lost master
+never answered is made again once it is back (``_through_master_loss``).
+
 ``connect()`` starts the background nursery (as a trio system task, so the
 communicator outlives the call that connected it), listens for p2p connections,
 registers with the master and takes part in the rounds that admit this peer.
