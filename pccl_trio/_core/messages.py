@@ -38,6 +38,7 @@ from .nested import (
     SharedStateRange,
     TensorSpan,
     WorldSizes,
+    check_identity,
     check_pool_size,
 )
 from .records import (
@@ -186,11 +187,16 @@ class Register(Message):
     successor: int = 0
     next_revision: int = 0  # the shared-state revision its group expects next (0: unknown)
     high_water: int = 0  # the highest round, attempt, sync or optimization number it saw
+    predecessor_identity: bytes = b""  # the node identities the master named for them
+    successor_identity: bytes = b""
 
     def _validate(self) -> None:
         check_pool_size(self.pool_size, "Register.pool_size")
+        check_identity(self.predecessor_identity, "Register.predecessor_identity")
+        check_identity(self.successor_identity, "Register.successor_identity")
         if not self.rejoin and (
             self.predecessor or self.successor or self.next_revision or self.high_water
+            or self.predecessor_identity or self.successor_identity
         ):
             raise RemoteProtocolError(
                 "Register: ring neighbours, revision or numbers without a peer id to rejoin as"

@@ -34,6 +34,7 @@ __all__ = [
     "TensorSpan",
     "WorldSizes",
     "check_digest",
+    "check_identity",
     "check_key",
     "check_pool_size",
 ]

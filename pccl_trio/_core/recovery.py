@@ -29,6 +29,11 @@ number it has seen (``high_water``). A master, fresh or not, judges such a claim
    missing, they are taken as gone (their ids can no longer be claimed) and the ring
    is stale, as after any departure: the survivors re-establish it. Contradicting
    reports (two successors for one peer) also leave the ring stale.
+5. **Identities.** Each member also names the node identities the old master gave
+   for its neighbours. A claim to an id whose node identity its neighbours named
+   otherwise is refused, and a member that came back proving another identity than a
+   neighbour names for it later is kicked: with node identities, a holder of the run
+   secret cannot take a member's place at a fresh master.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import logging
 import math
 from collections.abc import Callable
 
+from .identity import fingerprint
 from .messages import Register
 from .peers import Conn, PeerPhase, PeerTable
 from .rounds import RingBook
@@ -100,6 +106,8 @@ class Recovery:
         self._continue_above = continue_above
         self._expect_revision = expect_revision
         self._groups: dict[int, _Group] = {}  # recovering groups
+        # The node identity of each id, as its ring neighbours named it.
+        self._identities: dict[int, bytes] = {}
 
     @property
     def holding(self) -> bool:
@@ -113,7 +121,10 @@ class Recovery:
         """Judge a member coming back as ``message.rejoin``; whether the recovery of its
         group completed (consensus may be decided again)."""
         table = self._table
-        refusal = table.refusal(conn, message) or self._claim_refusal(message)
+        refusal = (
+            table.refusal(conn, message) or self._claim_refusal(message)
+            or self._identity_refusal(message.rejoin, conn.identity)
+        )
         if refusal:
             table.kick(conn, refusal)
             return False
@@ -136,6 +147,12 @@ class Recovery:
             group.link(message.predecessor, peer_id)
         group.next_revision = max(group.next_revision, message.next_revision)
         table.reserve_ids(max(peer_id, message.predecessor, message.successor))
+        for neighbour, named in (
+            (message.predecessor, message.predecessor_identity),
+            (message.successor, message.successor_identity),
+        ):
+            if neighbour and named:
+                self._name(neighbour, named, by=peer_id)
         self._continue_above(message.high_water)
         table.admit(conn, message, peer_id, PeerPhase.ACCEPTED)
         return self._settle(group_id, timed_out=False)
@@ -157,6 +174,29 @@ class Recovery:
                 "join again"
             )
         return ""
+
+    def _identity_refusal(self, peer_id: int, proven: bytes) -> str:
+        named = self._identities.get(peer_id)
+        if named and named != proven:
+            return (
+                f"the ring neighbours of peer {peer_id} name node identity "
+                f"{fingerprint(named)} for it; this connection proved {fingerprint(proven)}"
+            )
+        return ""
+
+    def _name(self, peer_id: int, identity: bytes, *, by: int) -> None:
+        """Member ``by`` names ``identity`` for its neighbour ``peer_id``; a member that
+        came back as ``peer_id`` proving another identity is an impostor."""
+        self._identities.setdefault(peer_id, identity)
+        present = self._table.peers.get(peer_id)
+        if present is not None and present.identity != identity:
+            self._table.kick_peer(
+                present,
+                f"peer {by}, a ring neighbour of peer {peer_id}, names node identity "
+                f"{fingerprint(identity)} for it; this connection proved "
+                f"{fingerprint(present.identity)}",
+            )
+            self._table.known_ids.discard(peer_id)  # the id is still its owner's to claim
 
     def kick_late(self) -> bool:
         """End the recovery of every group whose window passed; whether any ended."""

@@ -452,9 +452,12 @@ class Communicator:
         """What this member tells a master it comes back to."""
         around = neighbours(self._membership.ring, self._session.peer_id or 0)
         predecessor, successor = around if around is not None else (0, 0)
+        named = self._membership.neighbour_identities
         return Standing(
             predecessor=predecessor, successor=successor,
             next_revision=self._sync.next_revision,
+            predecessor_identity=named.get(predecessor, b""),
+            successor_identity=named.get(successor, b""),
         )
 
     async def all_reduce(

@@ -56,6 +56,8 @@ class Membership:
         self._p2p = context.p2p
         self._receiver = receiver
         self.ring: tuple[int, ...] = ()
+        #: The node identities the master named for this peer's ring neighbours.
+        self.neighbour_identities: dict[int, bytes] = {}
         self.world: WorldSizes | None = None
         # The ring must be re-established (a collective was aborted, or rounds failed)
         # before the next collective; ``ensure_ring`` does it once nothing is in flight.
@@ -117,6 +119,7 @@ class Membership:
         if result.success:
             self.ring = result.ring
             self.world = result.world
+            self.neighbour_identities = {e.peer_id: e.identity for e in info.neighbours}
             for follower in self._followers:
                 follower(result.ring)
             self._p2p.expect_only(predecessor)

@@ -87,6 +87,8 @@ class Standing:
     predecessor: int = 0  # its ring neighbours (0: none)
     successor: int = 0
     next_revision: int = 0  # the shared-state revision its group expects next (0: unknown)
+    predecessor_identity: bytes = b""  # the node identities the master named for them
+    successor_identity: bytes = b""
 
 
 class MasterSession:
@@ -467,7 +469,8 @@ class MasterSession:
         register = dataclasses.replace(
             self._registration, rejoin=self.peer_id, predecessor=standing.predecessor,
             successor=standing.successor, next_revision=standing.next_revision,
-            high_water=self._high_water,
+            high_water=self._high_water, predecessor_identity=standing.predecessor_identity,
+            successor_identity=standing.successor_identity,
         )
         link: FramedStream | None = None
         try:

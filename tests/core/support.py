@@ -76,6 +76,7 @@ SAMPLES: dict[type[Message], Message] = {
     Register: Register(
         protocol_version=PROTOCOL_VERSION, peer_group=7, p2p_port=48148, advertised_host="10.0.0.1",
         pool_size=3, rejoin=12, predecessor=9, successor=14, next_revision=31, high_water=77,
+        predecessor_identity=bytes(range(32)), successor_identity=b"\x05" * 32,
     ),
     Heartbeat: Heartbeat(),
     VoteEstablish: VoteEstablish(accept_new_peers=True),

@@ -7,7 +7,7 @@ after their master died.
 
 from __future__ import annotations
 
-from pccl_trio._core.master import PeerPhase, PeerState
+from pccl_trio._core.master import ConnectionOpened, PeerPhase, PeerState
 from pccl_trio._core.messages import (
     PROTOCOL_VERSION,
     CollectiveCommence,
@@ -179,3 +179,45 @@ def test_a_member_that_leaves_while_coming_back_is_not_waited_for_forever() -> N
     after_window(master, 1)
     master.vote(1)
     assert master.last(1, P2PInfo).ring == (4,)
+
+
+def come_back_proving(
+    master: MasterHarness, conn: int, peer_id: int, identity: bytes,
+    named: dict[int, bytes], ring: tuple[int, ...] = RING,
+) -> None:
+    """Like ``come_back``, proving ``identity`` in the handshake and naming the
+    identities ``named`` gives for the ring neighbours."""
+    at = ring.index(peer_id)
+    before, after = ring[at - 1], ring[(at + 1) % len(ring)]
+    master.handle(ConnectionOpened(conn=conn, host="127.0.0.1", identity=identity))
+    master.send(conn, Register(
+        protocol_version=PROTOCOL_VERSION, peer_group=0, p2p_port=10000 + conn,
+        rejoin=peer_id, predecessor=before, successor=after,
+        predecessor_identity=named.get(before, b""), successor_identity=named.get(after, b""),
+    ))
+
+
+KEYS = {4: b"\x04" * 32, 7: b"\x07" * 32, 9: b"\x09" * 32}
+MALLORY = b"\x66" * 32
+
+
+def test_an_id_its_neighbours_name_another_identity_for_cannot_be_claimed() -> None:
+    master = MasterHarness()
+    come_back_proving(master, 1, 4, KEYS[4], KEYS)
+    come_back_proving(master, 2, 7, MALLORY, KEYS)  # claims peer 7 with another key
+    assert "name node identity 07070707" in (master.kick_reason(2) or "")
+    come_back_proving(master, 3, 7, KEYS[7], KEYS)
+    come_back_proving(master, 4, 9, KEYS[9], KEYS)
+    assert master.core.ring(0) == list(RING)
+
+
+def test_an_impostor_that_came_back_first_is_kicked_when_a_neighbour_names_the_owner() -> None:
+    master = MasterHarness()
+    come_back_proving(master, 1, 7, MALLORY, {})  # first back: nobody named peer 7 yet
+    assert welcomed_as(master, 1) == 7
+    come_back_proving(master, 2, 4, KEYS[4], KEYS)  # peer 7's predecessor names its key
+    assert "names node identity 07070707" in (master.kick_reason(1) or "")
+    come_back_proving(master, 3, 7, KEYS[7], KEYS)  # the owner now takes its id back
+    come_back_proving(master, 4, 9, KEYS[9], KEYS)
+    assert welcomed_as(master, 3) == 7
+    assert master.core.ring(0) == list(RING)

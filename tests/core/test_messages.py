@@ -261,11 +261,11 @@ def test_message_kinds_is_read_only() -> None:
 
 INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     # wrong field count or shape
-    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 10 fields, got 9"),
-    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 10 fields, got 11"),
+    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 12 fields, got 11"),
+    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 12 fields, got 13"),
     # Maps are refused by msgpack itself, before any object is built.
     (Register, {"protocol_version": 1}, "Register: undecodable payload .*max_map_len"),
-    (Register, 5, "Register: expected 10 fields, got int"),
+    (Register, 5, "Register: expected 12 fields, got int"),
     (Heartbeat, [1], "Heartbeat: expected 0 fields, got 1"),
     (VoteEstablish, None, "VoteEstablish: expected 1 fields, got NoneType"),
     # wrong types and ranges
@@ -475,10 +475,14 @@ def welcomes() -> st.SearchStrategy[Welcome]:
 
 def registrations() -> st.SearchStrategy[Register]:
     """A new peer's registration, or a member's coming back (its fields only then)."""
-    def build(fields: dict[str, Any], rejoin: int, back: tuple[int, int, int, int]) -> Register:
+    def build(
+        fields: dict[str, Any], rejoin: int, back: tuple[int, int, int, int],
+        keys: tuple[bytes, bytes],
+    ) -> Register:
         if rejoin:
             fields.update(zip(("predecessor", "successor", "next_revision", "high_water"),
                               back, strict=True))
+            fields.update(predecessor_identity=keys[0], successor_identity=keys[1])
         return Register(**fields, rejoin=rejoin)
 
     return st.builds(
@@ -492,6 +496,7 @@ def registrations() -> st.SearchStrategy[Register]:
         }),
         st.integers(0, 1 << 48),
         st.tuples(*[st.integers(0, 1 << 48)] * 4),
+        st.tuples(*[st.sampled_from([b"", bytes(32), b"\x07" * 32])] * 2),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,12 +21,14 @@ import trio
 import trio.testing
 
 import pccl_trio as pccl
+from pccl_trio._core.identity import public_bytes
 from pccl_trio._core.messages import (
     Message,
     SharedStateVote,
     VoteEstablish,
     VoteOptimizeTopology,
 )
+from pccl_trio._identity import load_identity
 from pccl_trio.peer._seam import Vote
 from pccl_trio.testing import MemoryNetwork, PeerSeam
 
@@ -74,10 +77,15 @@ class Masters:
             return f"{name}:48148", scope
         return f"127.0.0.1:{started[1]}", scope  # type: ignore[index]
 
-    def communicator(self, host: str, address: str) -> pccl.Communicator:
+    def communicator(
+        self, host: str, address: str, identity: Path | None = None
+    ) -> pccl.Communicator:
         network = self.memory.host(host) if self.memory is not None else pccl.TcpNetwork()
+        config = self.config if identity is None else dataclasses.replace(
+            self.config, identity=identity
+        )
         return pccl.Communicator(
-            address, config=self.config, network=network,
+            address, config=config, network=network,
             **({"p2p_host": "127.0.0.1"} if self.memory is None else {}),
         )
 
@@ -342,5 +350,38 @@ async def test_a_joiner_not_admitted_yet_fails_and_the_members_go_on(masters: Ma
         assert results == [None, None], results
         assert len(outcome) == 1 and "not admitted yet" in str(outcome[0]), outcome
         assert comms[0].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 2
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_members_with_node_identities_come_back_to_a_restarted_master(
+    masters: Masters, clock: object, tmp_path: Path
+) -> None:
+    """With a run secret and a node key per peer (and an allowlist at the master), the
+    members come back under their ids, proving their keys, and the run goes on."""
+    keys = [tmp_path / f"p{i}.key" for i in range(3)]
+    allowed = frozenset(public_bytes(load_identity(k)) for k in keys)
+    masters.config = dataclasses.replace(
+        masters.config, run_secret=b"a run secret of 32 bytes, or so!", allowed_identities=allowed
+    )
+    with trio.fail_after(120):
+        address, scope = await masters.start("master")
+        port = int(address.rsplit(":", 1)[1])
+        comms = await form_run([], [
+            masters.communicator(f"p{i}", address, identity=keys[i]) for i in range(3)
+        ])
+        ids = [c.peer_id for c in comms]
+        progress = Progress.of(3)
+
+        async def restart() -> None:
+            await kill_once_stepped(progress, scope)
+            await trio.sleep(2.0)
+            await masters.start("master", port=port)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart)
+            states = await train(comms, progress)
+        check_run(states, progress)
+        assert [c.peer_id for c in comms] == ids
         for comm in comms:
             await comm.aclose()
