@@ -57,6 +57,12 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
         f"${SECRET_ENVIRONMENT}); with one, every connection is authenticated",
     )
     parser.add_argument(
+        "--identity",
+        metavar="PATH",
+        help="this master's node key file (created on first use): every handshake proves "
+        "it, and peers with Config(master_identities=...) check it; needs a run secret",
+    )
+    parser.add_argument(
         "--allow-identities",
         metavar="FILE",
         help="admit only peers proving one of the node identities listed in FILE (one "
@@ -221,9 +227,17 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
             allowed_identities=(
                 None if args.allow_identities is None else load_allowlist(args.allow_identities)
             ),
+            identity=args.identity,
         )
+        if config.identity is not None:
+            load_identity(config.identity)  # a clear error now, not from the event loop
     except ValueError as exc:
         parser.error(str(exc))
+    if config.identity is not None and config.secret is None:
+        parser.error(
+            f"--identity needs a run secret (--secret-file or ${SECRET_ENVIRONMENT}): "
+            "identities are proven in the run-secret handshake"
+        )
     if config.allowed_identities is not None and config.secret is None:
         parser.error(
             f"--allow-identities needs a run secret (--secret-file or ${SECRET_ENVIRONMENT}): "

@@ -105,6 +105,10 @@ class Config:
         allowed_identities: (master) the public identity keys (32 bytes each) allowed
             to join; a peer without one of them is refused with a reason. None: any
             holder of the run secret. Needs a run secret.
+        master_identities: (peers) the public identity keys a master of this run may
+            prove (the master started with ``--identity``, or a standby's); a master
+            proving none of them is not talked to (``MasterConnectionError``, or the
+            next address). None: any holder of the run secret. Needs a run secret.
         content_digest: (master) make shared-state syncs compare content by a
             cryptographic digest as well as by the 32-bit simplehash, which anyone can
             forge offline: the master tells every peer when it registers, each peer then
@@ -145,6 +149,7 @@ class Config:
     master_grace: float = 60.0
     identity: str | os.PathLike[str] | None = None
     allowed_identities: frozenset[bytes] | None = None
+    master_identities: frozenset[bytes] | None = None
     content_digest: bool = False
     discovery_timeout: float = 10.0
 
@@ -223,15 +228,17 @@ class Config:
             )
         if self.identity is not None and not isinstance(self.identity, str | os.PathLike):
             raise ValueError(f"Config.identity must be a path, got {self.identity!r}")
-        if self.allowed_identities is not None:
-            allowed = frozenset(self.allowed_identities)
-            bad = [key for key in allowed if not (isinstance(key, bytes) and len(key) == IDENTITY_SIZE)]
+        for name in ("allowed_identities", "master_identities"):
+            keys = getattr(self, name)
+            if keys is None:
+                continue
+            keys = frozenset(keys)
+            bad = [key for key in keys if not (isinstance(key, bytes) and len(key) == IDENTITY_SIZE)]
             if bad:
                 raise ValueError(
-                    f"Config.allowed_identities must hold {IDENTITY_SIZE}-byte public keys, "
-                    f"got {bad[0]!r}"
+                    f"Config.{name} must hold {IDENTITY_SIZE}-byte public keys, got {bad[0]!r}"
                 )
-            object.__setattr__(self, "allowed_identities", allowed)
+            object.__setattr__(self, name, keys)
         for name in ("stall_timeout", "stall_warning"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and not math.isnan(value) and value > 0):

@@ -49,6 +49,7 @@ import trio
 from .._config import Config
 from .._core.channel import HandshakeFailed, Purpose
 from .._core.errors import RemoteProtocolError
+from .._core.identity import fingerprint
 from .._core.messages import (
     M2C,
     PROTOCOL_VERSION,
@@ -225,6 +226,14 @@ class MasterSession:
                     f"handshake ({exc or 'timed out'}): it runs with another secret or "
                     "with none"
                 ) from exc
+            expected = self._config.master_identities
+            if expected is not None and channel.peer_identity not in expected:
+                await trio.aclose_forcefully(stream)
+                raise MasterConnectionError(
+                    f"the master at {where} proved node identity "
+                    f"{fingerprint(channel.peer_identity)}, which is not one of "
+                    "Config.master_identities: not this run's master"
+                )
         limit = self._config.max_control_frame
         # What a master may send: Welcome or Kick first, then its kinds and heartbeats.
         from_master = [c for c in message_kinds().values() if c.DIRECTION == M2C]

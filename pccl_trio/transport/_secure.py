@@ -74,7 +74,8 @@ class Credential:
         """
         secret = config.secret
         if secret is None:
-            if config.identity is not None or config.allowed_identities is not None:
+            if (config.identity is not None or config.allowed_identities is not None
+                    or config.master_identities is not None):
                 raise ValueError(
                     "node identities need a run secret (Config.run_secret or "
                     "$PCCL_TRIO_RUN_SECRET): a handshake without one has nothing to sign"

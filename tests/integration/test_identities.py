@@ -333,3 +333,28 @@ async def test_identities_need_a_run_secret(keys: Keys) -> None:
     with pytest.raises(ValueError, match="node identities need a run secret"):
         await pccl.serve_master([], config=pccl.Config(allowed_identities=frozenset()))
 
+
+
+@pytest.mark.parametrize("expected", ["master", "other"])
+async def test_peers_talk_only_to_a_master_proving_a_key_they_expect(
+    kind: str, clock: object, nursery: trio.Nursery, keys: Keys, expected: str
+) -> None:
+    """A master started with a node key proves it; a peer that expects that key joins,
+    one that expects another refuses the master with the reason."""
+    cluster = await start_cluster(
+        nursery, kind, base_config(kind),
+        dataclasses.replace(base_config(kind), identity=keys.path("master")),
+    )
+    cluster.config = dataclasses.replace(
+        cluster.config, master_identities=frozenset({keys.public(expected)})
+    )
+    with trio.fail_after(60):
+        comm = peer(cluster, "p0", keys)
+        if expected == "master":
+            await comm.connect()
+            assert comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 1
+        else:
+            with pytest.raises(pccl.MasterConnectionError, match="not one of Config.master_identities"):
+                await comm.connect()
+        await comm.aclose()
+    cluster.master_scope.cancel()

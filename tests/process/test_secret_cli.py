@@ -159,3 +159,19 @@ def test_bad_identity_options_are_clear_errors(tmp_path: Path) -> None:
     os.chmod(tmp_path / "open.key", 0o644)
     unusable = identity_command(str(tmp_path / "open.key"))
     assert unusable.returncode == 1 and "chmod 600" in unusable.stderr
+
+
+async def test_a_master_proves_its_identity_key(tmp_path: Path) -> None:
+    """``--identity PATH``: the master proves the key; a peer that expects it joins."""
+    key = identity_command(str(tmp_path / "master.key")).stdout.strip()
+    assert refused("--identity", str(tmp_path / "master.key")).returncode == 2  # no secret
+    master = Master("--listen", "127.0.0.1:0", "--identity", str(tmp_path / "master.key"),
+                    secret=SECRET)
+    try:
+        with trio.fail_after(60):
+            config = pccl.Config(run_secret=SECRET, master_identities=frozenset({bytes.fromhex(key)}))
+            address = f"127.0.0.1:{master.port}"
+            async with pccl.Communicator(address, config=config, p2p_host="127.0.0.1") as comm:
+                assert comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 1
+    finally:
+        master.stop()
