@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from soak import read_first_line, read_lines
 
 PEER_PROGRAM = Path(__file__).with_name("soak_peer.py")
 PEERS = 3
@@ -75,7 +76,7 @@ class Run:
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env,
         )
         assert process.stdout is not None
-        line = await read_line(process.stdout)
+        line = await read_first_line(process.stdout)
         if not line.startswith("pccl-trio master listening on"):
             raise SystemExit(f"failover: a master did not start: {line!r}")
         self.masters[port] = process
@@ -91,20 +92,19 @@ class Run:
 
     async def follow(self, index: int, process: trio.Process) -> None:
         assert process.stdout is not None
-        buffer = b""
-        async for chunk in process.stdout:
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for line in lines:
-                report = json.loads(line)
-                self.reports[index].append(report)
-                if report["event"] == "error":
-                    self.failure = f"peer {index} failed: {report}"
-                self.changed.set()
-                self.changed = trio.Event()
-        if self.failure is None and process.returncode not in (None, -signal.SIGKILL):
-            self.failure = f"peer {index} exited with {await process.wait()}"
+        await read_lines(process.stdout, lambda line: self.on_report(index, line))
+        code = await process.wait()
+        if self.failure is None and code != -signal.SIGKILL:
+            self.failure = f"peer {index} exited with {code}"
         self.changed.set()
+
+    def on_report(self, index: int, line: str) -> None:
+        report = json.loads(line)
+        self.reports[index].append(report)
+        if report["event"] == "error":
+            self.failure = f"peer {index} failed: {report}"
+        self.changed.set()
+        self.changed = trio.Event()
 
     def steps(self, index: int, after: float = float("-inf")) -> list[dict[str, Any]]:
         return [r for r in self.reports[index] if r["event"] == "step" and r["t"] > after]
@@ -187,16 +187,6 @@ def check(run: Run) -> None:
         moved = [r["rx"] for r in reports if r["event"] == "sync" and not r["first"]]
         if any(moved):
             raise SystemExit(f"failover: peer {index} received bytes in a sync: {moved}")
-
-
-async def read_line(stream: trio.abc.ReceiveStream) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = await stream.receive_some(1)
-        if not chunk:
-            break
-        data += chunk
-    return data.decode().strip()
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:

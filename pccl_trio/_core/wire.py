@@ -43,7 +43,7 @@ import enum
 import struct
 from collections.abc import Mapping
 
-from .channel import TAG_SIZE, Channel, DataOpening
+from .channel import TAG_SIZE, Channel
 from .errors import LocalProtocolError, RemoteProtocolError
 from .messages import Message, decode_message, encode_message, message_kinds
 
@@ -312,21 +312,14 @@ class DataFrameReader:
         self._payload = 0
         return view
 
-    def open(self) -> DataOpening:
-        """The check of the payload whose header was just received, to be fed the
-        payload as it arrives (decrypting it with encryption), then its tag."""
-        assert self.channel is not None
-        return self.channel.open_data(bytes(self._header))
-
     def accept(self, payload: memoryview, tag: bytes | bytearray) -> None:
         """Check a received payload against its tag (decrypting it with encryption).
 
         Raises:
             RemoteProtocolError: it fails (``payload`` must not be used).
         """
-        opening = self.open()
-        opening.update(payload)
-        opening.finish(tag)
+        assert self.channel is not None
+        self.channel.accept_data(bytes(self._header), payload, tag)
 
 
 class FrameDecoder:

@@ -34,12 +34,11 @@ from pccl_trio._core.messages import (
     SharedStateResponse,
 )
 from pccl_trio._identity import load_identity
-from pccl_trio.peer import _shared_state as sharing
 from pccl_trio.testing import PeerSeam
 from pccl_trio.transport import Credential, FramedStream, secure_client, secure_server
 
 from .conftest import TCP_CONFIG, Cluster, big_state, form_run, run_all, start_cluster, sync_all
-from .test_p2p_named import frames_until_closed, joiner_state, shared_state_request
+from .test_p2p_named import frames_until_closed, hold_fetches, joiner_state, shared_state_request
 from .test_run_secret import reduce_exactly
 
 SECRET = b"the run's secret, 32 bytes long!"
@@ -222,18 +221,7 @@ async def test_shared_state_goes_only_to_the_fetchers_key(secured: Cluster, keys
             state.revision += 1
         joiner = comms[2]
         fresh = joiner_state(states[0])
-        held, release = trio.Event(), trio.Event()
-        syncs: list[int] = []
-        seam = PeerSeam(joiner)
-        fetch_from = seam.fetch_from
-
-        async def hold(endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
-            syncs.append(fetcher.sync)
-            held.set()
-            await release.wait()
-            await fetch_from(endpoint, fetcher)
-
-        seam.fetch_from = hold
+        held, release, syncs = hold_fetches(joiner)
         results: list[object] = []
 
         async def sync() -> None:

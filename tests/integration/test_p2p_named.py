@@ -82,6 +82,24 @@ async def frames_until_closed(framed: FramedStream) -> list[Message | DataFrame]
     return frames
 
 
+def hold_fetches(joiner: pccl.Communicator) -> tuple[trio.Event, trio.Event, list[int]]:
+    """Hold ``joiner``'s shared-state fetches: ``held`` is set once one is about to
+    start (``syncs`` names its sync), and it starts once ``release`` is set."""
+    held, release = trio.Event(), trio.Event()
+    syncs: list[int] = []
+    seam = PeerSeam(joiner)
+    fetch_from = seam.fetch_from
+
+    async def hold(endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
+        syncs.append(fetcher.sync)
+        held.set()
+        await release.wait()
+        await fetch_from(endpoint, fetcher)
+
+    seam.fetch_from = hold
+    return held, release, syncs
+
+
 def shared_state_request(
     peer_id: int, sync: int, *ranges: tuple[str, int, int]
 ) -> SharedStateRequest:
@@ -150,18 +168,7 @@ async def test_shared_state_goes_only_to_the_plans_fetchers(cluster: Cluster, cl
         f0, f1, joiner = await joined(cluster, states)
         fresh = joiner_state(states[0])
         weights = fresh.tensors[0].data.nbytes
-        held, release = trio.Event(), trio.Event()
-        syncs: list[int] = []
-        seam = PeerSeam(joiner)
-        fetch_from = seam.fetch_from
-
-        async def hold(endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
-            syncs.append(fetcher.sync)
-            held.set()
-            await release.wait()
-            await fetch_from(endpoint, fetcher)
-
-        seam.fetch_from = hold
+        held, release, syncs = hold_fetches(joiner)
         results: list[object] = []
 
         async def sync() -> None:
