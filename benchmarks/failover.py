@@ -1,6 +1,7 @@
 """Failover: how long the peers of a run go without a step when their master dies.
 
 Usage: python benchmarks/failover.py [--repeats 3] [--restart-delay 2] [--json PATH]
+                                     [--cases restart,standby,elect]
 
 Theory of operation
 -------------------
@@ -14,6 +15,11 @@ every process on this machine):
   later, as a supervisor would.
 * ``standby``: the peers are given two addresses, the master's and a standby's, which
   runs all along; the master is SIGKILLed and nothing is restarted.
+* ``elect`` (root and network namespaces, python-zeroconf): no master is started. The
+  three peers run in namespaces of their own on one bridge (``wan.Topology``, links
+  not shaped), given only the run's name and secret (``--discover RUN
+  --host-master``): they elect one of themselves to host the master. The peer process
+  hosting it is SIGKILLed, master and all; the two survivors elect again and go on.
 
 The master is killed once every peer completed ``--steps-before`` steps, so mid-step
 for some of them. For each peer the *recovery* is the time from the kill to the end of
@@ -48,6 +54,8 @@ from soak import read_first_line, read_lines
 
 PEER_PROGRAM = Path(__file__).with_name("soak_peer.py")
 PEERS = 3
+RUN = "failover-elect"
+SECRET = os.urandom(16).hex()
 
 
 def free_port() -> int:
@@ -68,6 +76,7 @@ class Run:
         self.reports: list[list[dict[str, Any]]] = [[] for _ in range(PEERS)]
         self.changed = trio.Event()
         self.failure: str | None = None
+        self.killed: int | None = None  # the peer killed with the master (``elect``)
 
     async def master(self, port: int) -> None:
         process = await trio.lowlevel.open_process(
@@ -81,11 +90,15 @@ class Run:
             raise SystemExit(f"failover: a master did not start: {line!r}")
         self.masters[port] = process
 
-    async def peer(self, index: int, address: str) -> None:
+    async def peer(self, index: int, address: str, namespace: str | None = None) -> None:
+        argv = [sys.executable, str(PEER_PROGRAM), address, "--elements", "65536",
+                "--step-seconds", str(self.args.step_seconds), "--no-optimize"]
+        env = self.env
+        if namespace is not None:
+            argv = ["ip", "netns", "exec", namespace, *argv, "--discover", RUN, "--host-master"]
+            env = dict(env, PCCL_TRIO_RUN_SECRET=SECRET)
         process = await trio.lowlevel.open_process(
-            [sys.executable, str(PEER_PROGRAM), address, "--elements", "65536",
-             "--step-seconds", str(self.args.step_seconds), "--no-optimize"],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=self.env,
+            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
         )
         self.peers.append(process)
         self.nursery.start_soon(self.follow, index, process)
@@ -94,7 +107,7 @@ class Run:
         assert process.stdout is not None
         await read_lines(process.stdout, lambda line: self.on_report(index, line))
         code = await process.wait()
-        if self.failure is None and code != -signal.SIGKILL:
+        if self.failure is None and not (code == -signal.SIGKILL and index == self.killed):
             self.failure = f"peer {index} exited with {code}"
         self.changed.set()
 
@@ -136,7 +149,9 @@ class Run:
 async def one_case(case: str, args: argparse.Namespace) -> tuple[list[float], list[float]]:
     """For every peer, in one run of ``case``: the seconds from the kill to its next
     step, and from the moment a master listened again (the restart, or the kill for a
-    standby) to that step."""
+    standby or an elected master) to that step."""
+    if case == "elect":
+        return await elect_case(args)
     ports = [free_port(), free_port()]
     with trio.fail_after(args.timeout):
         async with trio.open_nursery() as nursery:
@@ -171,6 +186,41 @@ async def one_case(case: str, args: argparse.Namespace) -> tuple[list[float], li
                 nursery.cancel_scope.cancel()
 
 
+async def elect_case(args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """``one_case`` for ``elect`` (see the module docstring)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import wan
+
+    with wan.Topology(PEERS, None, f"pccl-f{os.getpid()}") as topology, trio.fail_after(args.timeout):
+        async with trio.open_nursery() as nursery:
+            run = Run(nursery, args)
+            try:
+                for index in range(PEERS):
+                    await run.peer(index, "-", topology.peers[index])
+                await run.until(lambda: all(
+                    len(run.steps(i)) >= args.steps_before for i in range(PEERS)
+                ))
+                hosts = [i for i in range(PEERS) if run.steps(i)[-1]["hosting"]]
+                if len(hosts) != 1:
+                    raise SystemExit(f"failover: the peers hosting a master are {hosts}, not one")
+                run.killed = hosts[0]
+                killed_at = time.monotonic()
+                run.peers[run.killed].kill()
+                survivors = [i for i in range(PEERS) if i != run.killed]
+                await run.until(lambda: all(
+                    len(run.steps(i, killed_at)) >= args.steps_after for i in survivors
+                ))
+                check(run)
+                again = [i for i in survivors if run.steps(i)[-1]["hosting"]]
+                if len(again) != 1:
+                    raise SystemExit(f"failover: after the kill, {again} host a master, not one")
+                nexts = [run.recovered(i, killed_at) - killed_at for i in survivors]
+                return nexts, nexts
+            finally:
+                run.stop()
+                nursery.cancel_scope.cancel()
+
+
 def check(run: Run) -> None:
     """The run went on as if the master had never died (see the module docstring)."""
     weights: dict[int, str] = {}
@@ -190,9 +240,7 @@ def check(run: Run) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, tuple[list[float], list[float]]] = {
-        "restart": ([], []), "standby": ([], []),
-    }
+    results: dict[str, tuple[list[float], list[float]]] = {case: ([], []) for case in args.cases}
     for repeat in range(args.repeats):
         for case, (from_kill, from_back) in results.items():
             since_kill, since_back = await one_case(case, args)
@@ -219,13 +267,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--cases", default="restart,standby",
+                        type=lambda text: [case for case in text.split(",") if case],
+                        help="comma-separated, of restart, standby and elect")
     args = parser.parse_args(argv)
+    unknown = set(args.cases) - {"restart", "standby", "elect"}
+    if unknown or not args.cases:
+        parser.error(f"--cases: unknown {sorted(unknown)}" if unknown else "--cases: none given")
     summary = trio.run(main_async, args)
-    restart, standby = summary["restart"], summary["standby"]
-    print(f"restart: median {restart['median_s']:.3f} s from the kill to each peer's next "
-          f"step ({restart['median_after_listening_s']:.3f} s after the new master "
-          f"listened), max {restart['max_s']:.3f} s")
-    print(f"standby: median {standby['median_s']:.3f} s, max {standby['max_s']:.3f} s")
+    if "restart" in summary:
+        restart = summary["restart"]
+        print(f"restart: median {restart['median_s']:.3f} s from the kill to each peer's next "
+              f"step ({restart['median_after_listening_s']:.3f} s after the new master "
+              f"listened), max {restart['max_s']:.3f} s")
+    for case in ("standby", "elect"):
+        if case in summary:
+            print(f"{case}: median {summary[case]['median_s']:.3f} s, max "
+                  f"{summary[case]['max_s']:.3f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0

@@ -36,8 +36,14 @@ that the driver's checks catch each kind of fault: ``wrong-sum`` reports a resul
 too high, ``divergence`` flips the lowest bit of one weight, ``hang`` stops calling
 collectives while staying connected (the others then wait for it forever).
 
+With ``--discover RUN`` instead of MASTER (``-``), the peer finds the run's master by
+name (mDNS; the run secret comes from ``$PCCL_TRIO_RUN_SECRET``), and with
+``--host-master`` it is a candidate to host it (``host_master=True``); every ``step``
+report then says whether this peer's process hosts the master (``hosting``).
+
 Usage: soak_peer.py MASTER [--elements N] [--step-seconds S] [--no-optimize]
                            [--inject wrong-sum|divergence|hang --inject-at N]
+       soak_peer.py - --discover RUN [--host-master] [...]
 """
 
 from __future__ import annotations
@@ -95,13 +101,18 @@ async def retrying(call: Callable[[], Awaitable[T]], name: str,
 
 
 async def train(master: str, elements: int, step_seconds: float, optimize: bool,
-                inject: str | None, inject_at: int, identity: str | None = None) -> None:
+                inject: str | None, inject_at: int, identity: str | None = None,
+                discover: str | None = None, host_master: bool = False) -> None:
     weights = np.zeros(elements, dtype=np.float32)
     steps = np.zeros(1, dtype=np.int64)
     state = pccl.SharedState([pccl.TensorInfo("weights", weights), pccl.TensorInfo("steps", steps)])
     # The master's timers replace these once registered; they only bound the joining.
     config = pccl.Config(liveness_timeout=3.0, heartbeat_interval=0.25, identity=identity)
-    async with pccl.Communicator(master, 0, config=config, p2p_host="127.0.0.1") as comm:
+    if discover is None:
+        comm = pccl.Communicator(master, 0, config=config, p2p_host="127.0.0.1")
+    else:
+        comm = pccl.Communicator(discover=discover, host_master=host_master, config=config)
+    async with comm:
         me = comm.peer_id
         assert me is not None
         emit("joined", peer=me)
@@ -149,7 +160,8 @@ async def train(master: str, elements: int, step_seconds: float, optimize: bool,
             if injecting and inject == "divergence":
                 weights.view(np.uint32)[0] ^= 1
             emit("step", peer=me, rev=state.revision, world=info.world_size, ring=list(ring),
-                 result=digest(data), weights=digest(weights), aborts=aborts, wrong=wrong)
+                 result=digest(data), weights=digest(weights), aborts=aborts, wrong=wrong,
+                 hosting=comm.hosting_master)
             if injecting and inject == "hang":
                 await trio.sleep_forever()
             await trio.sleep(step_seconds)  # stands in for computing gradients
@@ -158,17 +170,20 @@ async def train(master: str, elements: int, step_seconds: float, optimize: bool,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("master", help="HOST:PORT of the master")
+    parser.add_argument("master", help="HOST:PORT of the master ('-' with --discover)")
     parser.add_argument("--elements", type=int, default=1 << 16)
     parser.add_argument("--step-seconds", type=float, default=0.05)
     parser.add_argument("--no-optimize", dest="optimize", action="store_false")
     parser.add_argument("--inject", choices=["wrong-sum", "divergence", "hang"])
     parser.add_argument("--inject-at", type=int, default=20)
     parser.add_argument("--identity", metavar="PATH", help="this node's identity key file")
+    parser.add_argument("--discover", metavar="RUN", help="find the master of RUN by name")
+    parser.add_argument("--host-master", action="store_true",
+                        help="with --discover: a candidate to host the master")
     args = parser.parse_args()
     try:
         trio.run(train, args.master, args.elements, args.step_seconds, args.optimize,
-                 args.inject, args.inject_at, args.identity)
+                 args.inject, args.inject_at, args.identity, args.discover, args.host_master)
     except pccl.PCCLError as exc:
         emit("error", kind=type(exc).__name__, message=str(exc)[:1000])
         sys.exit(3)

@@ -124,6 +124,12 @@ class Config:
             master advertising the run over mDNS before ``connect()`` fails with
             ``MasterConnectionError``; a browse usually finds it within a fraction of a
             second, then listens half a second more for other masters of the run.
+        election_timeout: (peers with ``host_master=True``) how long a candidate waits
+            for each candidate ranked before it to answer as the run's master before it
+            hosts the master itself (the first candidate hosts at once); also how long
+            candidates look for each other before the first election. Longer than the
+            time candidates take to notice a lost master apart (a heartbeat interval,
+            or the liveness timeout for a silent one) plus a connection.
     """
 
     heartbeat_interval: float = 0.5
@@ -152,6 +158,7 @@ class Config:
     master_identities: frozenset[bytes] | None = None
     content_digest: bool = False
     discovery_timeout: float = 10.0
+    election_timeout: float = 2.0
 
     @property
     def secret(self) -> bytes | None:
@@ -170,7 +177,7 @@ class Config:
     def __post_init__(self) -> None:
         for name in (
             "heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout",
-            "discovery_timeout",
+            "discovery_timeout", "election_timeout",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):

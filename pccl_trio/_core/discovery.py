@@ -14,11 +14,17 @@ carries its port, its address records the addresses it listens on, and its TXT r
   HMAC-SHA256(secret, "pccl-trio discovery " + RUN). A peer holding the same secret
   computes the same tag, so it tells a master of its own run from a same-named run
   with another secret; an observer learns nothing about the secret from it (it could
-  test guesses of a weak secret offline, as it could against a handshake it watched).
+  test guesses of a weak secret offline, as it could against a handshake it watched);
+* ``role=candidate``, for a peer that may host the run's master if elected
+  (``_core.election``) rather than a master: its port is the one its master would
+  listen on; no ``role`` (or ``role=master``) is a master;
+* ``rank=HEX``, for candidates and the masters they host: the candidate's rank key
+  (lower-case hex), by which an election orders them.
 
 Every master's instance name is unique (the run name, cut to fit, and random hex), so
-two masters of one run are both visible: ``choose`` picks the one with the lowest
-instance name, and callers can list them all.
+two masters of one run are both visible: ``choose`` picks the first in
+``master_order`` (a master started by hand before an elected one, elected ones by the
+rank of their host, then the lowest instance name), and callers can list them all.
 
 This module is the sans-IO part: building and parsing the TXT record, checking run
 names, the tag, whether an advertisement suits a peer, the choice among several, the
@@ -40,6 +46,7 @@ from .messages import PROTOCOL_VERSION
 
 __all__ = [
     "MAX_RUN_BYTES",
+    "ROLES",
     "SERVICE_TYPE",
     "MalformedAdvert",
     "MasterAdvert",
@@ -50,6 +57,7 @@ __all__ = [
     "choose",
     "describe_seen",
     "instance_name",
+    "master_order",
     "order_addresses",
     "parse_txt",
     "read_advert",
@@ -66,8 +74,10 @@ TAG_BYTES = 8
 _TAG_CONTEXT = b"pccl-trio discovery "
 #: Longest TXT key we read (RFC 6763 recommends at most 9 characters).
 _MAX_KEY = 64
-#: Longest ``proto`` or ``auth`` value we read.
+#: Longest ``proto``, ``auth`` or ``rank`` value we read.
 _MAX_FIELD = 64
+#: The roles an advertisement may have.
+ROLES = ("master", "candidate")
 #: Masters named one by one in a message; the rest are counted.
 _MAX_DESCRIBED = 8
 #: Characters of a run name shown in a message.
@@ -122,11 +132,18 @@ def instance_name(run: str, suffix: str) -> str:
     return f"{base}-{suffix}"
 
 
-def build_txt(run: str, *, protocol: int = PROTOCOL_VERSION, tag: str = "") -> bytes:
-    """The TXT record's data (RFC 6763 wire form) of a master of ``run``."""
+def build_txt(
+    run: str, *, protocol: int = PROTOCOL_VERSION, tag: str = "", role: str = "master",
+    rank: str = "",
+) -> bytes:
+    """The TXT record's data (RFC 6763 wire form) of a master (or candidate) of ``run``."""
     fields = [f"txtvers={TXT_VERSION}", f"run={run}", f"proto={protocol}"]
     if tag:
         fields.append(f"auth={tag}")
+    if role != "master":
+        fields.append(f"role={role}")
+    if rank:
+        fields.append(f"rank={rank}")
     out = bytearray()
     for field in fields:
         data = field.encode()
@@ -174,8 +191,11 @@ class MasterAdvert:
         run: the run it serves.
         protocol: its protocol version.
         auth: its tag (``auth_tag``); "" for a master without a run secret.
-        port: the port it listens on.
+        port: the port it listens on (a candidate: would listen on).
         addresses: the addresses it listens on, in the order to try them.
+        role: "master", or "candidate" for a peer that may host the master.
+        rank: a candidate's rank key, or that of the candidate hosting this master
+            ("" for a master started by hand).
     """
 
     instance: str
@@ -184,6 +204,8 @@ class MasterAdvert:
     auth: str
     port: int
     addresses: tuple[str, ...]
+    role: str = "master"
+    rank: str = ""
 
     def mismatch(self, run: str, tag: str, protocol: int = PROTOCOL_VERSION) -> str | None:
         """Why a peer looking for ``run`` with tag ``tag`` (``auth_tag`` of its
@@ -230,6 +252,12 @@ def read_advert(*, instance: str, text: bytes, port: int | None, addresses: Iter
     auth = fields.get("auth") or b""
     if len(auth) > _MAX_FIELD or not all(chr(byte) in "0123456789abcdef" for byte in auth):
         raise MalformedAdvert(f"auth={auth[:_MAX_FIELD]!r} is not a tag in lower-case hex")
+    role = (fields.get("role") or b"master").decode("ascii", "replace")
+    if role not in ROLES:
+        raise MalformedAdvert(f"role={role[:_MAX_FIELD]!r} is not one of {', '.join(ROLES)}")
+    rank = fields.get("rank") or b""
+    if len(rank) > _MAX_FIELD or not all(chr(byte) in "0123456789abcdef" for byte in rank):
+        raise MalformedAdvert(f"rank={rank[:_MAX_FIELD]!r} is not a key in lower-case hex")
     if not (isinstance(port, int) and 0 < port <= 65535):
         raise MalformedAdvert(f"port {port!r} is not a TCP port")
     hosts = tuple(addresses)
@@ -237,7 +265,7 @@ def read_advert(*, instance: str, text: bytes, port: int | None, addresses: Iter
         raise MalformedAdvert("it advertises no address")
     return MasterAdvert(
         instance=instance, run=run, protocol=int(proto), auth=auth.decode("ascii"), port=port,
-        addresses=hosts,
+        addresses=hosts, role=role, rank=rank.decode("ascii"),
     )
 
 
@@ -278,14 +306,23 @@ class Choice:
     others: tuple[tuple[MasterAdvert, str], ...]
 
 
+def master_order(advert: MasterAdvert) -> tuple[bool, str, str]:
+    """Sort key of the masters of one run, the one to join (and the one that stays in
+    a split brain, ``_core.election``) first: a master started by hand before elected
+    ones, elected ones by their host's rank key, ties by instance name."""
+    return (advert.rank != "", advert.rank, advert.instance)
+
+
 def choose(
     adverts: Iterable[MasterAdvert], run: str, tag: str, protocol: int = PROTOCOL_VERSION
 ) -> Choice:
-    """The master of ``run`` a peer with tag ``tag`` joins: of those whose run,
-    protocol and tag match, the one with the lowest instance name."""
+    """The master of ``run`` a peer with tag ``tag`` joins: of the masters whose run,
+    protocol and tag match, the first in ``master_order``. Candidates are no masters
+    and are left out."""
     matching: list[MasterAdvert] = []
     others: list[tuple[MasterAdvert, str]] = []
-    for advert in sorted(adverts, key=lambda advert: advert.instance):
+    masters = (advert for advert in adverts if advert.role == "master")
+    for advert in sorted(masters, key=master_order):
         reason = advert.mismatch(run, tag, protocol)
         if reason is None:
             matching.append(advert)

@@ -173,6 +173,8 @@ class MasterCore:
         content_digest: require a BLAKE2b-256 content digest beside the simplehash in
             every shared-state vote (announced in ``Welcome``; a vote without kicks its
             peer), and compare content by both.
+        first_peer_id: the id of the first peer to register (an elected master starts
+            at a random one: ``_core.election``).
     """
 
     def __init__(
@@ -189,6 +191,7 @@ class MasterCore:
         allowed_identities: frozenset[bytes] | None = None,
         content_digest: bool = False,
         recovery_window: float | None = None,
+        first_peer_id: int = 1,
     ) -> None:
         if not 0 < heartbeat_interval < liveness_timeout:
             raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
@@ -204,6 +207,7 @@ class MasterCore:
             on_leave=self._peer_left,
             allowed_identities=allowed_identities,
             content_digest=content_digest,
+            first_peer_id=first_peer_id,
         )
         self._book = RingBook()
         self._optimizer = Optimizer(

@@ -380,6 +380,7 @@ class PeerTable:
         on_leave: called with each peer removed (and why), after the registry forgot it.
         allowed_identities: the node identities that may register (None: any).
         content_digest: whether ``Welcome`` tells peers to vote content digests.
+        first_peer_id: the id the first peer to register gets.
     """
 
     def __init__(
@@ -390,7 +391,10 @@ class PeerTable:
         on_leave: Callable[[Peer, str], None],
         allowed_identities: frozenset[bytes] | None = None,
         content_digest: bool = False,
+        first_peer_id: int = 1,
     ) -> None:
+        if not 0 < first_peer_id < 1 << 47:
+            raise ValueError(f"first_peer_id must be in [1, 2**47), got {first_peer_id}")
         self._allowed = allowed_identities
         self._content_digest = content_digest
         self._heartbeat_interval = heartbeat_interval
@@ -398,7 +402,7 @@ class PeerTable:
         self._on_leave = on_leave
         self.conns: dict[int, Conn] = {}
         self.peers: dict[int, Peer] = {}  # by id, in registration order
-        self._next_peer_id = 1
+        self._next_peer_id = first_peer_id
         # Every id this master gave out or took back (a rejoined member's): none of them
         # can be claimed by a member coming back after a restart (``recovery``).
         self.known_ids: set[int] = set()

@@ -107,7 +107,7 @@ class _Connection:
 
 
 class _MasterServer:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, first_peer_id: int = 1) -> None:
         self.config = config
         self.credential = Credential.of(config)
         self.core = MasterCore(
@@ -121,6 +121,7 @@ class _MasterServer:
             stall_warning=config.stall_warning,
             allowed_identities=config.allowed_identities,
             content_digest=config.content_digest,
+            first_peer_id=first_peer_id,
         )
         # Bounded: a connection whose frames arrive faster than the core handles them
         # waits (and, through TCP, so does its sender), instead of burying the
@@ -349,6 +350,7 @@ async def serve_master(
     listeners: Sequence[trio.abc.Listener[Any]],
     *,
     config: Config | None = None,
+    first_peer_id: int = 1,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Run a master on ``listeners`` until cancelled.
@@ -356,9 +358,11 @@ async def serve_master(
     Args:
         listeners: any trio listeners yielding byte streams (TCP or in-memory).
         config: timers and limits; the master's liveness timers are imposed on peers.
+        first_peer_id: the id of the first peer to register (masters elected among
+            peers start at a random one, so that two never give out the same ids).
         task_status: started with the listeners' ``(host, port)`` addresses.
     """
-    server = _MasterServer(config or Config())
+    server = _MasterServer(config or Config(), first_peer_id=first_peer_id)
     async with trio.open_nursery() as nursery:
         server.nursery = nursery
         server.threads = threads_allowed()

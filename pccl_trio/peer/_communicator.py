@@ -28,8 +28,12 @@ connection).
 With ``discover=RUN`` instead of the master's address, ``connect()`` first browses the
 local network over mDNS for masters advertising the run (``transport.find_masters``,
 within ``Config.discovery_timeout``) and then goes on as if the address of the first
-had been given, trying the next address (at most ``MAX_DISCOVERED_TARGETS``) when one
-cannot be reached or fails the run-secret handshake.
+had been given, trying the next address (at most ``_election.MAX_TARGETS``) when one
+cannot be reached or fails the run-secret handshake. With ``host_master=True`` as
+well, the peer is a candidate to host the run's master: ``Elector`` (``_election``)
+stands, elects and hosts it in this communicator's nursery. Either way a ``Finder``
+keeps browsing for the run's masters while the communicator lives, so that a member
+that loses its master finds the one started or elected meanwhile.
 
 A member that loses its master does not fail: the session gets a master back
 (``_session``, ``Config.master_grace``), an all-reduce in flight becomes
@@ -45,6 +49,7 @@ registers with the master and takes part in the rounds that admit this peer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import TracebackType
@@ -53,7 +58,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._config import Config
-from .._core.discovery import check_run_name
+from .._core.identity import public_bytes
 from .._core.messages import (
     BenchmarkRequest,
     CollectiveCommence,
@@ -76,14 +81,11 @@ from .._types import (
     TopologyInfo,
 )
 from ..transport import (
-    ADVICE,
-    MISSING_ZEROCONF,
     Credential,
     FramedStream,
     Network,
     TcpNetwork,
     check_remote_host,
-    discovery_available,
     find_masters,
     listen_host,
     parse_address,
@@ -91,6 +93,7 @@ from ..transport import (
 from ._allreduce import AsyncReduceHandle
 from ._collectives import AllReduces, check_reduce_arguments
 from ._context import PeerContext
+from ._election import MAX_TARGETS, Elector, Finder, check_discover
 from ._lifecycle import Call, Lifecycle, Status
 from ._membership import Membership
 from ._optimize import TopologyOptimizer
@@ -105,9 +108,6 @@ log = logging.getLogger("pccl_trio.peer")
 
 _T = TypeVar("_T")
 
-#: Addresses of discovered masters tried at most, in order, before ``connect`` fails:
-#: each may cost ``Config.connect_timeout``.
-MAX_DISCOVERED_TARGETS = 8
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,7 +157,14 @@ class Communicator:
             ``Config.discovery_timeout``): one started ``--advertise RUN`` whose
             protocol version and run secret match this peer's. Needs the
             ``discovery`` extra (python-zeroconf), TCP, and a run secret (or
-            ``config.insecure``).
+            ``config.insecure``). A member that loses its master looks again: a master
+            elected or started meanwhile is found.
+        host_master: with ``discover``, this peer is a candidate to host the run's
+            master in its own process: if no master answers, the candidates elect one
+            of themselves (the lowest rank key, derived from the node identity, else
+            random), which serves the master in its communicator's nursery and
+            advertises it; when it dies, the survivors elect again and carry on
+            through master recovery (``Config.election_timeout``, ``_core.election``).
     """
 
     def __init__(
@@ -172,7 +179,13 @@ class Communicator:
         p2p_port: int = 0,
         advertised_host: str | None = None,
         discover: str | None = None,
+        host_master: bool = False,
     ) -> None:
+        if host_master and discover is None:
+            raise InvalidArgument(
+                "host_master=True elects a master among the peers that discover a run by "
+                "name: give discover='RUN' (and no master address)"
+            )
         if (master_address is None) == (discover is None):
             raise InvalidArgument(
                 "give either the master's address (Communicator('host:port')) or the name of "
@@ -202,7 +215,7 @@ class Communicator:
         config = (config or Config()).with_environment_secret()
         network = network if network is not None else TcpNetwork()
         if discover is not None:
-            self._check_discover(discover, config, network)
+            check_discover(discover, config, network)
         if isinstance(network, TcpNetwork):
             # Without a run secret a run stays on this machine unless told otherwise.
             secured, insecure = config.secret is not None, config.insecure
@@ -259,6 +272,23 @@ class Communicator:
         life.close_with(self._close_connections)
         life.describe_with(lambda: f"peer {session.peer_id}")
         session.standing = self._standing
+        self._finder: Finder | None = None
+        self._elector: Elector | None = None
+        if discover is not None:
+            finder = self._finder = Finder(
+                run=discover, config=config, directory=network.directory,  # type: ignore[attr-defined]
+                lifecycle=life, session=session,
+            )
+            if host_master:
+                elector = self._elector = Elector(
+                    finder=finder, config=config, network=network, lifecycle=life,
+                    session=session, host=p2p_host,
+                    identity=public_bytes(credential.identity)
+                    if credential is not None and credential.identity is not None else None,
+                )
+                session.on_away(elector.master_lost)
+            else:
+                session.on_away(finder.master_lost)
 
     # --- public API ----------------------------------------------------------------
 
@@ -290,6 +320,11 @@ class Communicator:
         if self._discover is not None:
             return self._session.address if self._discovered else ""
         return self._master_address
+
+    @property
+    def hosting_master(self) -> bool:
+        """Whether this peer's process hosts the run's master now (``host_master``)."""
+        return self._elector is not None and self._elector.hosting
 
     def statistics(self) -> CommunicatorStatistics:
         """What this peer currently knows and holds open."""
@@ -333,31 +368,56 @@ class Communicator:
         life.status = Status.CONNECTING
         try:
             with life.operation(Call.CONNECT):
-                if self._discover is not None:
+                await self._start_background()
+                if self._finder is not None:
+                    assert life.nursery is not None
+                    await life.nursery.start(self._finder.watch)
+                if self._finder is not None and self._elector is None:
                     masters = await find_masters(
-                        self._discover, secret=self._config.secret,
-                        seconds=self._config.discovery_timeout,
+                        self._finder.run, secret=self._config.secret,
+                        seconds=self._config.discovery_timeout, directory=self._finder.directory,
                     )
                     targets = [(host, master.port) for master in masters for host in master.addresses]
-                    self._session.retarget(targets[:MAX_DISCOVERED_TARGETS])
+                    self._session.retarget(targets[:MAX_TARGETS])
                     self._discovered = True
-                await self._start_background()
                 try:
                     port = await self._p2p.listen(self._p2p_host, self._p2p_port)
                 except OSError as exc:
                     raise InvalidArgument(
                         f"cannot listen for p2p connections on {self._p2p_host}:{self._p2p_port}: {exc}"
                     ) from exc
-                await self._session.open(
-                    peer_group=self._peer_group, p2p_port=port,
-                    advertised_host=self._advertised_host, pool_size=self._p2p.pool_size,
-                )
+                if self._elector is not None:
+                    await self._elector.stand()
+                    await self._elector.elect(functools.partial(self._open_session, port))
+                    self._discovered = True
+                else:
+                    await self._open_session(port)
                 await self._membership.join()
             life.status = Status.CONNECTED
             self._session.member = True  # from now on, losing the master is survivable
         except BaseException:
             await self._shutdown()
             raise
+
+    async def _open_session(
+        self, p2p_port: int, targets: Sequence[tuple[str, int]] | None = None
+    ) -> bool:
+        """Register with the master; given ``targets`` (an election probing for its
+        master), there, and whether one answered instead of raising."""
+        if targets is not None:
+            self._session.retarget(targets)
+        try:
+            await self._session.open(
+                peer_group=self._peer_group, p2p_port=p2p_port,
+                advertised_host=self._advertised_host, pool_size=self._p2p.pool_size,
+                probing=targets is not None,
+            )
+        except MasterConnectionError:
+            if targets is None:
+                raise
+            self._life.raise_if_failed()
+            return False
+        return True
 
     async def update_topology(self) -> None:
         """Collective vote: admit pending peers and rebuild the ring.
@@ -574,26 +634,6 @@ class Communicator:
             f"{self._life.status.name.lower()} master={master}>"
         )
 
-    @staticmethod
-    def _check_discover(run: str, config: Config, network: Network) -> None:
-        """Refuse ``discover=run`` where it cannot work."""
-        try:
-            check_run_name(run)
-        except ValueError as exc:
-            raise InvalidArgument(f"discover: {exc}") from None
-        if not isinstance(network, TcpNetwork):
-            raise InvalidArgument(
-                "discover= finds masters over mDNS on real networks; with another network "
-                f"({type(network).__name__}), give the master's address"
-            )
-        if config.secret is None and not config.insecure:
-            raise InvalidArgument(
-                f"discover={run!r} looks for a master on other hosts, which a peer without a "
-                f"run secret does not reach: {ADVICE}"
-            )
-        if not discovery_available():
-            raise InvalidArgument(f"discover={run!r}: {MISSING_ZEROCONF}")
-
     # --- lifecycle -------------------------------------------------------------------
 
     async def _start_background(self) -> None:
@@ -607,6 +647,7 @@ class Communicator:
                     await trio.sleep_forever()
             except Exception as exc:  # pragma: no cover - every task handles its own errors
                 log.exception("communicator background tasks crashed")
+                self._life.nursery = None  # closed: failing must not start tasks in it
                 self._life.fail(MasterConnectionError(f"internal error in the communicator: {exc!r}"))
             finally:
                 self._life.nursery = None

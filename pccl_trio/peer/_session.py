@@ -132,6 +132,7 @@ class MasterSession:
         self._inbox_lot = trio.lowlevel.ParkingLot()
         self._back_lot = trio.lowlevel.ParkingLot()
         self._routes: dict[type[Message], Callable[[Any], None]] = {}
+        self._away_hooks: list[Callable[[], None]] = []
         lifecycle.on_failure(self._inbox_lot.unpark_all)
         lifecycle.on_failure(self._back_lot.unpark_all)
 
@@ -152,6 +153,11 @@ class MasterSession:
             raise ValueError("a master session needs at least one address")
         self._addresses, self._at = list(addresses), 0
 
+    def on_away(self, hook: Callable[[], None]) -> None:
+        """Have ``hook`` called (it must not block) each time the master is lost and
+        the session sets out to get it back."""
+        self._away_hooks.append(hook)
+
     def route(self, kind: type[_M], apply: Callable[[_M], None]) -> None:
         """Have the reader call ``apply`` on every ``kind`` message as it arrives, before
         queueing it (``apply`` must not block)."""
@@ -160,10 +166,12 @@ class MasterSession:
     # --- connecting ----------------------------------------------------------------------
 
     async def open(
-        self, *, peer_group: int, p2p_port: int, advertised_host: str, pool_size: int
+        self, *, peer_group: int, p2p_port: int, advertised_host: str, pool_size: int,
+        probing: bool = False,
     ) -> None:
         """Connect to the first address that answers, register, and wait for the
-        master's ``Welcome``.
+        master's ``Welcome``. ``probing``: addresses that do not answer are expected
+        (an election looking for its master), and not worth a warning.
 
         Raises:
             MasterConnectionError: no master can be reached, or it went away.
@@ -176,11 +184,14 @@ class MasterSession:
         failures: list[MasterConnectionError] = []
         for index in range(len(self._addresses)):
             try:
-                link = await self._dial(index)
+                link = await self._dial(self._addresses[index])
             except MasterConnectionError as exc:
                 failures.append(exc)
                 if len(failures) < len(self._addresses):
-                    log.warning("%s; trying the next master address", exc)
+                    log.log(
+                        logging.DEBUG if probing else logging.WARNING,
+                        "%s; trying the next master address", exc,
+                    )
                 continue
             self._at = index
             break
@@ -198,13 +209,13 @@ class MasterSession:
         self._life.spawn(self._send_heartbeats)
         log.info("peer %d registered with the master at %s", self.peer_id, self.address)
 
-    async def _dial(self, index: int) -> FramedStream:
-        """A new link to address ``index``, its handshake done.
+    async def _dial(self, address: tuple[str, int]) -> FramedStream:
+        """A new link to ``address``, its handshake done.
 
         Raises:
             MasterConnectionError: nobody answers there, or not with this run's secret.
         """
-        host, port = self._addresses[index]
+        host, port = address
         where = format_address(host, port)
         try:
             with trio.fail_after(self._config.connect_timeout):
@@ -245,6 +256,19 @@ class MasterSession:
             ),
             channel=channel,
         )
+
+    async def probe(self, addresses: Sequence[tuple[str, int]]) -> bool:
+        """Whether a master of this run answers at one of ``addresses``: it completes
+        the run-secret handshake (and proves one of ``Config.master_identities``, if
+        given). Nothing is registered; the connection is closed at once."""
+        for address in addresses:
+            try:
+                link = await self._dial(address)
+            except MasterConnectionError:
+                continue
+            await link.aclose()
+            return True
+        return False
 
     def _install(self, link: FramedStream) -> None:
         """Make ``link`` the master link, read by a reader of its own."""
@@ -430,6 +454,8 @@ class MasterSession:
             "peer %s: %s; getting the master back (for up to %gs)", self.peer_id, error, grace
         )
         self._life.spawn(self._get_back, error)
+        for hook in self._away_hooks:
+            hook()
 
     async def _get_back(self, error: MasterConnectionError) -> None:
         """Dial the addresses in turn until a master takes this member back, or the
@@ -439,18 +465,22 @@ class MasterSession:
         deadline = lost_at + grace
         tried: list[str] = []
         while self._life.failure is None:
-            for step in range(len(self._addresses)):
-                index = (self._at + step) % len(self._addresses)
+            # A fresh list may come meanwhile (``retarget``): this round tries this one.
+            addresses, start = list(self._addresses), self._at
+            for step in range(len(addresses)):
+                index = (start + step) % len(addresses)
                 if trio.current_time() >= deadline:
                     break
-                outcome = await self._rejoin(index, deadline)
+                outcome = await self._rejoin(addresses[index], deadline)
                 if outcome is None:
-                    tried.append(format_address(*self._addresses[index]))
+                    tried.append(format_address(*addresses[index]))
                     continue
                 if isinstance(outcome, Kick):
                     self._life.fail(Kicked(outcome.reason))
                     return
-                self._at = index
+                if addresses[index] not in self._addresses:
+                    self._addresses.insert(0, addresses[index])
+                self._at = self._addresses.index(addresses[index])
                 self._welcomed(outcome)
                 self._away = False
                 self._back_lot.unpark_all()
@@ -463,15 +493,15 @@ class MasterSession:
             if remaining <= 0:
                 break
             await trio.sleep(min(self.heartbeat_interval, remaining))
-        addresses = ", ".join(dict.fromkeys(tried)) or self.address
+        where = ", ".join(dict.fromkeys(tried)) or self.address
         self._life.fail(MasterConnectionError(
             f"{error}; no master took this peer back within Config.master_grace ({grace:g}s) "
-            f"at {addresses}: restart the run's master (or give the peers a standby "
+            f"at {where}: restart the run's master (or give the peers a standby "
             "address) and connect again"
         ))
 
-    async def _rejoin(self, index: int, deadline: float) -> Welcome | Kick | None:
-        """Register at address ``index`` as the member this peer is; the master's answer
+    async def _rejoin(self, address: tuple[str, int], deadline: float) -> Welcome | Kick | None:
+        """Register at ``address`` as the member this peer is; the master's answer
         (the link installed on a ``Welcome``), or None if none came."""
         assert self._registration is not None and self.peer_id is not None
         standing = self.standing()
@@ -484,13 +514,13 @@ class MasterSession:
         link: FramedStream | None = None
         try:
             with trio.fail_at(min(deadline, trio.current_time() + self._config.connect_timeout)):
-                link = await self._dial(index)
+                link = await self._dial(address)
                 await link.send_message(register)
                 reply = await link.receive_message()
         except (MasterConnectionError, RemoteProtocolError, trio.TooSlowError,
                 trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.info("peer %s: no master back at %s yet (%s)", self.peer_id,
-                     format_address(*self._addresses[index]), exc or "timed out")
+                     format_address(*address), exc or "timed out")
             if link is not None:
                 await link.aclose()
             return None
@@ -500,7 +530,7 @@ class MasterSession:
         if not isinstance(reply, Welcome) or reply.peer_id != self.peer_id:
             await link.aclose()
             self._life.fail(MasterConnectionError(
-                f"the master at {format_address(*self._addresses[index])} answered this "
+                f"the master at {format_address(*address)} answered this "
                 f"peer's return as peer {self.peer_id} with {reply!r}"
             ))
             return None

@@ -7,6 +7,7 @@ Not imported by ``import pccl_trio``; import it explicitly::
 """
 
 from ..peer._seam import PeerSeam as PeerSeam
+from ._directory import MemoryDirectory as MemoryDirectory
 from ._memory import MemoryHost as MemoryHost
 from ._memory import MemoryListener as MemoryListener
 from ._memory import MemoryNetwork as MemoryNetwork

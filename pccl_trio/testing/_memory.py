@@ -45,6 +45,8 @@ import math
 
 import trio
 
+from ._directory import HostDirectory, MemoryDirectory
+
 __all__ = ["MemoryHost", "MemoryListener", "MemoryNetwork", "MemoryStream"]
 
 
@@ -277,14 +279,39 @@ class MemoryHost:
     async def connect(self, host: str, port: int) -> MemoryStream:
         return await self.network._connect(self.name, host, port)
 
+    @property
+    def directory(self) -> HostDirectory:
+        """Where masters are advertised and found, as seen from this host."""
+        return self.network.directory.view(self.name)
+
+    async def reserve(self, host: str, port: int = 0) -> _MemoryReservation:
+        """A port on this host for a listener to come; dials there are refused until
+        ``listen``."""
+        await trio.lowlevel.checkpoint()
+        return _MemoryReservation(self.network, self.name, port or next(self.network._ports))
+
     def __repr__(self) -> str:
         return f"<MemoryHost {self.name}>"
+
+
+class _MemoryReservation:
+    def __init__(self, network: MemoryNetwork, host: str, port: int) -> None:
+        self._network, self._host, self.port = network, host, port
+
+    async def listen(self) -> MemoryListener:
+        await trio.lowlevel.checkpoint()
+        return self._network._bind(self._host, self.port)
+
+    def close(self) -> None:
+        pass
 
 
 class MemoryNetwork:
     """A deterministic in-memory network of named hosts (see the module docstring)."""
 
     def __init__(self) -> None:
+        #: Where hosts advertise masters of runs and find them (``host.directory``).
+        self.directory = MemoryDirectory(self)
         self._listeners: dict[tuple[str, int], MemoryListener] = {}
         self._streams: set[MemoryStream] = set()
         self._dead: set[str] = set()
@@ -309,6 +336,10 @@ class MemoryNetwork:
             if stream.local_host == name:
                 stream._die()
                 self._streams.discard(stream)
+
+    def is_dead(self, name: str) -> bool:
+        """Whether host ``name`` was killed (and not brought back by ``host``)."""
+        return name in self._dead
 
     def partition(self, name: str) -> None:
         """Host ``name`` goes silent: traffic to and from it is dropped, no errors."""

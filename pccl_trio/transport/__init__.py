@@ -19,6 +19,7 @@ from ._framed import Connection as Connection
 from ._framed import FramedStream as FramedStream
 from ._network import InMemoryStream as InMemoryStream
 from ._network import Network as Network
+from ._network import Reservation as Reservation
 from ._network import TcpNetwork as TcpNetwork
 from ._network import comes_from as comes_from
 from ._network import format_address as format_address

@@ -29,13 +29,18 @@ blocks the calling thread. So no zeroconf call is ever made from the trio thread
 
 ``find_masters`` is what ``Communicator(discover=RUN)`` calls: the masters whose run,
 protocol and run-secret tag match, the one to join first (``_core.discovery.choose``:
-the lowest instance name) first, with a warning naming them when several match, and
+``_core.discovery.master_order``) first, with a warning naming them when several match, and
 ``MasterConnectionError`` saying what was seen when none does. The peer tries them
 in that order: the tag tells runs apart but proves nothing (anyone who sees an
 advertisement can copy it), so a copy that cannot complete the run-secret handshake
 costs one failed connection, not the join. ``list_masters`` returns every suitable
 master of a run, for callers that care about more than one (two masters of one run
 are a split brain).
+
+A ``Directory`` is where advertisements live: ``MDNS`` (the above) for real networks,
+the in-memory network's own for tests (``pccl_trio.testing``); a network names its
+directory (``network.directory``), and everything that advertises or browses takes
+it from there.
 """
 
 from __future__ import annotations
@@ -46,13 +51,14 @@ import functools
 import importlib.util
 import ipaddress
 import logging
+import math
 import queue
 import secrets
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -76,7 +82,10 @@ from ._exposure import ADVICE, is_loopback
 from ._threads import run_in_thread
 
 __all__ = [
+    "MDNS",
     "MISSING_ZEROCONF",
+    "Directory",
+    "MdnsDirectory",
     "advertise_master",
     "browse",
     "check_advertise",
@@ -229,52 +238,153 @@ def _unregister(registration: _Registration) -> None:
 
 @contextlib.asynccontextmanager
 async def advertise_master(
-    run: str, host: str, port: int, *, secret: bytes | None, insecure: bool = False
+    run: str, host: str, port: int, *, secret: bytes | None, insecure: bool = False,
+    directory: Directory | None = None, role: str = "master", rank: str = "",
 ) -> AsyncIterator[MasterAdvert]:
-    """Advertise the master listening on ``host:port`` as a master of ``run`` while the
-    block runs; yields what it advertises. On leaving the block (cancelled too), the
-    advertisement is withdrawn: other hosts' caches drop it at once.
+    """Advertise the master listening on ``host:port`` as a master of ``run`` (or, with
+    ``role="candidate"``, a peer that may host one there) while the block runs; yields
+    what it advertises. On leaving the block (cancelled too), the advertisement is
+    withdrawn: other hosts' caches drop it at once.
 
     Raises:
         ValueError: ``check_advertise`` refuses, or a wildcard ``host`` on a host with
             no other address than loopback.
         OSError: zeroconf could not open its sockets.
     """
-    check_advertise(run, host, secured=secret is not None, insecure=insecure)
-    addresses = tuple(await trio.to_thread.run_sync(interface_addresses, host))
+    directory = directory or MDNS
+    if directory is MDNS:
+        check_advertise(run, host, secured=secret is not None, insecure=insecure)
+    addresses = await directory.addresses(host)
     if not addresses:
         raise ValueError(
             f"cannot advertise run {run!r}: this host has no address but loopback to advertise"
         )
     advert = MasterAdvert(
         instance=instance_name(run, secrets.token_hex(4)), run=run, protocol=PROTOCOL_VERSION,
-        auth=auth_tag(secret, run), port=port, addresses=addresses,
+        auth=auth_tag(secret, run), port=port, addresses=addresses, role=role, rank=rank,
     )
-    text = build_txt(run, protocol=advert.protocol, tag=advert.auth)
-    registered: list[_Registration] = []
-    try:
-        # Not abandoned when cancelled: the thread finishes, so what it registered is
-        # withdrawn below.
-        await trio.to_thread.run_sync(lambda: registered.append(_register(advert, text, host)))
-    except BaseException:
-        if registered:
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(_unregister, registered[0])
-        raise
-    registration = registered[0]
-    log.info(
-        "advertising run %r as %s on %s, port %d", run, advert.instance, ", ".join(addresses), port
-    )
-    try:
+    async with directory.advertise(advert, host):
         yield advert
-    finally:
-        with trio.CancelScope(shield=True):
+
+
+class Directory(Protocol):
+    """Where masters (and candidates) of runs are advertised and found: the local
+    network's mDNS (``MDNS``), or a test network's own."""
+
+    async def addresses(self, host: str) -> tuple[str, ...]:
+        """The addresses a listener on ``host`` is reached at from other hosts."""
+
+    def advertise(self, advert: MasterAdvert, host: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Advertise ``advert`` (listening on ``host``) while the block runs."""
+
+    async def browse(
+        self, seconds: float, wanted: Callable[[MasterAdvert], bool] | None = None
+    ) -> Seen:
+        """The advertisements seen within ``seconds`` (see ``browse``)."""
+
+    def watching(self) -> contextlib.AbstractAsyncContextManager[Directory]:
+        """This directory, kept browsing while the block runs (cheaper, and surer to
+        hear every advertisement, for callers that look again and again)."""
+
+
+class MdnsDirectory:
+    """The local network's mDNS/DNS-SD, through python-zeroconf (see the module
+    docstring)."""
+
+    async def addresses(self, host: str) -> tuple[str, ...]:
+        return tuple(await trio.to_thread.run_sync(interface_addresses, host))
+
+    @contextlib.asynccontextmanager
+    async def advertise(self, advert: MasterAdvert, host: str) -> AsyncIterator[None]:
+        text = build_txt(
+            advert.run, protocol=advert.protocol, tag=advert.auth, role=advert.role,
+            rank=advert.rank,
+        )
+        registered: list[_Registration] = []
+        try:
+            # Not abandoned when cancelled: the thread finishes, so what it registered
+            # is withdrawn below.
+            await trio.to_thread.run_sync(lambda: registered.append(_register(advert, text, host)))
+        except BaseException:
+            if registered:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(_unregister, registered[0])
+            raise
+        registration = registered[0]
+        what = "a candidate of run" if advert.role == "candidate" else "run"
+        log.info(
+            "advertising %s %r as %s on %s, port %d", what, advert.run, advert.instance,
+            ", ".join(advert.addresses), advert.port,
+        )
+        try:
+            yield
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await trio.to_thread.run_sync(_unregister, registration)
+                except Exception as exc:  # the master is going away anyway
+                    log.warning("withdrawing the advertisement of run %r (%s) failed: %s",
+                                advert.run, advert.instance, exc)
+                else:
+                    log.info("withdrew the advertisement of run %r (%s)", advert.run, advert.instance)
+
+    async def browse(
+        self, seconds: float, wanted: Callable[[MasterAdvert], bool] | None = None
+    ) -> Seen:
+        return await browse(seconds, wanted)
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[Directory]:
+        """A directory whose browses read one browse kept running while the block
+        runs (``Watching``)."""
+        seen, stop = Seen(), threading.Event()
+        work = functools.partial(_browse, math.inf, None, stop, seen)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(functools.partial(run_in_thread, work, interrupt=stop.set))
             try:
-                await trio.to_thread.run_sync(_unregister, registration)
-            except Exception as exc:  # the master is going away anyway
-                log.warning("withdrawing the advertisement of run %r failed: %s", run, exc)
-            else:
-                log.info("withdrew the advertisement of run %r (%s)", run, advert.instance)
+                yield Watching(self, seen)
+            finally:
+                stop.set()  # the thread returns within RESOLVE_SECONDS
+
+
+class Watching:
+    """The local network's directory, browsed all along (``MdnsDirectory.watching``).
+
+    mDNS responders multicast a record at most once a second, and a browse that starts
+    just after another host's answer misses it; a browse kept running hears every
+    answer and goodbye as it goes, and a look is a read of what it heard (waiting for
+    up to ``seconds`` for something ``wanted``, then ``SETTLE_SECONDS`` for more)."""
+
+    def __init__(self, directory: MdnsDirectory, seen: Seen) -> None:
+        self._directory = directory
+        self._seen = seen
+
+    async def addresses(self, host: str) -> tuple[str, ...]:
+        return await self._directory.addresses(host)
+
+    def advertise(self, advert: MasterAdvert, host: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return self._directory.advertise(advert, host)
+
+    async def browse(
+        self, seconds: float, wanted: Callable[[MasterAdvert], bool] | None = None
+    ) -> Seen:
+        deadline = trio.current_time() + seconds
+        while True:
+            seen = self._seen.copy()
+            if wanted is not None and any(wanted(advert) for advert in seen.adverts.values()):
+                deadline = min(deadline, trio.current_time() + SETTLE_SECONDS)
+                wanted = None
+            if trio.current_time() >= deadline:
+                return seen
+            await trio.sleep(_POLL_SECONDS)
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[Directory]:
+        yield self
+
+
+#: The local network's directory.
+MDNS = MdnsDirectory()
 
 
 # --- browsing -------------------------------------------------------------------------
@@ -283,19 +393,26 @@ async def advertise_master(
 @dataclasses.dataclass
 class Seen:
     """What a browse saw: the advertisements read, by instance name, and how many
-    could not be read."""
+    could not be read (filled in by the browsing thread, under ``lock``)."""
 
     adverts: dict[str, MasterAdvert] = dataclasses.field(default_factory=dict)
     unreadable: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def copy(self) -> Seen:
+        with self.lock:
+            return Seen(adverts=dict(self.adverts), unreadable=self.unreadable)
 
 
 def _browse(
-    seconds: float, wanted: Callable[[MasterAdvert], bool] | None, stop: threading.Event
+    seconds: float, wanted: Callable[[MasterAdvert], bool] | None, stop: threading.Event,
+    seen: Seen | None = None,
 ) -> Seen:
     """Browse for ``seconds``, or until ``SETTLE_SECONDS`` after the first advertisement
-    ``wanted`` accepts, or until ``stop`` is set (blocking; see the module docstring)."""
+    ``wanted`` accepts, or until ``stop`` is set (blocking; see the module docstring),
+    keeping what it sees in ``seen`` as it goes."""
     zc_module = _zeroconf()
-    seen = Seen()
+    seen = seen if seen is not None else Seen()
     unreadable: set[str] = set()
     end = time.monotonic() + seconds
     networks = _local_networks()
@@ -318,8 +435,10 @@ def _browse(
                 except queue.Empty:
                     continue
                 if change is state.Removed:
-                    seen.adverts.pop(name, None)
-                    unreadable.discard(name)
+                    with seen.lock:
+                        seen.adverts.pop(name, None)
+                        unreadable.discard(name)
+                        seen.unreadable = len(unreadable)
                     continue
                 if name not in seen.adverts and len(seen.adverts) + len(unreadable) >= MAX_ADVERTS:
                     log.debug("ignoring the advertisement %r: %d seen already", name, MAX_ADVERTS)
@@ -336,18 +455,21 @@ def _browse(
                 except Exception as exc:  # hostile input never ends a browse
                     log.debug("ignoring the advertisement %r: %s", name, exc,
                               exc_info=not isinstance(exc, MalformedAdvert))
-                    seen.adverts.pop(name, None)
-                    unreadable.add(name)
+                    with seen.lock:
+                        seen.adverts.pop(name, None)
+                        unreadable.add(name)
+                        seen.unreadable = len(unreadable)
                     continue
-                unreadable.discard(name)
-                seen.adverts[name] = advert
+                with seen.lock:
+                    unreadable.discard(name)
+                    seen.adverts[name] = advert
+                    seen.unreadable = len(unreadable)
                 if wanted is not None and wanted(advert):
                     end = min(end, time.monotonic() + SETTLE_SECONDS)
         finally:
             browser.cancel()
     finally:
         zc.close()
-    seen.unreadable = len(unreadable)
     return seen
 
 
@@ -383,9 +505,11 @@ async def browse(seconds: float, wanted: Callable[[MasterAdvert], bool] | None =
     return await run_in_thread(functools.partial(_browse, seconds, wanted, stop), interrupt=stop.set)
 
 
-async def find_masters(run: str, *, secret: bytes | None, seconds: float) -> tuple[MasterAdvert, ...]:
+async def find_masters(
+    run: str, *, secret: bytes | None, seconds: float, directory: Directory | None = None
+) -> tuple[MasterAdvert, ...]:
     """The masters a peer holding ``secret`` may join to take part in ``run``, the one
-    to join first (lowest instance name) first: a master's advertisement can be copied
+    to join first (``master_order``) first: a master's advertisement can be copied
     by anyone on the network, so the peer goes on to the next when one fails the
     run-secret handshake.
 
@@ -396,7 +520,9 @@ async def find_masters(run: str, *, secret: bytes | None, seconds: float) -> tup
     tag = auth_tag(secret, run)
     started = time.monotonic()
     try:
-        seen = await browse(seconds, lambda advert: advert.mismatch(run, tag) is None)
+        seen = await (directory or MDNS).browse(
+            seconds, lambda advert: advert.role == "master" and advert.mismatch(run, tag) is None
+        )
     except OSError as exc:
         raise MasterConnectionError(
             f"cannot look for the master of run {run!r}: mDNS failed ({exc}); give the "
@@ -414,7 +540,8 @@ async def find_masters(run: str, *, secret: bytes | None, seconds: float) -> tup
     if len(choice.matching) > 1:
         log.warning(
             "%d masters advertise run %r with this peer's run secret: %s; trying them in this "
-            "order (by instance name). A run should have one master: stop the others",
+            "order. A run should have one master: stop the others (elected masters step down by "
+            "themselves)",
             len(choice.matching), run,
             ", ".join(f"{advert.instance} at {advert.address}" for advert in choice.matching),
         )
@@ -427,7 +554,7 @@ async def find_masters(run: str, *, secret: bytes | None, seconds: float) -> tup
 
 async def list_masters(run: str, *, config: Config | None = None) -> list[MasterAdvert]:
     """Every master advertising ``run`` that a peer with ``config``'s run secret (or
-    ``$PCCL_TRIO_RUN_SECRET``) could join, by instance name: what
+    ``$PCCL_TRIO_RUN_SECRET``) could join, in ``master_order``: what
     ``Communicator(discover=run)`` chooses from. It listens for the whole
     ``config.discovery_timeout``, to find them all; more than one means the run has
     several masters.

@@ -22,6 +22,7 @@ import trio
 __all__ = [
     "InMemoryListener",
     "InMemoryStream",
+    "Reservation",
     "Network",
     "TcpNetwork",
     "comes_from",
@@ -80,6 +81,27 @@ def _tune(sock: trio.socket.SocketType) -> None:
 class TcpNetwork:
     """Real TCP through trio's socket layer (Nagle off, large buffers)."""
 
+    @property
+    def directory(self) -> Any:
+        """Where masters are advertised and found: the local network's mDNS."""
+        from ._discovery import MDNS
+
+        return MDNS
+
+    async def reserve(self, host: str, port: int = 0) -> Reservation:
+        """A port on ``host`` bound for a listener to come: until ``listen``, a dial
+        there is refused at once."""
+        sock = trio.socket.socket(
+            trio.socket.AF_INET6 if ":" in host else trio.socket.AF_INET, trio.socket.SOCK_STREAM
+        )
+        try:
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+            await sock.bind((host or "0.0.0.0", port))
+        except BaseException:
+            sock.close()
+            raise
+        return _TcpReservation(sock)
+
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
         stream = await trio.open_tcp_stream(host, port)
         _tune(stream.socket)
@@ -91,6 +113,37 @@ class TcpNetwork:
         for extra in listeners[1:]:
             await extra.aclose()
         return _TunedListener(listeners[0])
+
+
+class Reservation(Protocol):
+    """A port bound for a listener to come (``reserve``)."""
+
+    port: int
+
+    async def listen(self) -> trio.abc.Listener[Any]:
+        """Start listening on the reserved port (once)."""
+
+    def close(self) -> None:
+        """Give the port back unless listening."""
+
+
+class _TcpReservation:
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self._socket: trio.socket.SocketType | None = sock
+        self.port = int(sock.getsockname()[1])
+
+    async def listen(self) -> trio.abc.Listener[Any]:
+        sock, self._socket = self._socket, None
+        if sock is None:
+            raise trio.ClosedResourceError("the reservation was used or closed")
+        sock.listen(128)
+        await trio.lowlevel.checkpoint()
+        return _TunedListener(trio.SocketListener(sock))
+
+    def close(self) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
 
 
 class _TunedListener(trio.abc.Listener[trio.SocketStream]):

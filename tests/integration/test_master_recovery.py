@@ -111,11 +111,16 @@ class Progress:
         return cls(steps=[0] * peers, syncs=[[] for _ in range(peers)], stepped=trio.Event())
 
 
-async def train(comms: list[pccl.Communicator], progress: Progress) -> list[pccl.SharedState]:
-    """Every peer trains ``STEPS`` steps, reporting to ``progress``."""
+async def train(
+    comms: list[pccl.Communicator], progress: Progress, *, doomed: int | None = None
+) -> list[pccl.SharedState]:
+    """Every peer trains ``STEPS`` steps, reporting to ``progress``; peer ``doomed``
+    trains along until its process is killed (its communicator fails), and is left
+    out of ``progress``, whose peers are the others in order."""
     states = [
         pccl.SharedState([pccl.TensorInfo("w", np.zeros(50_000, np.float32))]) for _ in comms
     ]
+    counted = [i for i in range(len(comms)) if i != doomed]
 
     async def peer(i: int) -> None:
         comm, state = comms[i], states[i]
@@ -131,16 +136,25 @@ async def train(comms: list[pccl.Communicator], progress: Progress) -> list[pccl
             weights -= 0.001 * grads
             state.revision += 1
             info = await comm.sync_shared_state(state)
+            if i == doomed:
+                continue
+            at = counted.index(i)
             if step:
-                progress.syncs[i].append(info.rx_bytes)
-            progress.steps[i] += 1
+                progress.syncs[at].append(info.rx_bytes)
+            progress.steps[at] += 1
             if min(progress.steps) >= KILL_AFTER:
                 progress.stepped.set()
 
+    async def doomed_peer(i: int) -> None:
+        try:
+            await peer(i)
+        except (pccl.PCCLError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # killed
+
     async with trio.open_nursery() as nursery:
         for i in range(len(comms)):
-            nursery.start_soon(peer, i)
-    return states
+            nursery.start_soon(doomed_peer if i == doomed else peer, i)
+    return [states[i] for i in counted]
 
 
 async def kill_once_stepped(progress: Progress, scope: trio.CancelScope) -> None:

@@ -3,16 +3,21 @@ three peer processes train (all-reduce and shared-state sync every step); the ma
 process is SIGKILLed mid-run and restarted at the same address 2 s later, or a standby
 in the peers' address list takes over. No peer exits, the revisions go on without a
 gap, no sync moves a byte, every all-reduce is exact and the weights stay
-bit-identical: the benchmark checks all of it and exits 1 otherwise."""
+bit-identical: the benchmark checks all of it and exits 1 otherwise. And with no
+master at all: peers in network namespaces elect one of themselves to host it, and
+elect again when its process is SIGKILLed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import trio
+
+from .conftest import namespaces_work
 
 pytestmark = pytest.mark.process
 
@@ -34,3 +39,24 @@ async def test_restart_and_standby_keep_the_run_going(tmp_path: Path) -> None:
     # once the new master was up.
     assert len(figures["restart"]["samples"]) == len(figures["standby"]["samples"]) == 3
     assert min(figures["restart"]["samples"]) >= figures["restart_delay"]
+
+
+@pytest.mark.skipif(
+    not namespaces_work(tc=False) or importlib.util.find_spec("zeroconf") is None,
+    reason="needs root, iproute2's ip (network namespaces) and python-zeroconf",
+)
+async def test_peers_elect_a_master_and_elect_again_when_its_host_dies(tmp_path: Path) -> None:
+    """Three peer processes in namespaces of their own, given only the run's name: they
+    elect one to host the master; SIGKILLing it (master and peer) leaves two survivors
+    that elect again and go on, with every check of the restart case."""
+    summary = tmp_path / "elect.json"
+    with trio.fail_after(240):
+        result = await trio.run_process(
+            [sys.executable, str(FAILOVER), "--cases", "elect", "--repeats", "1",
+             "--steps-before", "5", "--steps-after", "5", "--json", str(summary)],
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+    output = result.stdout.decode() + result.stderr.decode()
+    assert result.returncode == 0, output
+    figures = json.loads(summary.read_text())
+    assert len(figures["elect"]["samples"]) == 2  # both survivors stepped again

@@ -20,7 +20,6 @@ import pccl_trio as pccl
 from pccl_trio import _cli
 from pccl_trio._core.discovery import MalformedAdvert, auth_tag, build_txt
 from pccl_trio._core.messages import PROTOCOL_VERSION
-from pccl_trio.testing import MemoryNetwork
 from pccl_trio.transport import _discovery
 from pccl_trio.transport._discovery import advert_of, browse, check_advertise
 
@@ -45,6 +44,16 @@ def zeroconf_threads() -> list[str]:
 # --- what is refused ------------------------------------------------------------------------
 
 
+class NoDirectory:
+    """A network that advertises nothing (``connect``/``listen`` only)."""
+
+    async def connect(self, host: str, port: int) -> Any:
+        raise OSError("unused")
+
+    async def listen(self, host: str, port: int) -> Any:
+        raise OSError("unused")
+
+
 @pytest.mark.parametrize(
     ("make", "says"),
     [
@@ -55,8 +64,9 @@ def zeroconf_threads() -> list[str]:
         (lambda: pccl.Communicator(discover="x" * 64, config=pccl.Config(run_secret=SECRET)),
          "at most 63 fit in a DNS label"),
         (lambda: pccl.Communicator(discover="r", config=pccl.Config(run_secret=SECRET),
-                                   network=MemoryNetwork().host("peer")),
-         "give the master's address"),
+                                   network=NoDirectory()),
+         "NoDirectory has no directory: give the master's address"),
+        (lambda: pccl.Communicator("127.0.0.1:1", host_master=True), "give discover='RUN'"),
         (lambda: pccl.Communicator(discover="r"), "peer without a run secret does not reach"),
     ],
 )
@@ -69,9 +79,9 @@ def test_the_communicator_refuses_discovery_that_cannot_work(
 
 
 def test_without_zeroconf_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from pccl_trio.peer import _communicator
+    from pccl_trio.peer import _election
 
-    monkeypatch.setattr(_communicator, "discovery_available", lambda: False)
+    monkeypatch.setattr(_election, "discovery_available", lambda: False)
     with pytest.raises(pccl.InvalidArgument, match=r"pip install 'pccl_trio\[discovery\]'"):
         pccl.Communicator(discover="r", config=pccl.Config(run_secret=SECRET))
     monkeypatch.setattr(_discovery, "discovery_available", lambda: False)
