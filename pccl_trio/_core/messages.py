@@ -120,7 +120,7 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
@@ -189,6 +189,8 @@ class Register(Message):
     high_water: int = 0  # the highest round, attempt, sync or optimization number it saw
     predecessor_identity: bytes = b""  # the node identities the master named for them
     successor_identity: bytes = b""
+    # Its connections from its predecessor broke with the master: that peer is gone.
+    predecessor_gone: bool = False
 
     def _validate(self) -> None:
         check_pool_size(self.pool_size, "Register.pool_size")
@@ -196,11 +198,13 @@ class Register(Message):
         check_identity(self.successor_identity, "Register.successor_identity")
         if not self.rejoin and (
             self.predecessor or self.successor or self.next_revision or self.high_water
-            or self.predecessor_identity or self.successor_identity
+            or self.predecessor_identity or self.successor_identity or self.predecessor_gone
         ):
             raise RemoteProtocolError(
                 "Register: ring neighbours, revision or numbers without a peer id to rejoin as"
             )
+        if self.predecessor_gone and not self.predecessor:
+            raise RemoteProtocolError("Register: predecessor_gone without a predecessor")
         for name in ("rejoin", "predecessor", "successor", "next_revision", "high_water"):
             # A master continues its numbers above these: keep them far from overflowing.
             if getattr(self, name) > MAX_RUN_NUMBER:

@@ -21,7 +21,12 @@ number it has seen (``high_water``). A master, fresh or not, judges such a claim
 3. **Rings.** Each member names its predecessor and successor. A group's ring is the
    cycle those links form; once every peer on the cycle is back, it is installed as
    the group's ring with no round (the p2p connections outlived the master) and the
-   group's expected revision is restored (the highest any member reports).
+   group's expected revision is restored (the highest any member reports). A member
+   whose connections from its predecessor broke reports that peer gone
+   (``predecessor_gone``: it died, typically with the master, in the same process
+   when the master was elected among the peers); once every peer of the ring is back
+   or reported gone, the group stops waiting for the gone ones, as if the window
+   had ended.
 4. **Recovering.** From the first member of a group that comes back until its ring is
    complete, or ``window`` seconds later, the group is *recovering*, and the master
    decides no consensus at all (``holding``): a round or vote decided now would leave
@@ -62,6 +67,7 @@ class _Group:
     successor: dict[int, int] = dataclasses.field(default_factory=dict)
     contradicted: bool = False
     next_revision: int = 0
+    gone: set[int] = dataclasses.field(default_factory=set)  # reported dead by a neighbour
 
     def link(self, before: int, after: int) -> None:
         """``after`` follows ``before`` in the ring, as a member reports."""
@@ -145,6 +151,8 @@ class Recovery:
             group.link(peer_id, message.successor)
         if message.predecessor:
             group.link(message.predecessor, peer_id)
+            if message.predecessor_gone:
+                group.gone.add(message.predecessor)
         group.next_revision = max(group.next_revision, message.next_revision)
         table.reserve_ids(max(peer_id, message.predecessor, message.successor))
         for neighbour, named in (
@@ -215,7 +223,10 @@ class Recovery:
         else:
             ring = group.cycle(start)
         complete = ring is not None and set(ring) <= group.back and not group.contradicted
-        if not (complete or timed_out):
+        # Every peer of the ring is back or reported gone: nobody left to wait for.
+        named = set(group.successor) | set(group.successor.values())
+        abandoned = bool(group.gone - group.back) and named <= group.back | group.gone
+        if not (complete or timed_out or abandoned):
             return False
         del self._groups[group_id]
         if group.next_revision:

@@ -508,16 +508,24 @@ class Communicator:
                          self._session.peer_id, exc)
                 await self._session.until_back()
 
-    def _standing(self) -> Standing:
+    async def _standing(self) -> Standing:
         """What this member tells a master it comes back to."""
         around = neighbours(self._membership.ring, self._session.peer_id or 0)
         predecessor, successor = around if around is not None else (0, 0)
         named = self._membership.neighbour_identities
+        _tx, rx = self._p2p.counts()
+        # Its connections from the predecessor broke (which an aborted all-reduce does
+        # too) and its listener refuses connections: that process is gone. A
+        # successor's death would only show once something is sent: not reported.
+        gone = predecessor != 0 and rx.get(predecessor) == 0 and await self._p2p.refuses(
+            predecessor, min(1.0, self._config.connect_timeout)
+        )
         return Standing(
             predecessor=predecessor, successor=successor,
             next_revision=self._sync.next_revision,
             predecessor_identity=named.get(predecessor, b""),
             successor_identity=named.get(successor, b""),
+            predecessor_gone=gone,
         )
 
     async def all_reduce(

@@ -424,6 +424,21 @@ class P2PConnections:
             channel=channel,
         )
 
+    async def refuses(self, peer_id: int, seconds: float) -> bool:
+        """Whether the p2p listener of ring predecessor ``peer_id`` (where the master
+        last named it) refuses connections: its process is gone. One that does not
+        answer within ``seconds`` (a partition, a machine gone) is not taken as gone."""
+        endpoint = self._expected_senders.get(peer_id)
+        if endpoint is None:
+            return False
+        with trio.move_on_after(seconds):
+            try:
+                stream = await self._network.connect(endpoint.host, endpoint.port)
+            except OSError:
+                return True
+            await trio.aclose_forcefully(stream)
+        return False
+
     async def connect(self, endpoint: PeerEndpoint, purpose: Purpose) -> FramedStream:
         """A new connection to ``endpoint``'s p2p listener, for ``purpose`` (the caller
         sends the first frame and closes it).

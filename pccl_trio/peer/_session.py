@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import trio
@@ -90,6 +90,12 @@ class Standing:
     next_revision: int = 0  # the shared-state revision its group expects next (0: unknown)
     predecessor_identity: bytes = b""  # the node identities the master named for them
     successor_identity: bytes = b""
+    predecessor_gone: bool = False  # its connections from the predecessor broke
+
+
+async def _no_standing() -> Standing:
+    await trio.lowlevel.checkpoint()
+    return Standing()
 
 
 class MasterSession:
@@ -122,7 +128,7 @@ class MasterSession:
         #: gets its master back.
         self.member = False
         #: What this member would tell a master it comes back to (set by the communicator).
-        self.standing: Callable[[], Standing] = Standing
+        self.standing: Callable[[], Awaitable[Standing]] = _no_standing
         self._link: FramedStream | None = None
         self._epoch = 0  # links lost so far: a reader or call of an older link is stale
         self._away = False
@@ -504,12 +510,13 @@ class MasterSession:
         """Register at ``address`` as the member this peer is; the master's answer
         (the link installed on a ``Welcome``), or None if none came."""
         assert self._registration is not None and self.peer_id is not None
-        standing = self.standing()
+        standing = await self.standing()
         register = dataclasses.replace(
             self._registration, rejoin=self.peer_id, predecessor=standing.predecessor,
             successor=standing.successor, next_revision=standing.next_revision,
             high_water=self._high_water, predecessor_identity=standing.predecessor_identity,
             successor_identity=standing.successor_identity,
+            predecessor_gone=standing.predecessor_gone,
         )
         link: FramedStream | None = None
         try:

@@ -29,7 +29,7 @@ RING = (4, 7, 9)  # the ring the old master had installed
 
 def come_back(
     master: MasterHarness, conn: int, peer_id: int, ring: tuple[int, ...] = RING, *,
-    group: int = 0, next_revision: int = 0, high_water: int = 0,
+    group: int = 0, next_revision: int = 0, high_water: int = 0, predecessor_gone: bool = False,
 ) -> None:
     """Peer ``peer_id`` of ``ring`` registers on ``conn`` as the member it was."""
     at = ring.index(peer_id)
@@ -39,7 +39,7 @@ def come_back(
         rejoin=peer_id,
         predecessor=ring[at - 1] if len(ring) > 1 else 0,
         successor=ring[(at + 1) % len(ring)] if len(ring) > 1 else 0,
-        next_revision=next_revision, high_water=high_water,
+        next_revision=next_revision, high_water=high_water, predecessor_gone=predecessor_gone,
     ))
 
 
@@ -119,6 +119,24 @@ def test_members_missing_after_the_window_are_gone_and_cannot_come_back() -> Non
     assert master.last(1, P2PEstablishResult).success
     # Peer 9 turns up late: the run went on without it.
     come_back(master, 3, 9)
+    assert "was removed from the run" in (master.kick_reason(3) or "")
+
+
+def test_a_peer_reported_gone_by_its_successor_is_not_waited_for() -> None:
+    """Peer 9 died with the master (it hosted it): its successor 4 saw its connections
+    break and says so; once 7 is back too, nobody is left to wait for."""
+    master = MasterHarness()
+    come_back(master, 1, 4, predecessor_gone=True)
+    master.initiate(1, tag=0)
+    assert not master.received(1, CollectiveVerdict)  # 7 is still on its way
+    come_back(master, 2, 7)
+    master.initiate(2, tag=0)
+    # No window to wait out: the ring lost 9, the all-reduce is aborted at once.
+    assert master.last(1, CollectiveVerdict).outcome == Outcome.ABORTED
+    master.vote(1)
+    master.vote(2)
+    assert master.last(1, P2PInfo).ring == (4, 7)
+    come_back(master, 3, 9)  # it was not dead after all: too late
     assert "was removed from the run" in (master.kick_reason(3) or "")
 
 

@@ -122,6 +122,10 @@ INVALID_RECORDS: list[tuple[type[Any], dict[str, Any], str]] = [
      "Register: ring neighbours, revision or numbers without a peer id to rejoin as"),
     (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1, "rejoin": 3,
                 "high_water": (1 << 48) + 1}, "Register.high_water: .* exceeds 2\\*\\*48"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1, "rejoin": 3,
+                "predecessor_gone": True}, "predecessor_gone without a predecessor"),
+    (Register, {"protocol_version": 1, "peer_group": 0, "p2p_port": 1, "predecessor_gone": True},
+     "Register: ring neighbours, revision or numbers without a peer id to rejoin as"),
     (PeerEndpoint, {"peer_id": 1, "host": "h", "port": 0}, "PeerEndpoint.port"),
     (PeerEndpoint, {"peer_id": 1, "host": "h", "port": 1, "pool_size": 0},
      "PeerEndpoint.pool_size"),
@@ -261,11 +265,11 @@ def test_message_kinds_is_read_only() -> None:
 
 INVALID_WIRE: list[tuple[type[Message], Any, str]] = [
     # wrong field count or shape
-    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 12 fields, got 11"),
-    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 12 fields, got 13"),
+    (Register, wire_fields(SAMPLES[Register])[:-1], "Register: expected 13 fields, got 12"),
+    (Register, [*wire_fields(SAMPLES[Register]), 0], "Register: expected 13 fields, got 14"),
     # Maps are refused by msgpack itself, before any object is built.
     (Register, {"protocol_version": 1}, "Register: undecodable payload .*max_map_len"),
-    (Register, 5, "Register: expected 12 fields, got int"),
+    (Register, 5, "Register: expected 13 fields, got int"),
     (Heartbeat, [1], "Heartbeat: expected 0 fields, got 1"),
     (VoteEstablish, None, "VoteEstablish: expected 1 fields, got NoneType"),
     # wrong types and ranges
@@ -477,12 +481,13 @@ def registrations() -> st.SearchStrategy[Register]:
     """A new peer's registration, or a member's coming back (its fields only then)."""
     def build(
         fields: dict[str, Any], rejoin: int, back: tuple[int, int, int, int],
-        keys: tuple[bytes, bytes],
+        keys: tuple[bytes, bytes], gone: bool,
     ) -> Register:
         if rejoin:
             fields.update(zip(("predecessor", "successor", "next_revision", "high_water"),
                               back, strict=True))
-            fields.update(predecessor_identity=keys[0], successor_identity=keys[1])
+            fields.update(predecessor_identity=keys[0], successor_identity=keys[1],
+                          predecessor_gone=gone and back[0] != 0)
         return Register(**fields, rejoin=rejoin)
 
     return st.builds(
@@ -497,6 +502,7 @@ def registrations() -> st.SearchStrategy[Register]:
         st.integers(0, 1 << 48),
         st.tuples(*[st.integers(0, 1 << 48)] * 4),
         st.tuples(*[st.sampled_from([b"", bytes(32), b"\x07" * 32])] * 2),
+        st.booleans(),
     )
 
 

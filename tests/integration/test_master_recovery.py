@@ -99,16 +99,23 @@ async def masters(kind: str, clock: object, nursery: trio.Nursery) -> AsyncItera
 
 @dataclasses.dataclass
 class Progress:
-    """Steps each peer completed, the bytes each sync after a peer's first received,
-    and an event set once every peer completed ``KILL_AFTER`` steps."""
+    """Steps each peer completed (and when, in trio's clock), the bytes each sync
+    after a peer's first received, and an event set once every peer completed
+    ``KILL_AFTER`` steps."""
 
     steps: list[int]
     syncs: list[list[int]]
     stepped: trio.Event
+    times: list[list[float]]
 
     @classmethod
     def of(cls, peers: int) -> Progress:
-        return cls(steps=[0] * peers, syncs=[[] for _ in range(peers)], stepped=trio.Event())
+        return cls(steps=[0] * peers, syncs=[[] for _ in range(peers)], stepped=trio.Event(),
+                   times=[[] for _ in range(peers)])
+
+    def next_step(self, peer: int, after: float) -> float:
+        """When ``peer`` completed its first step after ``after``."""
+        return next(t for t in self.times[peer] if t > after)
 
 
 async def train(
@@ -142,6 +149,7 @@ async def train(
             if step:
                 progress.syncs[at].append(info.rx_bytes)
             progress.steps[at] += 1
+            progress.times[at].append(trio.current_time())
             if min(progress.steps) >= KILL_AFTER:
                 progress.stepped.set()
 
