@@ -1,7 +1,7 @@
 """Failover: how long the peers of a run go without a step when their master dies.
 
 Usage: python benchmarks/failover.py [--repeats 3] [--restart-delay 2] [--json PATH]
-                                     [--cases restart,standby,elect]
+                                     [--cases restart,standby,elect,takeover]
 
 Theory of operation
 -------------------
@@ -20,6 +20,11 @@ every process on this machine):
   not shaped), given only the run's name and secret (``--discover RUN
   --host-master``): they elect one of themselves to host the master. The peer process
   hosting it is SIGKILLed, master and all; the two survivors elect again and go on.
+* ``takeover`` (as ``elect``): the peers elect a master as above; then a master is
+  started by hand for the run (``pccl-trio master --advertise RUN``, in a namespace of
+  its own). Two masters of one run: the elected one steps down (a master started by
+  hand comes first), and every peer goes over to the new one, its process alive. The
+  figure is the time from the new master listening to each peer's first step with it.
 
 The master is killed once every peer completed ``--steps-before`` steps, so mid-step
 for some of them. For each peer the *recovery* is the time from the kill to the end of
@@ -150,8 +155,8 @@ async def one_case(case: str, args: argparse.Namespace) -> tuple[list[float], li
     """For every peer, in one run of ``case``: the seconds from the kill to its next
     step, and from the moment a master listened again (the restart, or the kill for a
     standby or an elected master) to that step."""
-    if case == "elect":
-        return await elect_case(args)
+    if case in ("elect", "takeover"):
+        return await elect_case(args, takeover=case == "takeover")
     ports = [free_port(), free_port()]
     with trio.fail_after(args.timeout):
         async with trio.open_nursery() as nursery:
@@ -186,8 +191,10 @@ async def one_case(case: str, args: argparse.Namespace) -> tuple[list[float], li
                 nursery.cancel_scope.cancel()
 
 
-async def elect_case(args: argparse.Namespace) -> tuple[list[float], list[float]]:
-    """``one_case`` for ``elect`` (see the module docstring)."""
+async def elect_case(
+    args: argparse.Namespace, *, takeover: bool
+) -> tuple[list[float], list[float]]:
+    """``one_case`` for ``elect`` and ``takeover`` (see the module docstring)."""
     sys.path.insert(0, str(Path(__file__).parent))
     import wan
 
@@ -203,6 +210,8 @@ async def elect_case(args: argparse.Namespace) -> tuple[list[float], list[float]
                 hosts = [i for i in range(PEERS) if run.steps(i)[-1]["hosting"]]
                 if len(hosts) != 1:
                     raise SystemExit(f"failover: the peers hosting a master are {hosts}, not one")
+                if takeover:
+                    return await take_over(run, topology, args)
                 run.killed = hosts[0]
                 killed_at = time.monotonic()
                 run.peers[run.killed].kill()
@@ -219,6 +228,33 @@ async def elect_case(args: argparse.Namespace) -> tuple[list[float], list[float]
             finally:
                 run.stop()
                 nursery.cancel_scope.cancel()
+
+
+async def take_over(run: Run, topology: Any, args: argparse.Namespace) -> tuple[list[float], list[float]]:
+    """Start a master by hand beside the elected one; every peer must go over to it."""
+    process = await trio.lowlevel.open_process(
+        ["ip", "netns", "exec", topology.master, sys.executable, "-m", "pccl_trio.master",
+         "--listen", "0.0.0.0:0", "--advertise", RUN, "--log-level", "ERROR"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        env=dict(run.env, PCCL_TRIO_RUN_SECRET=SECRET),
+    )
+    run.masters[0] = process
+    assert process.stdout is not None
+    line = await read_first_line(process.stdout)
+    if not line.startswith("pccl-trio master listening on"):
+        raise SystemExit(f"failover: the master started by hand did not start: {line!r}")
+    listening_at = time.monotonic()
+    port = line.rsplit(":", 1)[1]
+
+    def with_new_master(i: int) -> list[dict[str, Any]]:
+        return [r for r in run.steps(i, listening_at) if r["master"].endswith(f":{port}")]
+
+    await run.until(lambda: all(len(with_new_master(i)) >= args.steps_after for i in range(PEERS)))
+    check(run)
+    if any(r["hosting"] for i in range(PEERS) for r in with_new_master(i)):
+        raise SystemExit("failover: a peer still hosts a master beside the one started by hand")
+    nexts = [with_new_master(i)[0]["t"] - listening_at for i in range(PEERS)]
+    return nexts, nexts
 
 
 def check(run: Run) -> None:
@@ -246,7 +282,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             since_kill, since_back = await one_case(case, args)
             from_kill.extend(since_kill)
             from_back.extend(since_back)
-            print(f"repeat {repeat + 1} {case:8s} from the kill to each peer's next step: "
+            since = "the new master listening" if case == "takeover" else "the kill"
+            print(f"repeat {repeat + 1} {case:8s} from {since} to each peer's next step: "
                   + ", ".join(f"{r:.3f} s" for r in since_kill), flush=True)
     summary: dict[str, Any] = {"repeats": args.repeats, "restart_delay": args.restart_delay}
     for case, (from_kill, from_back) in results.items():
@@ -269,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--cases", default="restart,standby",
                         type=lambda text: [case for case in text.split(",") if case],
-                        help="comma-separated, of restart, standby and elect")
+                        help="comma-separated, of restart, standby, elect and takeover")
     args = parser.parse_args(argv)
-    unknown = set(args.cases) - {"restart", "standby", "elect"}
+    unknown = set(args.cases) - {"restart", "standby", "elect", "takeover"}
     if unknown or not args.cases:
         parser.error(f"--cases: unknown {sorted(unknown)}" if unknown else "--cases: none given")
     summary = trio.run(main_async, args)
@@ -280,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"restart: median {restart['median_s']:.3f} s from the kill to each peer's next "
               f"step ({restart['median_after_listening_s']:.3f} s after the new master "
               f"listened), max {restart['max_s']:.3f} s")
-    for case in ("standby", "elect"):
+    for case in ("standby", "elect", "takeover"):
         if case in summary:
             print(f"{case}: median {summary[case]['median_s']:.3f} s, max "
                   f"{summary[case]['max_s']:.3f} s")

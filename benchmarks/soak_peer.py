@@ -39,7 +39,8 @@ collectives while staying connected (the others then wait for it forever).
 With ``--discover RUN`` instead of MASTER (``-``), the peer finds the run's master by
 name (mDNS; the run secret comes from ``$PCCL_TRIO_RUN_SECRET``), and with
 ``--host-master`` it is a candidate to host it (``host_master=True``); every ``step``
-report then says whether this peer's process hosts the master (``hosting``).
+report says whether this peer's process hosts the master (``hosting``), and where
+the master it uses is (``master``).
 
 Usage: soak_peer.py MASTER [--elements N] [--step-seconds S] [--no-optimize]
                            [--inject wrong-sum|divergence|hang --inject-at N]
@@ -161,7 +162,7 @@ async def train(master: str, elements: int, step_seconds: float, optimize: bool,
                 weights.view(np.uint32)[0] ^= 1
             emit("step", peer=me, rev=state.revision, world=info.world_size, ring=list(ring),
                  result=digest(data), weights=digest(weights), aborts=aborts, wrong=wrong,
-                 hosting=comm.hosting_master)
+                 hosting=comm.hosting_master, master=comm.master_address)
             if injecting and inject == "hang":
                 await trio.sleep_forever()
             await trio.sleep(step_seconds)  # stands in for computing gradients

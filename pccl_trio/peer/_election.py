@@ -21,8 +21,10 @@ elsewhere in the meantime is found.
   answers (``join``), and hosts the master itself when its turn has come
   (``_core.election.hosting_at``).
 * ``master_lost`` is the session's hook: a member whose master is lost refreshes the
-  list, leaves the lost master's host out of the order, and hosts when its turn comes
-  unless the session got a master back first. A master hosted here learns the run
+  list; if another master of the run answers (one started by hand, or the one an
+  elected master stepped down for), the session goes over to it and nothing is
+  elected. Otherwise it leaves the lost master's host out of the order, and hosts
+  when its turn comes unless the session got a master back first. A master hosted here learns the run
   from the members coming back (``_core.recovery``), this peer's own session included
   (it dials its own reserved port like any other).
 * Hosting runs ``serve_master`` on the reserved port in the communicator's nursery,
@@ -236,6 +238,13 @@ class Elector:
         place = position(candidates, own.instance, gone)
         if self._session.away:
             self._session.retarget(targets(masters, candidates, limit=MAX_TARGETS))
+        others = [m for m in masters if lost not in _addresses(m)]
+        if others and await self._session.probe(targets(others, [], limit=MAX_TARGETS)):
+            log.info(
+                "run %r lost its master at %s, and has another: going over to it",
+                self._finder.run, lost,
+            )
+            return  # the session gets back to it; nothing to elect
         log.info(
             "run %r lost its master at %s: this candidate is #%d in line to host it",
             self._finder.run, lost, place,

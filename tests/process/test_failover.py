@@ -4,8 +4,9 @@ process is SIGKILLed mid-run and restarted at the same address 2 s later, or a s
 in the peers' address list takes over. No peer exits, the revisions go on without a
 gap, no sync moves a byte, every all-reduce is exact and the weights stay
 bit-identical: the benchmark checks all of it and exits 1 otherwise. And with no
-master at all: peers in network namespaces elect one of themselves to host it, and
-elect again when its process is SIGKILLed."""
+master at all: peers in network namespaces elect one of themselves to host it, elect
+again when its process is SIGKILLed, and hand the run over to a master started by
+hand beside the elected one (a split brain, resolved)."""
 
 from __future__ import annotations
 
@@ -45,14 +46,18 @@ async def test_restart_and_standby_keep_the_run_going(tmp_path: Path) -> None:
     not namespaces_work(tc=False) or importlib.util.find_spec("zeroconf") is None,
     reason="needs root, iproute2's ip (network namespaces) and python-zeroconf",
 )
-async def test_peers_elect_a_master_and_elect_again_when_its_host_dies(tmp_path: Path) -> None:
+async def test_peers_elect_a_master_elect_again_and_hand_over_to_one_started_by_hand(
+    tmp_path: Path,
+) -> None:
     """Three peer processes in namespaces of their own, given only the run's name: they
     elect one to host the master; SIGKILLing it (master and peer) leaves two survivors
-    that elect again and go on, with every check of the restart case."""
+    that elect again and go on, with every check of the restart case. Then, in a
+    second run, a master started by hand beside the elected one: two masters of one
+    run, and the elected one steps down, every peer going over to the other."""
     summary = tmp_path / "elect.json"
-    with trio.fail_after(240):
+    with trio.fail_after(300):
         result = await trio.run_process(
-            [sys.executable, str(FAILOVER), "--cases", "elect", "--repeats", "1",
+            [sys.executable, str(FAILOVER), "--cases", "elect,takeover", "--repeats", "1",
              "--steps-before", "5", "--steps-after", "5", "--json", str(summary)],
             capture_stdout=True, capture_stderr=True, check=False,
         )
@@ -60,3 +65,4 @@ async def test_peers_elect_a_master_and_elect_again_when_its_host_dies(tmp_path:
     assert result.returncode == 0, output
     figures = json.loads(summary.read_text())
     assert len(figures["elect"]["samples"]) == 2  # both survivors stepped again
+    assert len(figures["takeover"]["samples"]) == 3  # every peer went over
