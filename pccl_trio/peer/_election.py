@@ -51,6 +51,7 @@ from ..master._server import serve_master
 from ..transport import (
     ADVICE,
     MISSING_ZEROCONF,
+    Directory,
     Network,
     Reservation,
     TcpNetwork,
@@ -58,7 +59,6 @@ from ..transport import (
     discovery_available,
     format_address,
 )
-from ..transport._discovery import Directory
 from ._lifecycle import Lifecycle
 from ._session import MasterSession
 
@@ -75,6 +75,7 @@ LOOK_SECONDS = 1.0
 #: A hosting candidate looks for masters that outrank its own every this many
 #: election timeouts.
 WATCH_TIMEOUTS = 3
+
 
 def check_discover(run: str, config: Config, network: Network) -> None:
     """Refuse ``discover=run`` where it cannot work."""
@@ -161,8 +162,8 @@ class Elector:
 
     Args:
         host: the interface its master would listen on (the p2p listener's).
-        identity: its node identity's public key, which is its rank key (None: a
-            random rank key).
+        identity: its node identity's public key, from which its rank key is derived
+            (``_core.election.rank_of``; None: a random rank key).
     """
 
     def __init__(

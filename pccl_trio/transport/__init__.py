@@ -7,6 +7,7 @@ Everything above this package gets its streams from a ``Network`` (``listen`` an
 
 from ._blocking import SocketLink as SocketLink
 from ._discovery import MISSING_ZEROCONF as MISSING_ZEROCONF
+from ._discovery import Directory as Directory
 from ._discovery import advertise_master as advertise_master
 from ._discovery import check_advertise as check_advertise
 from ._discovery import discovery_available as discovery_available
