@@ -100,7 +100,7 @@ async def test_a_register_with_an_impossible_host_is_refused(
     with trio.fail_after(60):
         comms = await honest_run(cluster)
         frame = control_frame(
-            Register.KIND, [PROTOCOL_VERSION, 0, 9, "h" * host_length, 1, 0, 0, 0, 0, 0, b"", b""]
+            Register.KIND, [PROTOCOL_VERSION, 0, 9, "h" * host_length, 1, 0, 0, 0, 0, 0, b"", b"", False]
         )
         reply = await exchange_raw(cluster, "stranger", frame)
         assert isinstance(reply, Kick), reply
