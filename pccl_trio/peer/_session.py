@@ -34,7 +34,12 @@ round, attempt, sync or optimization number the master sent it (the master numbe
 everything above it; ``_core.recovery`` says how a master judges such a return). A
 ``Welcome`` for the same id ends the absence: a new reader runs on the new link and
 the calls go on. A ``Kick`` (say, the master had removed this peer) ends the
-communicator with the reason, and so does the grace running out.
+communicator with the reason, and so does the grace running out. Hooks given to
+``on_away`` run as an absence begins (a peer that found its master by name looks for
+the run's masters again, or elects one: ``_election``), and may ``retarget`` the
+session meanwhile: each round of dialing uses the addresses as they were when it
+began. ``probe`` tells whether a master of this run answers somewhere (the handshake
+only: nothing is registered).
 """
 
 from __future__ import annotations
