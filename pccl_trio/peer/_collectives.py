@@ -18,8 +18,9 @@ whatever happens). One call is one *attempt*:
    for the master's ``CollectiveAbort``; it reports ``CollectiveComplete`` and waits for
    the verdict, which is the same on every peer.
 5. The attempt ends: no more writes, no more frames routed to it. On an aborted
-   verdict the input is restored, the ring marked stale, and the last attempt of a
-   failed set re-establishes the ring at once so that a retry runs on the survivors.
+   verdict the ring is marked stale at once, the input is restored, and the last
+   attempt of a failed set re-establishes the ring (unless that was done since) so
+   that a retry runs on the survivors.
 
 A cancelled ``all_reduce`` follows trio's rule for an operation that may be past the
 point of no return: the cancellation either takes effect, and then the all-reduce was
@@ -32,8 +33,17 @@ peer's part is failed, which aborts the collective unless the part was complete;
 caller waits (shielded) for the verdict and the restore, which the protocol's timers
 bound: SUCCESS (every peer had finished) returns the result, anything else re-raises.
 
-``all_reduce_multiple_with_retry`` launches the same indices in the same order on every
-peer and retries the aborted ones; every peer sees the same verdicts, so all retry alike.
+``all_reduce_multiple_with_retry`` runs in passes. A pass starts on an up-to-date ring
+and launches the same indices in the same order on every peer, each attempt made and
+registered as it is launched (step 1 is done once for the pass, and step 2 at once), so
+this peer votes for it before it could vote to re-establish the ring. Once the ring
+went stale (an attempt was aborted), the pass launches nothing more; the next pass
+retries the aborted and the unlaunched indices. Without that stop, a peer that heard of
+an abort late could vote for an index before the re-establishment and another peer only
+after it: the master aborts the first vote (the other peer was in the establishment
+vote), and the second waits, in its old pass, for a vote that the first peer makes only
+in a later pass, if ever. With it, an index is voted in the pass's ring or not at all,
+every peer sees the same verdicts, and all retry alike.
 """
 
 from __future__ import annotations
@@ -275,8 +285,13 @@ class AllReduces:
         if busy is not None and busy.blocks_all_reduce:
             raise InvalidUsage(f"all_reduce() while {busy.value} runs on this communicator")
 
-    def _start(self, request: ReduceRequest) -> ReduceResult:
-        """Reserve the tag and run the all-reduce in a task of the communicator."""
+    def _start(self, request: ReduceRequest, *, on_current_ring: bool = False) -> ReduceResult:
+        """Reserve the tag and run the all-reduce in a task of the communicator.
+
+        ``on_current_ring``: the attempt is made and registered now, on the ring as it
+        is (which must not be stale), rather than by the task once the ring is up to
+        date; this peer then votes for it before any later establishment vote.
+        """
         self.check_launch()
         if request.tag in self.tags_in_flight:
             raise InvalidUsage(
@@ -284,7 +299,15 @@ class AllReduces:
             )
         self.tags_in_flight.add(request.tag)
         result = ReduceResult()
-        self._life.spawn(self._run, request, result)
+        try:
+            attempt = self._prepare(request, result) if on_current_ring else None
+            self._life.spawn(self._run, request, result, attempt)
+        except BaseException:
+            self.tags_in_flight.discard(request.tag)
+            if result.attempt is not None:
+                self._receiver.remove(result.attempt)
+                result.attempt.release()
+            raise
         return result
 
     async def reduce_each_with_retry(
@@ -294,6 +317,12 @@ class AllReduces:
         outcome = _RetryOutcome()
         pending = list(range(len(requests)))
         while pending:
+            self.check_launch()
+            try:
+                # Every pass starts on an up-to-date ring, like a single all-reduce.
+                await self._membership.ensure_ring()
+            except MasterLost:
+                continue  # its vote died with the master; the next one waits for it
             ring = self._membership.ring
             if len(ring) < 2:
                 raise TooFewPeers(
@@ -323,18 +352,26 @@ class AllReduces:
         max_in_flight: int,
         outcome: _RetryOutcome,
     ) -> list[int]:
-        """One pass over ``pending``: the aborted indices, to retry. Successes and
-        rejections are recorded in ``outcome``.
+        """One pass over ``pending``, on the ring as it is (up to date): the aborted
+        and the unlaunched indices, to retry. Successes and rejections are recorded in
+        ``outcome``.
 
-        Every peer sees the same verdict for every index, so every peer launches the
-        same indices in the same order, and retries the same ones. Cancelled, it stops
-        the all-reduces in flight as a cancelled ``all_reduce`` does, and waits for
-        them: no tensor is written once ``Cancelled`` propagates.
+        Every peer launches the same indices in the same order. Each is made and
+        registered as it is launched, on the pass's ring; once the ring went stale
+        (an all-reduce was aborted), the pass launches nothing more: the rest are
+        retried in the next pass, after the re-establishment. So every peer votes for
+        an index either in this pass, before it votes to re-establish the ring, or not
+        at all here; and a vote that another peer did not match is aborted by the
+        master (that peer is in the establishment vote, which blocks all-reduces), so
+        every peer sees the same verdict for every index and retries the same ones.
+        Cancelled, it stops the all-reduces in flight as a cancelled ``all_reduce``
+        does, and waits for them: no tensor is written once ``Cancelled`` propagates.
         """
         failed: list[int] = []
         fatal: list[PCCLError] = []
         slots = trio.Semaphore(max_in_flight)
         results: dict[int, ReduceResult] = {}
+        generation = self._membership.generation
 
         async def one(index: int) -> None:
             try:
@@ -354,12 +391,18 @@ class AllReduces:
 
         try:
             async with trio.open_nursery() as nursery:
-                for index in pending:
+                for position, index in enumerate(pending):
                     await slots.acquire()  # launch in index order, the same on every peer
                     if fatal:
                         break
+                    if self._membership.generation != generation or self._membership.stale:
+                        # Voting now could come after this peer's establishment vote,
+                        # and so after another peer's vote for this index was aborted
+                        # (see above): leave the rest to the next pass.
+                        failed.extend(pending[position:])
+                        break
                     try:
-                        results[index] = self._start(requests[index])
+                        results[index] = self._start(requests[index], on_current_ring=True)
                     except PCCLError as exc:
                         fatal.append(exc)
                         break
@@ -377,10 +420,13 @@ class AllReduces:
 
     # --- one attempt -----------------------------------------------------------------------
 
-    async def _run(self, request: ReduceRequest, result: ReduceResult) -> None:
-        """The task behind a handle; every outcome ends up in ``result``."""
+    async def _run(
+        self, request: ReduceRequest, result: ReduceResult, attempt: AllReduceAttempt | None
+    ) -> None:
+        """The task behind a handle; every outcome ends up in ``result``. ``attempt``:
+        made and registered at launch (None: made here)."""
         try:
-            info = await self._attempt(request, result)
+            info = await self._attempt(request, result, attempt)
         except MasterLost as exc:  # the input is restored (``_attempt``), the run goes on
             result.finish(None, CollectiveAborted(
                 f"the all-reduce with tag {request.tag} was aborted: {exc}; the input was "
@@ -402,8 +448,9 @@ class AllReduces:
                 )
             self.tags_in_flight.discard(request.tag)
 
-    async def _attempt(self, request: ReduceRequest, result: ReduceResult) -> ReduceInfo:
-        await self._membership.ensure_ring()
+    def _prepare(self, request: ReduceRequest, result: ReduceResult) -> AllReduceAttempt:
+        """Make the attempt on the ring as it is and register it with the receive path
+        (before the vote; from now on this peer re-establishes no ring before it ends)."""
         ring = self._membership.ring
         if len(ring) < 2:
             raise TooFewPeers("all_reduce() needs at least 2 peers in the peer group; it has 1")
@@ -417,12 +464,21 @@ class AllReduces:
             tag=request.tag, ring=ring, rank=ring.index(self._session.peer_id),
             slice_bytes=self._config.slice_bytes, buffers=self._buffers, codec=codec,
         )
-        tag = request.tag
         self._receiver.add(attempt)
         result.attempt = attempt
         if result.cancelled:  # the caller is gone: take part only to fail
             attempt.fail(_CANCELLED)
             attempt.stop()
+        return attempt
+
+    async def _attempt(
+        self, request: ReduceRequest, result: ReduceResult, attempt: AllReduceAttempt | None
+    ) -> ReduceInfo:
+        if attempt is None:
+            await self._membership.ensure_ring()
+            attempt = self._prepare(request, result)
+        ring = attempt.ring
+        tag = request.tag
         verdict: CollectiveVerdict | None = None
         local_ok = False
         try:
@@ -446,13 +502,14 @@ class AllReduces:
                 )
         except BaseException as exc:
             self._end(attempt)
+            if isinstance(exc, MasterLost) and attempt.seq:
+                # Data was moving when the master was lost: the ring's connections may
+                # hold parts of frames. Re-establish it before the retry, as after any
+                # abort (marked before the settle, as below).
+                self._membership.stale = True
             await attempt.settle()
             attempt.restore()
             attempt.release()
-            if isinstance(exc, MasterLost) and attempt.seq:
-                # Data was moving when the master was lost: the ring's connections may
-                # hold parts of frames. Re-establish it before the retry, as after any abort.
-                self._membership.stale = True
             if verdict is None and isinstance(exc, Exception) and not isinstance(exc, PCCLError):
                 # A bug after this peer voted (the protocol's own errors leave the
                 # master informed).
@@ -465,8 +522,16 @@ class AllReduces:
                     world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes,
                     clamped=attempt.clamped,
                 )
+            never_ran = verdict.outcome == Outcome.REJECTED and not verdict.seq
+            if not never_ran:
+                # Stale from the verdict on, not from after the settle: a
+                # re-establishment that another attempt starts meanwhile then covers
+                # this abort too. Marked later, it would call for a second, needless
+                # round, whose vote aborts the all-reduces that peers launched on the
+                # ring the first one made.
+                self._membership.stale = True
             await attempt.settle()
-            if verdict.outcome == Outcome.REJECTED and not verdict.seq:
+            if never_ran:
                 attempt.restore()  # nothing was written, but keep the rule simple
                 raise _Rejected(verdict.reason)
             reason = verdict.reason or attempt.failure or "a peer failed"
@@ -485,10 +550,10 @@ class AllReduces:
             attempt.release()
 
     async def _after_abort(self, attempt: AllReduceAttempt, result: ReduceResult) -> None:
-        """An aborted attempt: restore the input (then the buffers are final); the last
-        attempt of the failed set also re-establishes the ring, so a retry runs at once
-        on the surviving peers."""
-        self._membership.stale = True
+        """An aborted attempt (the ring is marked stale already): restore the input
+        (then the buffers are final); the last attempt of the failed set also
+        re-establishes the ring, unless that was done since, so a retry runs at once on
+        the surviving peers."""
         last = not self._receiver.in_flight
         ring_error: PCCLError | None = None
 

@@ -18,7 +18,9 @@ The master refuses a vote that other members did not join within its stall timeo
 An aborted all-reduce leaves the ring *stale*: one of its peers may be gone. Before
 its next collective call, every survivor re-establishes the ring (a round that admits
 nobody) once no attempt is in flight on it and no other membership call runs, so all of
-them vote in the same rounds, whatever the timing (``ensure_ring``).
+them vote in the same rounds, whatever the timing (``ensure_ring``). ``generation``
+counts the times the ring went stale: a caller that launches several all-reduces
+compares it to tell whether a re-establishment may have come between them.
 """
 
 from __future__ import annotations
@@ -61,8 +63,21 @@ class Membership:
         self.world: WorldSizes | None = None
         # The ring must be re-established (a collective was aborted, or rounds failed)
         # before the next collective; ``ensure_ring`` does it once nothing is in flight.
-        self.stale = False
+        self._stale = False
+        #: How many times the ring went stale (see ``stale``).
+        self.generation = 0
         self._followers: list[Callable[[tuple[int, ...]], None]] = []
+
+    @property
+    def stale(self) -> bool:
+        """Whether the ring must be re-established before the next collective."""
+        return self._stale
+
+    @stale.setter
+    def stale(self, value: bool) -> None:
+        if value and not self._stale:
+            self.generation += 1
+        self._stale = value
 
     def follow(self, follower: Callable[[tuple[int, ...]], None]) -> None:
         """Call ``follower`` with every ring a successful round installs."""

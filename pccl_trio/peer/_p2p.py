@@ -366,6 +366,13 @@ class P2PConnections:
             p: e for p, e in self._expected_senders.items() if p == predecessor
         }
 
+    def receives_on(self, predecessor: int, connection: Connection) -> bool:
+        """Whether ``connection`` is in the pool from ``predecessor``. A connection
+        leaves it only in a round: replaced in its slot by a newer one (``admit``), or
+        closed with the pool of a peer that is no longer the predecessor (``rewire``)."""
+        pool = self._rx.get(predecessor)
+        return pool is not None and any(c is connection for c in pool.slots.values())
+
     def successor_connections(self, successor: int) -> list[Connection]:
         """The open connections to ``successor``, by slot."""
         pool = self._tx.get(successor)

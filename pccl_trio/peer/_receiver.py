@@ -15,7 +15,12 @@ seen whose attempt is not running is stale: it is read and dropped.
 A frame for a running attempt is claimed (checked against the attempt's schedule),
 then received into a staging buffer and combined into the result, or, for all-gather
 data, straight into the result buffer (see ``AllReduceAttempt``). When a connection
-breaks, every live attempt receiving from that peer fails: its frames are lost.
+breaks, every live attempt receiving from that peer fails: its frames are lost. Not
+so for a connection that already left the pool (a newer one from the sender took its
+slot, or the sender is no longer the predecessor): that happens only in an
+establishment round, when no attempt runs here, so the attempts running when its
+reader's error is handled (a worker thread's may be handled much later) never had a
+frame on it.
 """
 
 from __future__ import annotations
@@ -118,7 +123,7 @@ class DataReceiver:
         try:
             await run_protocol(self._receive(connection, hello.peer_id), connection)
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:
-            self._link_lost(hello.peer_id, exc)
+            self._link_lost(hello.peer_id, connection, exc)
             raise
         except Exception:
             for attempt in list(self._by_seq.values()):
@@ -139,8 +144,11 @@ class DataReceiver:
             attempt = yield Wait(partial(self._attempt_for, seq), partial(self._attempt_for_blocking, seq))
             yield from self._deliver(attempt, sender, connection, staging, header)
 
-    def _link_lost(self, sender: int, exc: BaseException) -> None:
-        """Every attempt receiving from ``sender`` lost frames with its connection."""
+    def _link_lost(self, sender: int, connection: Connection, exc: BaseException) -> None:
+        """Every attempt receiving from ``sender`` lost frames with ``connection``,
+        unless the connection had left the pool (see the module docstring)."""
+        if not self._life.over and not self._p2p.receives_on(sender, connection):
+            return
         for attempt in list(self._by_seq.values()):
             if attempt.predecessor == sender and attempt.live:
                 attempt.fail(f"the link from peer {sender} broke ({exc})")

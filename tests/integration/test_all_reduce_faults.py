@@ -10,7 +10,7 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, fine, form_run, run_all, started
+from .conftest import Cluster, all_do, fine, form_run, run_all, started
 
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["kill-rank0", "kill-rank2"])
@@ -270,4 +270,194 @@ async def test_an_internal_error_after_voting_still_gives_the_others_a_verdict(
         for i in good:
             assert arrays[i].tobytes() == (data[good[0]] + data[good[1]]).tobytes()
         for comm in comms:
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside ``all_reduce_multiple_with_retry``, peer A launches a tensor before it
+    hears that another one was aborted, and peer B launches it only after it voted to
+    re-establish the ring. The master aborts A's vote (B is in the establishment vote);
+    B must not vote for that tensor on the new ring either, or, once A's retries fill
+    its window with other tensors, each peer waits for the other's vote for ever.
+
+    Two peers, four tensors, two in flight. Tensors 0 and 1 fail at B (the ring is
+    re-established); 2 and 3 go on, unless the pass stops launching after the abort.
+    Tensor 2 then fails at B once A launched 3, and B's pass hears of 1's end only once
+    B voted to re-establish the ring again (or A is retrying already)."""
+    from pccl_trio._core.messages import Message, VoteEstablish
+    from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure, ReduceResult
+
+    with trio.fail_after(120):
+        a, b = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        b_id = b.peer_id
+        failed_at_b: set[int] = set()
+        held = False
+        b_establish_votes = 0
+        real_send_all = AllReduceAttempt.send_all
+        real_get = ReduceResult.get
+        real_vote = PeerSeam(b).vote
+
+        def at_b(attempt: AllReduceAttempt | None) -> bool:
+            return attempt is not None and attempt.ring[attempt.schedule.rank] == b_id
+
+        async def send_all(self: AllReduceAttempt, connections: object) -> None:
+            if self.tag in (0, 1, 2) and at_b(self) and self.tag not in failed_at_b:
+                failed_at_b.add(self.tag)
+                if self.tag == 2:
+                    while PeerSeam(a).attempt(3) is None:  # until A launched tensor 3
+                        await trio.lowlevel.checkpoint()
+                self.fail("a link broke (injected)")
+                raise LocalFailure(self.failure or "")
+            await real_send_all(self, connections)  # type: ignore[arg-type]
+
+        async def get(self: ReduceResult) -> pccl.ReduceInfo:
+            nonlocal held
+            try:
+                return await real_get(self)
+            finally:
+                if self.attempt is not None and self.attempt.tag == 1 and at_b(self.attempt) \
+                        and not held:
+                    held = True
+                    while b_establish_votes < 2 and PeerSeam(a).attempt(0) is None:
+                        await trio.lowlevel.checkpoint()
+
+        async def vote(message: Message) -> None:
+            nonlocal b_establish_votes
+            await real_vote(message)
+            if isinstance(message, VoteEstablish):
+                b_establish_votes += 1
+
+        monkeypatch.setattr(AllReduceAttempt, "send_all", send_all)
+        monkeypatch.setattr(ReduceResult, "get", get)
+        PeerSeam(b).vote = vote
+        data = [[np.full(10_000, 10 * rank + t, dtype=np.int64) for t in range(4)]
+                for rank in range(2)]
+        tensors = [[d.copy() for d in row] for row in data]
+        infos = await run_all([a, b], lambda i, c: c.all_reduce_multiple_with_retry(
+            tensors[i], max_in_flight=2))
+        assert failed_at_b == {0, 1, 2} and held
+        assert all(isinstance(i, pccl.ReduceInfo) and i.world_size == 2 for i in infos), infos
+        for t in range(4):
+            want = data[0][t] + data[1][t]
+            assert tensors[0][t].tobytes() == tensors[1][t].tobytes() == want.tobytes(), t
+        for comm in (a, b):
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The race of the test above within one pass: tensor 0 succeeds, A launches
+    tensor 2 before it hears that tensor 1 failed at B, and B's pass hears of tensor
+    0's success only once B voted to re-establish the ring. The master aborts A's vote
+    for tensor 2, so B must not vote for it in this pass: both retry tensors 1 and 2."""
+    from pccl_trio._core.messages import Message, VoteEstablish
+    from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure, ReduceResult
+
+    caplog.set_level("INFO", logger="pccl_trio.peer")
+    with trio.fail_after(120):
+        a, b = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        b_id = b.peer_id
+        failed_at_b = held = False
+        b_establishing = trio.Event()
+        real_send_all = AllReduceAttempt.send_all
+        real_get = ReduceResult.get
+        real_vote = PeerSeam(b).vote
+
+        def at_b(attempt: AllReduceAttempt | None) -> bool:
+            return attempt is not None and attempt.ring[attempt.schedule.rank] == b_id
+
+        async def send_all(self: AllReduceAttempt, connections: object) -> None:
+            nonlocal failed_at_b
+            if self.tag == 1 and at_b(self) and not failed_at_b:
+                failed_at_b = True
+                while PeerSeam(a).attempt(2) is None:  # until A launched tensor 2
+                    await trio.lowlevel.checkpoint()
+                self.fail("a link broke (injected)")
+                raise LocalFailure(self.failure or "")
+            await real_send_all(self, connections)  # type: ignore[arg-type]
+
+        async def get(self: ReduceResult) -> pccl.ReduceInfo:
+            nonlocal held
+            try:
+                return await real_get(self)
+            finally:
+                if self.attempt is not None and self.attempt.tag == 0 and at_b(self.attempt) \
+                        and not held:
+                    held = True
+                    await b_establishing.wait()
+
+        async def vote(message: Message) -> None:
+            await real_vote(message)
+            if isinstance(message, VoteEstablish):
+                b_establishing.set()
+
+        monkeypatch.setattr(AllReduceAttempt, "send_all", send_all)
+        monkeypatch.setattr(ReduceResult, "get", get)
+        PeerSeam(b).vote = vote
+        data = [[np.full(10_000, 10 * rank + t, dtype=np.int64) for t in range(3)]
+                for rank in range(2)]
+        tensors = [[d.copy() for d in row] for row in data]
+        infos = await run_all([a, b], lambda i, c: c.all_reduce_multiple_with_retry(
+            tensors[i], max_in_flight=2))
+        assert failed_at_b and held
+        assert all(isinstance(i, pccl.ReduceInfo) and i.world_size == 2 for i in infos), infos
+        retries = sorted(r.getMessage() for r in caplog.records if "retrying" in r.getMessage())
+        assert retries == sorted(f"peer {c.peer_id}: retrying 2 all-reduces" for c in (a, b)), \
+            retries
+        for t in range(3):
+            want = data[0][t] + data[1][t]
+            assert tensors[0][t].tobytes() == tensors[1][t].tobytes() == want.tobytes(), t
+        for comm in (a, b):
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_a_replaced_connection_failing_late_aborts_nothing(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round replaces the connections from the predecessor (its pool broke), and the
+    old connections' readers see their end only once the next all-reduce runs, as a
+    worker thread's error may be handled late under load. The old connections carried
+    none of its frames: it must not fail."""
+    import pccl_trio.peer._receiver as receiver
+
+    with trio.fail_after(120):
+        real_run_protocol = receiver.run_protocol
+        old: set[object] = set()  # B's connections from A before the round
+        released = 0
+
+        def commenced() -> bool:
+            attempt = PeerSeam(b).attempt(0)
+            return attempt is not None and attempt.seq > 0 and attempt.live
+
+        async def run_protocol(protocol: object, connection: object, **kwargs: object) -> object:
+            nonlocal released
+            try:
+                return await real_run_protocol(protocol, connection, **kwargs)  # type: ignore[arg-type]
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                if connection in old:
+                    while not commenced():  # at scheduling granularity: it takes no time
+                        await trio.lowlevel.checkpoint()
+                    released += 1
+                raise
+
+        monkeypatch.setattr(receiver, "run_protocol", run_protocol)  # before any reader
+        a, b = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        old.update(set(PeerSeam(b).connections()) - set(PeerSeam(b).sending_connections()))
+        for stream in PeerSeam(a).sending_connections():
+            await stream.aclose()  # as a torn send leaves them
+        await all_do([a, b], "update_topology")  # A opens a new pool; B admits it
+        assert old.isdisjoint(PeerSeam(b).connections())
+        arrays = [np.full(10_000, i + 1, dtype=np.int64) for i in range(2)]
+        infos = await run_all([a, b], lambda i, c: c.all_reduce(arrays[i], tag=0))
+        assert released == len(old) > 0
+        assert all(isinstance(i, pccl.ReduceInfo) for i in infos), infos
+        assert all((x == 3).all() for x in arrays)
+        for comm in (a, b):
             await comm.aclose()
