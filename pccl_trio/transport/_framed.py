@@ -1,11 +1,11 @@
 """A trio stream that speaks frames: the shell around ``_core.wire``.
 
 A ``FramedStream`` wraps either a TCP ``trio.SocketStream`` (zero-copy receives with
-``recv_into`` on its socket, one ``sendmsg`` per data frame) or a stream without a
-socket of its own that offers the ``InMemoryStream`` capabilities; nothing else is
-probed for. ``Connection`` names the two forms a p2p connection takes once its
-handshake is over: this one, driven by trio tasks, and ``SocketLink``, driven by
-worker threads.
+``recv_into`` on its socket, frames written with ``writev`` straight from their parts)
+or a stream without a socket of its own that offers the ``InMemoryStream``
+capabilities; nothing else is probed for. ``Connection`` names the two forms a p2p
+connection takes once its handshake is over: this one, driven by trio tasks, and
+``SocketLink``, driven by worker threads.
 
 After a run-secret handshake (``_secure``) a stream carries its ``Channel``: control
 frames are sealed as they are encoded and opened as they are read, a data frame's
@@ -14,14 +14,15 @@ it returns, so no caller ever uses bytes that failed it.
 
 A TCP stream may also be written from one other thread, its keepalive
 (``_keepalive``: heartbeats that do not need the event loop). Both writers share the
-*wire lock*, a ``threading.Lock``: a trio send takes it only to claim the wire before
-it seals its frame and to release the claim after its last byte (it never holds the
-lock across an await, so a frame trio's ``send_all`` leaves part-written while it
-waits for the socket stays claimed), and ``write_if_idle`` holds it while it seals and
-writes a whole frame, and writes only while no trio send holds the claim. A channel's
-frames therefore leave in the order they were sealed, and bytes of two frames never
-interleave. Closing the stream marks it closed under the same lock before the socket is
-closed, so the thread never writes to a descriptor number the kernel may hand out again.
+*wire lock*, a ``threading.Lock``. A trio send takes it only to claim the wire before
+it seals its frame and to release the claim right after its last byte, before any
+checkpoint; it never holds the lock across an await, and a frame left part-written
+while trio waits for room in the socket stays claimed. ``write_if_idle`` holds the lock
+while it seals and writes a whole frame, and writes only while no trio send holds the
+claim. A channel's frames therefore leave in the order they were sealed, and bytes of
+two frames never interleave. Closing the stream marks it closed under the same lock
+before the socket is closed, so the thread never writes to a descriptor number the
+kernel may hand out again.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeAlias
 
@@ -91,7 +92,7 @@ def _wait_writable(sock: trio.socket.SocketType, seconds: float) -> bool:
 
 
 def drop_sent(buffers: list[memoryview], sent: int) -> None:
-    """Remove the first ``sent`` bytes from ``buffers`` after a partial ``sendmsg``."""
+    """Remove the first ``sent`` bytes from ``buffers`` after a partial ``sendmsg`` or ``writev``."""
     while buffers and sent >= len(buffers[0]):
         sent -= len(buffers[0])
         buffers.pop(0)
@@ -180,9 +181,8 @@ class FramedStream:
 
     async def send_message(self, message: Message) -> None:
         async with self._send_lock:
-            with self._claim():
-                # Sealed under the claim: a channel's frames must leave in the order sealed.
-                await self._send_locked(encode_control(message, self.channel))
+            # Sealed under the claim: a channel's frames must leave in the order sealed.
+            await self._send_frame(lambda: [memoryview(encode_control(message, self.channel))])
 
     async def send_bytes(self, frame: bytes | bytearray | memoryview) -> None:
         """Send one or more complete encoded frames (sealed with ``channel``, in order,
@@ -190,8 +190,53 @@ class FramedStream:
         call could fall behind a keepalive's: a stream with a channel and a keepalive
         is sent to with ``send_message`` only."""
         async with self._send_lock:
+            await self._send_frame(lambda: [memoryview(frame).cast("B")])
+
+    async def send_data(
+        self, *, tag: int, seq: int, offset: int, payload: memoryview
+    ) -> None:
+        """Send one data frame; the payload goes from the caller's memory to the kernel
+        (unless the channel encrypts it)."""
+        if payload.itemsize != 1:
+            payload = payload.cast("B")  # lengths below count bytes
+        header = encode_data_header(
+            tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._data.trailer
+        )
+        async with self._send_lock:
+            await self._send_frame(
+                lambda: [memoryview(header), payload] if self.channel is None
+                else self.channel.protect_data(header, payload)
+            )
+
+    async def _send_frame(self, seal: Callable[[], list[memoryview]]) -> None:
+        """Seal one frame (``seal`` returns its parts) and write it whole, under
+        ``_send_lock``. The wire's claim ends with the last byte, not a checkpoint
+        later: a trainer that blocks the loop right after a send must not find a
+        keepalive locked out. On TCP the parts go straight to the socket (one
+        ``writev`` while the kernel takes them, waiting for room in between)."""
+        if self._closed:
+            raise trio.ClosedResourceError("framed stream was closed")
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
             with self._claim():
-                await self._send_locked(frame)
+                buffers = seal()
+                if self._socket is None:
+                    for buffer in buffers:
+                        await self.stream.send_all(buffer)
+                else:
+                    fd = self._socket.fileno()
+                    while buffers:
+                        try:
+                            drop_sent(buffers, os.writev(fd, buffers))
+                        except BlockingIOError:
+                            await trio.lowlevel.wait_writable(fd)
+        except OSError as exc:
+            await self.aclose()
+            raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+        await trio.lowlevel.cancel_shielded_checkpoint()
 
     def write_if_idle(self, message: Message, idle: float) -> bool:
         """From a thread other than trio's: seal ``message`` and write it straight to the
@@ -227,50 +272,6 @@ class FramedStream:
                 return False
             self._last_write = time.monotonic()
             return True
-
-    async def _send_locked(self, frame: bytes | bytearray | memoryview) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("framed stream was closed")
-        try:
-            await self.stream.send_all(frame)
-        except BaseException:
-            await self.aclose()
-            raise
-
-    async def send_data(
-        self, *, tag: int, seq: int, offset: int, payload: memoryview
-    ) -> None:
-        """Send one data frame; the payload goes from the caller's memory to the kernel
-        (unless the channel encrypts it)."""
-        if payload.itemsize != 1:
-            payload = payload.cast("B")  # lengths below count bytes
-        header = encode_data_header(
-            tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._data.trailer
-        )
-        async with self._send_lock:
-            with self._claim():
-                await self._send_data_locked(header, payload)
-
-    async def _send_data_locked(self, header: bytes, payload: memoryview) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("framed stream was closed")
-        buffers = (
-            [memoryview(header), payload] if self.channel is None
-            else self.channel.protect_data(header, payload)
-        )
-        try:
-            if self._socket is None:
-                for buffer in buffers:
-                    await self.stream.send_all(buffer)
-                return
-            while buffers:
-                drop_sent(buffers, await self._socket.sendmsg(buffers))
-        except OSError as exc:
-            await self.aclose()
-            raise trio.BrokenResourceError(f"send failed: {exc}") from exc
-        except BaseException:
-            await self.aclose()
-            raise
 
     async def receive_data_header(self) -> tuple[int, int, int, int]:
         """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame;

@@ -7,11 +7,12 @@ purpose: that is what a trainer computing inline does to it.
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
 import trio
@@ -24,9 +25,9 @@ from pccl_trio.transport import Credential, FramedStream, keep_alive, secure_cli
 
 TIMEOUT = 20
 CREDENTIAL = Credential(secret=b"k" * 32)
-#: A data frame's payload large enough that a few of them fill loopback's buffers, so
+#: A data frame's payload larger than loopback's socket buffers, so
 #: trio's sends wait part-way through a frame.
-BIG = 256 * 1024
+BIG = 1024 * 1024
 MAX_CONTROL = 4096
 
 
@@ -75,7 +76,6 @@ async def received_until_closed(
     ``pause`` after each."""
     frames: list[Message | DataFrame] = []
     while True:
-        time.sleep(pause)  # noqa: ASYNC251 - the sender waits mid-frame, with room now
         try:
             frame = await link.receive()
         except trio.BrokenResourceError:
@@ -83,6 +83,7 @@ async def received_until_closed(
         assert not isinstance(frame, Undecoded)
         assert not isinstance(frame, DataFrame) or len(frame.payload) == BIG
         frames.append(frame)
+        time.sleep(pause)  # noqa: ASYNC251 - the sender waits mid-frame, with room now
 
 
 async def ended(thread: threading.Thread) -> bool:
@@ -107,6 +108,47 @@ async def test_heartbeats_flow_while_the_loop_is_blocked(
     assert len(frames) >= 2 and set(frames[:-1]) == {Heartbeat()}, frames
 
 
+async def test_a_task_blocking_the_loop_right_after_a_send_does_not_lock_the_thread_out(
+    pair: tuple[FramedStream, FramedStream], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A trainer's task may block the loop while the sending task sits at the checkpoint
+    that ends its send: the wire's claim ended with the last byte, so the thread still
+    heartbeats in every block. The trainer blocks as soon as the frame is written; trio
+    runs the two tasks in random order, so several rounds."""
+    client, server = pair
+    rounds = 8
+    written = 0
+    writev = os.writev
+
+    def counting_writev(fd: int, buffers: Sequence[memoryview]) -> int:
+        nonlocal written
+        sent = writev(fd, buffers)
+        written += 1
+        return sent
+
+    monkeypatch.setattr(os, "writev", counting_writev)
+    with trio.fail_after(TIMEOUT):
+        thread = keep_alive(client, Heartbeat(), 0.01)
+        assert thread is not None
+
+        async def compute(round_: int) -> None:
+            while written <= round_:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            time.sleep(0.2)  # noqa: ASYNC251 - a trainer's step, inline
+
+        for index in range(rounds):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(client.send_message, Kick(reason=str(index)))
+                nursery.start_soon(compute, index)
+        await client.aclose()
+        assert await ended(thread)
+        frames = await received_until_closed(server)
+    kicks = [i for i, f in enumerate(frames) if isinstance(f, Kick)]
+    assert [frames[i] for i in kicks] == [Kick(reason=str(i)) for i in range(rounds)]
+    # The thread heartbeated in every block, after its round's frame.
+    assert all(b - a > 1 for a, b in zip(kicks, [*kicks[1:], len(frames)], strict=True)), frames
+
+
 async def test_thread_frames_interleave_whole_and_in_seal_order(
     pair: tuple[FramedStream, FramedStream],
 ) -> None:
@@ -118,7 +160,8 @@ async def test_thread_frames_interleave_whole_and_in_seal_order(
     count = 24
     payload = memoryview(bytes(BIG))
     with trio.fail_after(TIMEOUT):
-        thread = keep_alive(client, Heartbeat(), 0.001)
+        # Heartbeats at most every 3 ms: fewer than the receiver's pauses let it read.
+        thread = keep_alive(client, Heartbeat(), 0.003)
         assert thread is not None
 
         async def send() -> None:
