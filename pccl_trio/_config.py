@@ -32,7 +32,9 @@ class Config:
     Attributes:
         heartbeat_interval: seconds between heartbeats on an otherwise quiet master link.
         liveness_timeout: a link that delivers nothing for this long is declared dead,
-            and (at the master) its peer is removed from the run.
+            and (at the master) its peer is removed from the run. A peer keeps
+            heartbeating from a thread while its trainer blocks the event loop, so
+            only a peer dead, stopped or cut off is removed, however long it computes.
         connect_timeout: bound on establishing one TCP connection (master or p2p).
         round_timeout: (master) a peer that has not reported on its p2p connections
             this long after an establishment round started is removed from the run.

@@ -3,9 +3,9 @@
 Fault-injection tests need to see a communicator's insides (its p2p listener, its
 connections, an all-reduce attempt mid-flight, whether the running call has voted), to
 replace four of its steps (measuring a link, fetching shared state from a distributor,
-sending a vote, serving shared state) and to announce a link measurement as a master
-would. ``PeerSeam`` is that
-surface: a test asks ``pccl_trio.testing.peer_seam(comm)`` for it instead of reaching
+sending a vote, serving shared state), to switch the master link's keepalive thread off,
+and to announce a link measurement as a master would. ``PeerSeam`` is that
+surface: a test asks ``pccl_trio.testing.PeerSeam(comm)`` for it instead of reaching
 into private attributes, so the communicator's parts can change without its tests.
 """
 
@@ -118,6 +118,17 @@ class PeerSeam:
         self._comm._optimizer.expect_benchmark(
             ExpectBenchmark(optimization=0, measurer=measurer, nbytes=nbytes)
         )
+
+    @property
+    def keepalive(self) -> bool:
+        """Whether the master link gets a keepalive thread, which heartbeats while the
+        event loop is blocked (``transport.keep_alive``); set False before ``connect``
+        to show what it prevents."""
+        return self._comm._session.keepalive
+
+    @keepalive.setter
+    def keepalive(self, on: bool) -> None:
+        self._comm._session.keepalive = on
 
     @property
     def vote(self) -> Vote:

@@ -5,10 +5,22 @@ Theory of operation
 -------------------
 ``open`` connects to the master (the first of its addresses, given or discovered, that
 answers and completes the run-secret handshake, if the run has a secret), starts the
-*reader* (the only
-task that ever receives from the link) and the *heartbeat* sender, registers, and
-returns once the master's ``Welcome`` named this peer and imposed its liveness timers
-and whether its shared-state votes carry content digests (``content_digest``).
+*reader* (the only task that ever receives from the link), registers, and returns once
+the master's ``Welcome`` named this peer and imposed its liveness timers and whether
+its shared-state votes carry content digests (``content_digest``); then the
+*heartbeat* task starts.
+
+**Liveness while the trainer computes.** A trainer may block the event loop for
+minutes between calls, and the heartbeat task with it. So every link the master
+welcomes gets a *keepalive* too (``transport.keep_alive``, on TCP in real time): a
+thread that writes a ``Heartbeat`` whenever nothing was written on the link for a
+heartbeat interval, sealed with the link's channel under the wire lock it shares with
+the trio side's sends. It ends with its link (a lost master's link is closed, and the
+link that replaces it gets its own), so the master still removes a peer that is dead,
+stopped or cut off, but not one that is only busy. On the reading side, a reader whose
+deadline passed while the loop was blocked looks once more at what is queued before
+it judges the master silent. A live peer that never calls again is for the master's
+stall handling (``Config.stall_timeout``).
 
 The reader applies a few messages at once, in the order they arrive, through the
 synchronous *routes* other parts registered (``route``): a ``CollectiveCommence``
@@ -68,7 +80,14 @@ from .._core.messages import (
 )
 from .._core.wire import Admission
 from .._errors import Kicked, MasterConnectionError, PCCLError
-from ..transport import Credential, FramedStream, Network, format_address, secure_client
+from ..transport import (
+    Credential,
+    FramedStream,
+    Network,
+    format_address,
+    keep_alive,
+    secure_client,
+)
 from ._lifecycle import Lifecycle
 
 __all__ = ["MasterLost", "MasterSession", "Standing"]
@@ -134,6 +153,9 @@ class MasterSession:
         self.member = False
         #: What this member would tell a master it comes back to (set by the communicator).
         self.standing: Callable[[], Awaitable[Standing]] = _no_standing
+        #: Whether each welcomed TCP link gets a keepalive thread (off only in tests that
+        #: show what it prevents: ``PeerSeam.keepalive``).
+        self.keepalive = True
         self._link: FramedStream | None = None
         self._epoch = 0  # links lost so far: a reader or call of an older link is stale
         self._away = False
@@ -287,10 +309,14 @@ class MasterSession:
         self._life.spawn(self._read, link, self._epoch)
 
     def _welcomed(self, welcome: Welcome) -> None:
+        """The master welcomed this peer on the link installed: adopt its timers, and
+        keep the link alive while a trainer blocks the event loop."""
         self.peer_id = welcome.peer_id
         self.heartbeat_interval = welcome.heartbeat_interval
         self.liveness_timeout = welcome.liveness_timeout
         self.content_digest = welcome.content_digest
+        if self.keepalive and self._link is not None:
+            keep_alive(self._link, Heartbeat(), self.heartbeat_interval)
 
     async def aclose(self) -> None:
         if self._link is not None:

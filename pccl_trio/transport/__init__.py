@@ -18,6 +18,7 @@ from ._exposure import check_remote_host as check_remote_host
 from ._exposure import listen_host as listen_host
 from ._framed import Connection as Connection
 from ._framed import FramedStream as FramedStream
+from ._keepalive import keep_alive as keep_alive
 from ._network import InMemoryStream as InMemoryStream
 from ._network import Network as Network
 from ._network import Reservation as Reservation

@@ -1,22 +1,39 @@
 """A trio stream that speaks frames: the shell around ``_core.wire``.
 
 A ``FramedStream`` wraps either a TCP ``trio.SocketStream`` (zero-copy receives with
-``recv_into`` on its socket, one ``sendmsg`` per data frame) or a stream without a
-socket of its own that offers the ``InMemoryStream`` capabilities; nothing else is
-probed for. ``Connection`` names the two forms a p2p connection takes once its
-handshake is over: this one, driven by trio tasks, and ``SocketLink``, driven by
-worker threads.
+``recv_into`` on its socket, frames written with ``writev`` straight from their parts)
+or a stream without a socket of its own that offers the ``InMemoryStream``
+capabilities; nothing else is probed for. ``Connection`` names the two forms a p2p
+connection takes once its handshake is over: this one, driven by trio tasks, and
+``SocketLink``, driven by worker threads.
 
 After a run-secret handshake (``_secure``) a stream carries its ``Channel``: control
 frames are sealed as they are encoded and opened as they are read, a data frame's
 payload is followed by its authentication tag, which ``receive_payload`` checks before
 it returns, so no caller ever uses bytes that failed it.
+
+A TCP stream may also be written from one other thread, its keepalive
+(``_keepalive``: heartbeats that do not need the event loop). Both writers share the
+*wire lock*, a ``threading.Lock``. A trio send takes it only to claim the wire before
+it seals its frame and to release the claim right after its last byte, before any
+checkpoint; it never holds the lock across an await, and a frame left part-written
+while trio waits for room in the socket stays claimed. ``write_if_idle`` holds the lock
+while it seals and writes a whole frame, and writes only while no trio send holds the
+claim. A channel's frames therefore leave in the order they were sealed, and bytes of
+two frames never interleave. Closing the stream marks it closed under the same lock
+before the socket is closed, so the thread never writes to a descriptor number the
+kernel may hand out again.
 """
 
 from __future__ import annotations
 
+import os
 import select
 import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, TypeAlias
 
 import trio
@@ -63,8 +80,19 @@ def readable_now(sock: socket.socket | trio.socket.SocketType) -> bool:
         return True
 
 
+def _wait_writable(sock: trio.socket.SocketType, seconds: float) -> bool:
+    """Whether ``sock`` can take more bytes within ``seconds`` (a blocking wait: for
+    threads other than trio's)."""
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLOUT)
+        return bool(poller.poll(max(0, int(seconds * 1000))))
+    except (OSError, ValueError):
+        return False
+
+
 def drop_sent(buffers: list[memoryview], sent: int) -> None:
-    """Remove the first ``sent`` bytes from ``buffers`` after a partial ``sendmsg``."""
+    """Remove the first ``sent`` bytes from ``buffers`` after a partial ``sendmsg`` or ``writev``."""
     while buffers and sent >= len(buffers[0]):
         sent -= len(buffers[0])
         buffers.pop(0)
@@ -75,7 +103,8 @@ def drop_sent(buffers: list[memoryview], sent: int) -> None:
 class FramedStream:
     """Send and receive whole frames over a ``trio.abc.Stream``.
 
-    Sends are serialized by a lock so frames never interleave. A send that fails or is
+    Sends are serialized by a lock so frames never interleave (and by the wire lock
+    with a keepalive thread: see the module docstring). A send that fails or is
     cancelled may have written part of a frame, so the stream is closed at once: the
     connection is never reused with a torn frame in it.
     """
@@ -99,10 +128,25 @@ class FramedStream:
         )
         self._send_lock = trio.StrictFIFOLock()
         self._closed = False
+        self._ended = threading.Event()  # set once closed: ends a keepalive thread
+        self._wire = threading.Lock()
+        self._claimed = False  # a trio send is between its seal and its last byte
+        self._last_write = time.monotonic()  # when the last frame was written
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _mark_closed(self) -> None:
+        """Closed from now on: no thread writes after this returns."""
+        with self._wire:
+            self._closed = True
+        self._ended.set()
+
+    def wait_closed(self, seconds: float) -> bool:
+        """Block the calling thread (never trio's) until the stream is closed, for at
+        most ``seconds``; whether it is."""
+        return self._ended.wait(seconds)
 
     @property
     def socket(self) -> trio.socket.SocketType | None:
@@ -119,28 +163,34 @@ class FramedStream:
         """
         if self._decoder.buffered:
             raise RemoteProtocolError("bytes arrived before the handshake finished")
-        self._closed = True
+        self._mark_closed()
         self._socket = None
+
+    @contextmanager
+    def _claim(self) -> Iterator[None]:
+        """Hold the wire for one trio send (under ``_send_lock``): a keepalive thread
+        writes nothing meanwhile. Waits at most for one tiny frame of the thread."""
+        with self._wire:
+            self._claimed = True
+        try:
+            yield
+        finally:
+            with self._wire:
+                self._claimed = False
+                self._last_write = time.monotonic()
 
     async def send_message(self, message: Message) -> None:
         async with self._send_lock:
-            # Sealed under the lock: a channel's frames must leave in the order sealed.
-            await self._send_locked(encode_control(message, self.channel))
+            # Sealed under the claim: a channel's frames must leave in the order sealed.
+            await self._send_frame(lambda: [memoryview(encode_control(message, self.channel))])
 
     async def send_bytes(self, frame: bytes | bytearray | memoryview) -> None:
         """Send one or more complete encoded frames (sealed with ``channel``, in order,
-        if the stream has one: see ``wire.encode_control``)."""
+        if the stream has one: see ``wire.encode_control``). Frames sealed before the
+        call could fall behind a keepalive's: a stream with a channel and a keepalive
+        is sent to with ``send_message`` only."""
         async with self._send_lock:
-            await self._send_locked(frame)
-
-    async def _send_locked(self, frame: bytes | bytearray | memoryview) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("framed stream was closed")
-        try:
-            await self.stream.send_all(frame)
-        except BaseException:
-            await self.aclose()
-            raise
+            await self._send_frame(lambda: [memoryview(frame).cast("B")])
 
     async def send_data(
         self, *, tag: int, seq: int, offset: int, payload: memoryview
@@ -153,25 +203,75 @@ class FramedStream:
             tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._data.trailer
         )
         async with self._send_lock:
-            if self._closed:
-                raise trio.ClosedResourceError("framed stream was closed")
-            buffers = (
-                [memoryview(header), payload] if self.channel is None
+            await self._send_frame(
+                lambda: [memoryview(header), payload] if self.channel is None
                 else self.channel.protect_data(header, payload)
             )
-            try:
+
+    async def _send_frame(self, seal: Callable[[], list[memoryview]]) -> None:
+        """Seal one frame (``seal`` returns its parts) and write it whole, under
+        ``_send_lock``. The wire's claim ends with the last byte, not a checkpoint
+        later: a trainer that blocks the loop right after a send must not find a
+        keepalive locked out. On TCP the parts go straight to the socket (one
+        ``writev`` while the kernel takes them, waiting for room in between)."""
+        if self._closed:
+            raise trio.ClosedResourceError("framed stream was closed")
+        try:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            with self._claim():
+                buffers = seal()
                 if self._socket is None:
                     for buffer in buffers:
                         await self.stream.send_all(buffer)
-                    return
-                while buffers:
-                    drop_sent(buffers, await self._socket.sendmsg(buffers))
-            except OSError as exc:
-                await self.aclose()
-                raise trio.BrokenResourceError(f"send failed: {exc}") from exc
-            except BaseException:
-                await self.aclose()
-                raise
+                else:
+                    fd = self._socket.fileno()
+                    while buffers:
+                        try:
+                            drop_sent(buffers, os.writev(fd, buffers))
+                        except BlockingIOError:
+                            await trio.lowlevel.wait_writable(fd)
+        except OSError as exc:
+            await self.aclose()
+            raise trio.BrokenResourceError(f"send failed: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def write_if_idle(self, message: Message, idle: float) -> bool:
+        """From a thread other than trio's: seal ``message`` and write it straight to the
+        TCP socket, unless a trio send holds the wire, something was written in the last
+        ``idle`` seconds, or the socket's buffer is full. A frame started is finished
+        (within ``idle``) or the connection is shut down: nothing may follow a torn
+        frame, nor a sealed one left unsent.
+
+        Returns:
+            whether the stream can still be written: False once it is closed or broken.
+        """
+        sock = self._socket
+        assert sock is not None, "only a TCP stream is written from a thread"
+        with self._wire:
+            if self._closed:
+                return False
+            now = time.monotonic()
+            if self._claimed or now - self._last_write < idle or not _wait_writable(sock, 0):
+                return True
+            frame = memoryview(encode_control(message, self.channel))
+            try:
+                while frame:
+                    try:
+                        frame = frame[os.write(sock.fileno(), frame) :]
+                    except BlockingIOError:
+                        if not _wait_writable(sock, now + idle - time.monotonic()):
+                            raise
+            except OSError:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # trio's next read or send breaks
+                except OSError:
+                    pass
+                return False
+            self._last_write = time.monotonic()
+            return True
 
     async def receive_data_header(self) -> tuple[int, int, int, int]:
         """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame;
@@ -284,13 +384,13 @@ class FramedStream:
         return frame
 
     async def aclose(self) -> None:
-        self._closed = True
+        self._mark_closed()
         await trio.aclose_forcefully(self.stream)
 
     def close_now(self) -> None:
         """Close without waiting: a task blocked receiving on this stream wakes with
         ``ClosedResourceError`` and receives nothing more."""
-        self._closed = True
+        self._mark_closed()
         if self._socket is not None:
             self._socket.close()
         elif isinstance(self.stream, InMemoryStream):

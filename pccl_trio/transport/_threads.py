@@ -2,14 +2,15 @@
 
 Theory of operation
 -------------------
-Three kinds of work run off the event loop: blocking socket IO of the data path
+Four kinds of work run off the event loop: blocking socket IO of the data path
 (``SocketLink``, driven by ``run_in_thread``), CPU-bound array work (hashes, copies:
-``run_off_loop``) and the master's ring searches. All three follow one rule,
-``threads_allowed``: threads are used only while the run keeps real time. Under a
-virtual clock (``trio.testing.MockClock``, which the in-memory tests run on) a worker
-thread's work takes no virtual time, so with the clock jumping ahead whenever every task
-waits, timers would fire long before the thread is done; there the same work runs
-inline, in the trio thread, and its results are reproducible.
+``run_off_loop``), the master's ring searches and a master link's keepalive
+(``_keepalive``). All four follow one rule, ``threads_allowed``: threads are used only
+while the run keeps real time. Under a virtual clock (``trio.testing.MockClock``, which
+the in-memory tests run on) a worker thread's work takes no virtual time, so with the
+clock jumping ahead whenever every task waits, timers would fire long before the thread
+is done; there the same work runs inline, in the trio thread, and its results are
+reproducible (a keepalive is not needed there: the loop never really blocks).
 """
 
 from __future__ import annotations

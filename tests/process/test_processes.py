@@ -20,9 +20,11 @@ import pccl_trio as pccl
 from pccl_trio._core.messages import PROTOCOL_VERSION, Kick, Welcome
 from pccl_trio._core.wire import FrameDecoder
 
-from .conftest import Processes, namespaces_work
+from .conftest import LIVENESS_TIMEOUT, LineReader, Processes, namespaces_work
 
 pytestmark = pytest.mark.process
+
+COMPUTE_PROGRAM = str(Path(__file__).with_name("compute_program.py"))
 
 
 def world(size: int, group: int | None = None) -> object:
@@ -66,6 +68,43 @@ async def test_cli_master_four_peers_kill_and_silence(processes: Processes) -> N
 
         master.send_signal(signal.SIGTERM)
         assert await master.wait() == 0
+
+
+@pytest.mark.parametrize("keepalive", [True, False], ids=["keepalive", "no-keepalive"])
+async def test_a_peer_blocking_its_loop_for_minutes_stays_in_the_run(
+    processes: Processes, monkeypatch: pytest.MonkeyPatch, keepalive: bool
+) -> None:
+    """A trainer computing inline (``time.sleep(10)``, five liveness timeouts) between two
+    all-reduces: its keepalive thread heartbeats meanwhile, under a run secret, so the
+    next all-reduce runs with the full world. Without the thread the master removes it."""
+    block = 10.0
+    assert block > 4 * LIVENESS_TIMEOUT
+    monkeypatch.setenv("PCCL_TRIO_RUN_SECRET", "0123456789abcdef" * 2)
+    with trio.fail_after(90):
+        _master, address = await processes.master()
+        argv = [COMPUTE_PROGRAM, address, "--world", "2"]
+        if not keepalive:
+            argv.append("--no-keepalive")
+        steady = LineReader(await processes.start(*argv, stdin=True))
+        computing = LineReader(await processes.start(*argv, "--block", str(block), stdin=True))
+        firsts = [await p.wait_for(lambda r: r["event"] in ("first", "error"))
+                  for p in (steady, computing)]
+        assert [r.get("sum") for r in firsts] == [3.0, 3.0], firsts
+        blocked = await computing.wait_for(lambda r: r["event"] == "blocked")
+        assert blocked["seconds"] >= block
+        after = await computing.wait_for(lambda r: r["event"] in ("second", "error"))
+        if keepalive:
+            assert after == {"event": "second", "sum": 3.0, "world": 2}, after
+            assert await steady.wait_for(lambda r: r["event"] in ("second", "error")) == after
+        else:
+            # The master removed it at its liveness deadline; once resumed, it is told.
+            assert after["event"] == "error", after
+            assert after["kind"] in ("Kicked", "MasterConnectionError"), after
+        for reader in (steady, computing):
+            if reader.process.returncode is None:
+                assert reader.process.stdin is not None
+                await reader.process.stdin.send_all(b"go\n")
+            await reader.process.wait()
 
 
 def frame(kind: int, fields: list[object]) -> bytes:
