@@ -136,9 +136,9 @@ def targets(
     masters: Sequence[MasterAdvert], candidates: Sequence[MasterAdvert], *, limit: int
 ) -> list[tuple[str, int]]:
     """The ``(host, port)`` addresses to dial for a master, best first: the advertised
-    masters' (in ``master_order``), then the candidates' reserved ports (in election
-    order), at most ``limit``, each once."""
+    masters' (in ``master_order``, each in its addresses' order), then the candidates'
+    reserved ports (in election order), at most ``limit``, each once."""
     found: list[tuple[str, int]] = []
     for advert in [*sorted(masters, key=master_order), *candidates]:
-        found += [(host, advert.port) for host in advert.addresses[:2]]
+        found += [(host, advert.port) for host in advert.addresses]
     return list(dict.fromkeys(found))[:limit]

@@ -58,6 +58,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._config import Config
+from .._core.election import targets
 from .._core.identity import public_bytes
 from .._core.messages import (
     BenchmarkRequest,
@@ -377,8 +378,7 @@ class Communicator:
                         self._finder.run, secret=self._config.secret,
                         seconds=self._config.discovery_timeout, directory=self._finder.directory,
                     )
-                    targets = [(host, master.port) for master in masters for host in master.addresses]
-                    self._session.retarget(targets[:MAX_TARGETS])
+                    self._session.retarget(targets(masters, [], limit=MAX_TARGETS))
                     self._discovered = True
                 try:
                     port = await self._p2p.listen(self._p2p_host, self._p2p_port)

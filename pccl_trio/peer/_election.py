@@ -309,7 +309,9 @@ class Elector:
                 log.warning("cannot look for other masters of run %r: %s", self._finder.run, exc)
                 continue
             winner = outranking(own, masters)
-            if winner is not None and await self._session.probe(_pairs(winner)):
+            if winner is not None and await self._session.probe(
+                targets([winner], [], limit=MAX_TARGETS)
+            ):
                 return winner
             if winner is not None:
                 log.warning(
@@ -317,10 +319,6 @@ class Elector:
                     "prove to be one of this run: ignored", self._finder.run, winner.instance,
                     winner.address,
                 )
-
-
-def _pairs(advert: MasterAdvert) -> list[tuple[str, int]]:
-    return [(host, advert.port) for host in advert.addresses[:2]]
 
 
 def _addresses(advert: MasterAdvert) -> list[str]:

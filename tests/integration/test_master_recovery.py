@@ -178,6 +178,28 @@ def check_run(states: list[pccl.SharedState], progress: Progress) -> None:
     assert all(s.tensors[0].data.tobytes() == first for s in states)
 
 
+async def train_through_a_restart(
+    masters: Masters, comms: list[pccl.Communicator], scope: trio.CancelScope, port: int
+) -> None:
+    """``comms`` train while their master is killed mid-run and restarted at ``port`` 2 s
+    later; the run goes on as if nothing happened and every peer comes back as itself."""
+    ids = [c.peer_id for c in comms]
+    progress = Progress.of(len(comms))
+
+    async def restart() -> None:
+        await kill_once_stepped(progress, scope)
+        await trio.sleep(2.0)
+        await masters.start("master", port=port)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(restart)
+        states = await train(comms, progress)
+    check_run(states, progress)
+    assert [c.peer_id for c in comms] == ids  # every peer came back as itself
+    for comm in comms:
+        await comm.aclose()
+
+
 async def test_a_master_restarted_at_the_same_address_takes_the_run_back(
     masters: Masters, clock: object
 ) -> None:
@@ -185,21 +207,7 @@ async def test_a_master_restarted_at_the_same_address_takes_the_run_back(
         address, scope = await masters.start("master")
         port = int(address.rsplit(":", 1)[1])
         comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
-        ids = [c.peer_id for c in comms]
-        progress = Progress.of(3)
-
-        async def restart() -> None:
-            await kill_once_stepped(progress, scope)
-            await trio.sleep(2.0)
-            await masters.start("master", port=port)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(restart)
-            states = await train(comms, progress)
-        check_run(states, progress)
-        assert [c.peer_id for c in comms] == ids  # every peer came back as itself
-        for comm in comms:
-            await comm.aclose()
+        await train_through_a_restart(masters, comms, scope, port)
 
 
 async def test_a_standby_master_takes_the_run_over(masters: Masters, clock: object) -> None:
@@ -386,18 +394,4 @@ async def test_members_with_node_identities_come_back_to_a_restarted_master(
         comms = await form_run([], [
             masters.communicator(f"p{i}", address, identity=keys[i]) for i in range(3)
         ])
-        ids = [c.peer_id for c in comms]
-        progress = Progress.of(3)
-
-        async def restart() -> None:
-            await kill_once_stepped(progress, scope)
-            await trio.sleep(2.0)
-            await masters.start("master", port=port)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(restart)
-            states = await train(comms, progress)
-        check_run(states, progress)
-        assert [c.peer_id for c in comms] == ids
-        for comm in comms:
-            await comm.aclose()
+        await train_through_a_restart(masters, comms, scope, port)
