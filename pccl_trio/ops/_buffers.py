@@ -3,6 +3,8 @@
 The all-reduce writes its result into the caller's buffer, so every accepted input is viewed, never
 copied: a C-contiguous numpy array, a cupy array, or any object that exports DLPack (a torch tensor,
 say). The view is flat because the reduction is elementwise and the shape travels nowhere.
+A torch tensor that requires grad (a model's parameter) is viewed through ``detach()``: its
+memory, written outside autograd, as an optimizer's step writes it.
 
 numpy cannot import torch's bfloat16 through DLPack (it has no such builtin dtype), so a torch
 bfloat16 tensor is exported as int16, the same bits, and viewed back as ``ml_dtypes.bfloat16``.
@@ -90,7 +92,12 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
     """View a DLPack exporter as a numpy array (host memory) or a cupy array (GPU memory)."""
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
     device_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
-    torch_bfloat16 = type(obj).__module__.startswith("torch") and repr(obj.dtype) == "torch.bfloat16"
+    from_torch = type(obj).__module__.startswith("torch")
+    if from_torch and getattr(obj, "requires_grad", False):
+        # A model's parameter: its data, the same memory, written outside autograd as an
+        # optimizer's step is (DLPack refuses a tensor that requires grad).
+        obj = obj.detach()
+    torch_bfloat16 = from_torch and repr(obj.dtype) == "torch.bfloat16"
     xp: ModuleType
     if int(device_type) in _DLPACK_GPU_DEVICES:
         if torch_bfloat16:
