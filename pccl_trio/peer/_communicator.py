@@ -216,7 +216,9 @@ class Communicator:
         config = (config or Config()).with_environment_secret()
         network = network if network is not None else TcpNetwork()
         if discover is not None:
-            check_discover(discover, config, network)
+            check_discover(
+                discover, config, network, candidate_host=p2p_host if host_master else None
+            )
         if isinstance(network, TcpNetwork):
             # Without a run secret a run stays on this machine unless told otherwise.
             secured, insecure = config.secret is not None, config.insecure

@@ -59,6 +59,7 @@ from ..transport import (
     discovery_available,
     format_address,
 )
+from ..transport._exposure import is_loopback
 from ._lifecycle import Lifecycle
 from ._session import MasterSession
 
@@ -77,8 +78,11 @@ LOOK_SECONDS = 1.0
 WATCH_TIMEOUTS = 3
 
 
-def check_discover(run: str, config: Config, network: Network) -> None:
-    """Refuse ``discover=run`` where it cannot work."""
+def check_discover(
+    run: str, config: Config, network: Network, *, candidate_host: str | None = None
+) -> None:
+    """Refuse ``discover=run`` where it cannot work; ``candidate_host``: the host a
+    candidate (``host_master=True``) would host the master on."""
     try:
         check_run_name(run)
     except ValueError as exc:
@@ -94,6 +98,12 @@ def check_discover(run: str, config: Config, network: Network) -> None:
         raise InvalidArgument(
             f"discover={run!r} looks for a master on other hosts, which a peer without a "
             f"run secret does not reach: {ADVICE}"
+        )
+    if candidate_host is not None and is_loopback(candidate_host):
+        raise InvalidArgument(
+            f"host_master=True with p2p_host={candidate_host!r}: a master elected here would "
+            "listen on loopback, which the other peers of the run cannot reach; use "
+            "p2p_host='0.0.0.0' (the default) or an interface's address"
         )
     if not discovery_available():
         raise InvalidArgument(f"discover={run!r}: {MISSING_ZEROCONF}")

@@ -68,6 +68,9 @@ class NoDirectory:
          "NoDirectory has no directory: give the master's address"),
         (lambda: pccl.Communicator("127.0.0.1:1", host_master=True), "give discover='RUN'"),
         (lambda: pccl.Communicator(discover="r"), "peer without a run secret does not reach"),
+        (lambda: pccl.Communicator(discover="r", host_master=True, p2p_host="127.0.0.1",
+                                   config=pccl.Config(run_secret=SECRET)),
+         r"p2p_host='127.0.0.1': a master elected here would listen on loopback"),
     ],
 )
 def test_the_communicator_refuses_discovery_that_cannot_work(
