@@ -110,7 +110,6 @@ log = logging.getLogger("pccl_trio.peer")
 _T = TypeVar("_T")
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CommunicatorStatistics:
     """A snapshot of a communicator's membership view and open p2p connections.
@@ -491,10 +490,30 @@ class Communicator:
         self._all_reduces.check_idle("sync_shared_state")
         return await self._through_master_loss(lambda: self._sync.sync(state, strategy))
 
-    async def are_peers_pending(self) -> bool:
-        """Collective vote: whether peers wait to be admitted by ``update_topology``."""
+    async def are_peers_pending(self, *, wait: float = 0.0) -> bool:
+        """Collective vote: whether peers wait to be admitted by ``update_topology``.
+
+        ``wait`` (seconds, ``math.inf`` allowed): while nobody waits, the master holds the
+        answer until a peer asks to join (True) or the shortest ``wait`` of the voters
+        runs out (False). A peer alone in the run waits for company this way at no cost
+        (one question, no round trips meanwhile), still told of a kick or a lost master.
+
+        Raises:
+            InvalidUsage: the master refused the vote (another peer waits in
+                ``update_topology``, ``optimize_topology`` or, in this peer group,
+                ``sync_shared_state``, or a member did not ask within the stall
+                timeout), another membership call runs, or the communicator is not
+                connected.
+            InvalidArgument: ``wait`` is not a number >= 0.
+            MasterConnectionError, Kicked: the run is over for this peer.
+        """
         self._life.check_connected()
-        return await self._through_master_loss(self._membership.are_peers_pending)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
+            raise InvalidArgument(f"wait must be a number of seconds >= 0, got {wait!r}")
+        deadline = trio.current_time() + wait
+        return await self._through_master_loss(
+            lambda: self._membership.are_peers_pending(deadline)
+        )
 
     async def _through_master_loss(self, call: Callable[[], Awaitable[_T]]) -> _T:
         """Run a membership call; if the master is lost meanwhile, run it again once it
