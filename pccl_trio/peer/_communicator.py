@@ -464,7 +464,8 @@ class Communicator:
         """Collective vote: make this peer's shared state the group's popular one.
 
         Every peer of the group calls it with the same tensors (names, dtypes, sizes, in
-        the same order) and a revision one above its last sync's. The master elects
+        the same order) and a revision one above its last sync's (or the same one again
+        when the step after that sync was aborted). The master elects
         the popular content; a peer whose tensors differ (or whose revision is behind,
         like a joiner) fetches exactly the differing tensors from the peers that hold
         it, straight into its buffers, verifies them, and adopts the group's revision.
