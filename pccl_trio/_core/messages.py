@@ -134,6 +134,9 @@ class Outcome(enum.IntEnum):
     SUCCESS = 0
     ABORTED = 1  # a peer failed, left or voted otherwise: retry once the ring is re-established
     REJECTED = 2  # the peers disagree on the call, or a peer's data could not be reduced
+    # It never ran: a member waits in a shared-state sync, which an all-reduce cannot
+    # join. The ring is as it was (no data moved, nobody left): sync, then retry.
+    BLOCKED = 3
 
 
 class SyncStrategy(enum.IntEnum):

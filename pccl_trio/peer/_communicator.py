@@ -565,8 +565,10 @@ class Communicator:
         op. On success every peer holds bit-identical results.
 
         Raises:
-            CollectiveAborted: a peer failed or left; an in-place ``send`` is restored
-                and a retry (after which the ring excludes departed peers) is safe.
+            CollectiveAborted: a peer failed or left, or waits in
+                ``sync_shared_state`` (then sync before retrying); an in-place ``send``
+                is restored and a retry (after which the ring excludes departed peers)
+                is safe.
             InvalidArgument: bad buffers, or the peers disagree on the arguments.
             InvalidUsage: the tag is already in flight, or a topology update runs.
             TooFewPeers: the peer group has a single peer.
@@ -625,6 +627,8 @@ class Communicator:
             InvalidArgument: the run rejected some tensors (named in the message; each
                 of them was restored to its input), or an argument is malformed.
             TooFewPeers: the peer group shrank to a single peer.
+            CollectiveAborted: a peer of the group waits in ``sync_shared_state``
+                (each tensor holds its input or, if it completed, its result).
         """
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise InvalidArgument(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
