@@ -8,8 +8,8 @@ weights and step from the others there; after that every peer applies the same a
 gradient in place, so all hold bit-identical weights and every sync moves 0 bytes. A
 peer that dies mid-step makes the all-reduce abort for everyone; the survivors start the
 step over at its sync. The loop is the README's quickstart loop (a peer alone waits for
-company without polling; a failed sync or a kick joins again). Prints one JSON line per
-event for ``examples/demo.py``.
+company without polling; a failed sync is made again; a kick joins again). Prints one
+JSON line per event for ``examples/demo.py``.
 """
 
 from __future__ import annotations
@@ -103,13 +103,10 @@ async def train_in_run(
                      rx=synced.rx_bytes, tx=synced.tx_bytes)
             loss, grad = loss_and_gradient(params, x, y)
             info = await comm.all_reduce(grad, op=pccl.ReduceOp.AVG, tag=0)
-        except pccl.CollectiveAborted as exc:
+        except (pccl.CollectiveAborted, pccl.SharedStateSyncFailed) as exc:
             emit(event="aborted", peer=comm.peer_id, step=int(step[0]), reason=str(exc)[:120])
             resync = True  # the step starts over at its sync, at the same revision
             continue
-        except pccl.SharedStateSyncFailed as exc:
-            emit(event="error", kind=type(exc).__name__, message=f"{exc}; joining again")
-            return
         except (pccl.TooFewPeers, pccl.UpdateTopologyFailed, pccl.TopologyOptimizationFailed):
             continue  # the step starts over from the top
         except pccl.Kicked as exc:
