@@ -57,6 +57,7 @@ class Peer:
     host: str
     shard: int
     die_at: int | None = None  # the compute_gradients call that kills this peer
+    cut_at: int | None = None  # the compute_gradients call that cuts this peer off
     failing_fetches: int = 0  # shared-state fetches that fail before one may succeed
     communicators: int = 0  # how many the block created
     weights: np.ndarray | None = None
@@ -72,6 +73,7 @@ class Trainer:
 
     def __init__(self, cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
         self.cluster = cluster
+        self.nursery: trio.Nursery | None = None  # where a cut-off peer's healing runs
         real = pccl.Communicator
 
         def communicator(address: str, peer_group: int = 0) -> pccl.Communicator:
@@ -118,8 +120,18 @@ class Trainer:
             if self.cluster.memory is not None:
                 self.cluster.memory.kill(peer.host)  # its sockets break, as in a SIGKILL
             raise Died(peer.host)  # and its communicator closes on the way out
+        if peer.cut_at is not None and peer.computed.total() == peer.cut_at:
+            assert self.cluster.memory is not None and self.nursery is not None
+            self.cluster.memory.partition(peer.host)  # silently, as a pulled cable
+            self.nursery.start_soon(self.heal, peer.host)
         target = np.random.default_rng(peer.shard).standard_normal(SIZE)
         return weights - target  # the gradient of |weights - target|^2 / 2 on its shard
+
+    async def heal(self, host: str) -> None:
+        """Long past the liveness timeout: the run went on without ``host``."""
+        assert self.cluster.memory is not None
+        await trio.sleep(5 * self.cluster.config.liveness_timeout)
+        self.cluster.memory.heal(host)
 
     @staticmethod
     def apply_update(weights: np.ndarray, momentum: np.ndarray, grads: np.ndarray) -> None:
@@ -259,3 +271,30 @@ async def test_a_lone_peer_waits_without_round_trips_then_trains_with_a_joiner(
     assert alone.weights is not None and joiner.weights is not None
     assert alone.weights.tobytes() == joiner.weights.tobytes()
     assert sum(alone.computed.values()) == sum(joiner.computed.values()) == 5
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])  # partitions need the memory network
+async def test_a_peer_cut_off_past_the_liveness_timeout_is_kicked_and_joins_anew(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = Trainer(cluster, monkeypatch)
+    founder, cut, third = Peer("p0", shard=0), Peer("p1", shard=1, cut_at=5), Peer("p2", shard=2)
+    # Steps take virtual time (10 ms each way on every link), so that the run is still
+    # going when the cut-off peer comes back.
+    assert cluster.memory is not None
+    hosts = ["master", "p0", "p1", "p2"]
+    for source in hosts:
+        for destination in hosts:
+            if source != destination:
+                cluster.memory.shape(source, destination, latency=0.01)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            trainer.nursery = nursery
+            for peer in (founder, cut, third):
+                nursery.start_soon(trainer.run, peer, 300)
+
+    # Its master removed it; when the cable came back it was kicked, and it joined
+    # again as a newcomer, whose first sync brought the run's weights.
+    assert (founder.communicators, cut.communicators, third.communicators) == (1, 2, 1)
+    assert founder.weights is not None and cut.weights is not None and third.weights is not None
+    assert founder.weights.tobytes() == cut.weights.tobytes() == third.weights.tobytes()
