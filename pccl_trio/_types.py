@@ -127,8 +127,10 @@ class TensorInfo:
 class SharedState:
     """The tensors every peer of a group keeps identical, and their revision.
 
-    ``revision`` must advance by exactly one between syncs (the master removes a peer
-    that skips ahead); a sync sets it to the group's revision when this peer was behind.
+    ``revision`` is one above the last sync's after a completed step, or the last sync's
+    again when the step was aborted after its sync (a repeat); the master removes a
+    peer that skips further ahead, and a sync sets it to the group's revision when this
+    peer was behind (``docs/shared-state.md``, "The rules").
     """
 
     tensors: list[TensorInfo]

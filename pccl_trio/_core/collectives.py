@@ -14,9 +14,10 @@ failed or left: an ``CollectiveAbort`` stopped the others at once) or REJECTED (
 peer's data could not be reduced).
 
 A collective that cannot commence ends at once, with a verdict of seq 0, rather than
-wait: ABORTED when a member waits in a vote that blocks all-reduces
-(``peers.BLOCKED_BY``) or when the group's ring is stale (it must be re-established
-first), REJECTED when the descriptors disagree. A collective some member never
+wait: BLOCKED when a member waits in a shared-state sync (the ring is intact; the
+voters sync next), ABORTED when a member waits in a topology vote that blocks
+all-reduces (``peers.BLOCKED_BY``) or when the group's ring is stale (it must be
+re-established first), REJECTED when the descriptors disagree. A collective some member never
 votes for ends REJECTED after the master's stall timeout (``stalls``: ``waiting``
 lists the collectives waiting for members). Every voter gets exactly one verdict per
 initiate.
@@ -39,7 +40,7 @@ from .messages import (
     Outcome,
     bounded,
 )
-from .peers import FREE_STATES, VOTES, Call, Peer, PeerPhase, PeerTable, find_blocker
+from .peers import FREE_STATES, VOTES, Call, Peer, PeerPhase, PeerState, PeerTable, find_blocker
 from .rounds import RingBook
 from .stalls import Waiting
 
@@ -148,10 +149,12 @@ class Collectives:
             blocker = find_blocker(Call.ALL_REDUCE, collective.group, members)
             if blocker is not None:
                 # That peer is blocked in a vote and will never initiate: waiting would
-                # deadlock the group.
+                # deadlock the group. Behind a sync vote the ring stays as it is (the
+                # voters re-establish nothing before their sync, which the syncing peer
+                # could not join); behind a topology vote, they take part in one.
                 self._end(
                     collective,
-                    Outcome.ABORTED,
+                    Outcome.BLOCKED if blocker.state is PeerState.VOTE_SYNC else Outcome.ABORTED,
                     f"peer {blocker.peer_id} voted to {VOTES[blocker.state].purpose} instead of "
                     f"joining the all-reduce with tag {collective.tag}",
                 )

@@ -51,11 +51,13 @@ A ``Tick`` kicks silent connections, then late round participants, then late lin
 measurements; re-evaluates if it kicked anyone; then logs the stall warnings due and
 refuses the votes past the stall timeout (collectives, the pending-peers vote, the
 establishment vote, syncs, the optimization vote), re-evaluating if it refused any;
-then sends the heartbeats due.
+re-evaluates if a held pending-peers answer is due (its askers' wait ran out); then
+sends the heartbeats due.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import TypeVar, cast
 
@@ -291,8 +293,13 @@ class MasterCore:
         """When to deliver a ``Tick`` if no other event comes first (``inf``: never)."""
         return min(
             self._rounds.deadline(), self._optimizer.deadline(), self._table.deadline(),
-            self._stalls.deadline(), self._recovery.deadline(),
+            self._stalls.deadline(), self._recovery.deadline(), self._pending_deadline(),
         )
+
+    def _pending_deadline(self) -> float:
+        """When a held pending-peers answer is due (never while members come back: no
+        vote is decided then)."""
+        return math.inf if self._recovery.holding else self._pending.deadline()
 
     def peers(self) -> list[PeerView]:
         """Every registered peer, by id."""
@@ -359,6 +366,8 @@ class MasterCore:
             self._reevaluate()
         if self._stalls.check():
             self._reevaluate()
+        if self._pending_deadline() <= self._table.now:
+            self._reevaluate()  # a held pending-peers answer is due
         self._table.send_heartbeats()
 
     def _continue_above(self, number: int) -> None:

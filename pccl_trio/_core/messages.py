@@ -69,6 +69,7 @@ __all__ = [
     "ExpectBenchmark",
     "M2C",
     "MAX_KEY",
+    "MAX_PENDING_WAIT",
     "MAX_POOL_SIZE",
     "MAX_TIMER",
     "P2P",
@@ -120,7 +121,7 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
@@ -133,6 +134,9 @@ class Outcome(enum.IntEnum):
     SUCCESS = 0
     ABORTED = 1  # a peer failed, left or voted otherwise: retry once the ring is re-established
     REJECTED = 2  # the peers disagree on the call, or a peer's data could not be reduced
+    # It never ran: a member waits in a shared-state sync, which an all-reduce cannot
+    # join. The ring is as it was (no data moved, nobody left): sync, then retry.
+    BLOCKED = 3
 
 
 class SyncStrategy(enum.IntEnum):
@@ -152,6 +156,9 @@ MAX_BENCHMARK_BYTES = 1 << 30
 MATRIX_LIMIT = 128
 #: Longest liveness timeout a master may impose, in seconds.
 MAX_TIMER = 3600.0
+#: Longest wait a pending-peers vote may ask for, in seconds (some 31 years: a peer
+#: that waits "forever" asks for this).
+MAX_PENDING_WAIT = 1e9
 #: Largest peer id, revision or round, attempt, sync or optimization number a member
 #: coming back may report (``Register``): far beyond any run, far below overflow.
 MAX_RUN_NUMBER = 1 << 48
@@ -250,7 +257,20 @@ class P2PEstablished(Message):
 @message(5, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class VotePeersPending(Message):
-    """Vote to learn whether peers are waiting to be accepted."""
+    """Vote to learn whether peers are waiting to be accepted.
+
+    ``wait``: seconds the answer may wait for a peer to arrive while none waits (0:
+    answer at once); once every member asked, the master answers as soon as a peer
+    waits, or when the shortest ``wait`` of the voters ran out.
+    """
+
+    wait: float = 0.0
+
+    def _validate(self) -> None:
+        if not 0 <= self.wait <= MAX_PENDING_WAIT:
+            raise RemoteProtocolError(
+                f"VotePeersPending.wait: {self.wait!r} is not in [0, {MAX_PENDING_WAIT:g}] seconds"
+            )
 
 
 @message(6, C2M)

@@ -278,6 +278,8 @@ class Peer:
     # stall timer of a waiting vote starts at its first voter's, see ``stalls``).
     voted_at: float = 0.0
     pending_since: float = 0.0
+    # How long its pending-peers question may wait for a peer to arrive.
+    pending_wait: float = 0.0
 
     def apply(self, event: PeerEvent) -> None:
         """Change the state by ``event`` (see ``transition``)."""

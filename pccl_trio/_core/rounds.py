@@ -30,7 +30,11 @@ kept and newcomers are appended.
 The *pending-peers vote* is orthogonal to the states: when every ACCEPTED peer asked
 (``VotePeersPending``, only in ``peers.FREE_STATES``), each gets whether anyone waits
 to be admitted. A peer that waits in a vote blocking it (``peers.BLOCKED_BY``) will
-never ask: those who did are answered with an error instead.
+never ask: those who did are answered with an error instead. A question may *wait*
+(``VotePeersPending.wait``): while nobody waits to be admitted, the answer is held
+until a peer registers (True) or the shortest wait of the askers, counted from each
+one's question, ran out (False; ``deadline``). That is how a peer alone in the run
+waits for company: one question, answered when the company arrives.
 
 Both votes list themselves while they wait for members (``waiting``, see ``stalls``):
 past the master's stall timeout the voters are refused, establishment voters with a
@@ -432,6 +436,19 @@ class PendingVote:
             )
         peer.pending_vote = True
         peer.pending_since = self._table.now
+        peer.pending_wait = message.wait
+
+    @staticmethod
+    def _answer_at(askers: Sequence[Peer]) -> float:
+        """When a question every one of ``askers`` asked is answered with nobody waiting."""
+        return min(p.pending_since + p.pending_wait for p in askers)
+
+    def deadline(self) -> float:
+        """When a held answer is due (``inf``: no answer is held)."""
+        accepted = self._table.accepted()
+        if not accepted or not all(p.pending_vote for p in accepted):
+            return math.inf
+        return self._answer_at(accepted)
 
     def waiting(self) -> Iterator[Waiting]:
         """The vote, while some members asked and others did not."""
@@ -471,6 +488,8 @@ class PendingVote:
         if refused or not accepted or not all(p.pending_vote for p in accepted):
             return
         pending = self._table.anyone_waiting()
+        if not pending and self._table.now < self._answer_at(accepted):
+            return  # held: a peer may still arrive within the askers' wait
         for peer in accepted:
             peer.pending_vote = False
             self._table.send(peer, PeersPendingResult(pending=pending))

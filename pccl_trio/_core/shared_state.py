@@ -11,12 +11,14 @@ is its simplehash and its digest together: in a run that requires digests
 hold different content; elsewhere every digest is empty and the simplehash alone
 decides.
 
-1. **Revision.** A vote above the expected revision was refused when it arrived (the
-   master kicks it: revisions advance by exactly one per sync). The sync's *target*
-   revision is the expected one; before the first sync, or when no voter holds the
-   expected revision (its holders all left), it is the highest revision voted, which
-   lets a run resume from a checkpoint. Voters at the target are *current*, the others
-   *outdated* (joiners): they are dragged along to the target.
+1. **Revision.** A vote above the expected revision (the last sync's plus one) was
+   refused when it arrived (the master kicks it: it skips ahead). The sync's *target*
+   revision is the expected one if a voter holds it; otherwise (every member repeats
+   the last sync's revision after a step aborted past its sync, or the expected one's
+   holders all left, or the group's first sync) it is the highest revision voted,
+   which also lets a run resume from a checkpoint. Voters at the target are *current*,
+   the others *outdated* (joiners, a peer whose last sync failed): they are dragged
+   along to the target.
 2. **Strategies.** ENFORCE_POPULAR cannot be mixed with the others: if the group mixes
    them, the peers that did not ENFORCE_POPULAR are kicked. RECEIVE_ONLY peers offer no
    candidate; if nobody offers one, every voter is kicked.

@@ -5,9 +5,10 @@ Theory of operation
 A sync is a vote of one peer group. Each member votes ``SharedStateVote`` (VOTE_SYNC)
 with its *ballot*: revision, strategy and one entry per tensor. A vote whose revision
 skips ahead of the one the group expects next is refused at once (the peer is kicked:
-revisions advance by exactly one per sync), and so is a vote whose entries do not carry
-content digests exactly as the run requires (``content_digest``: a BLAKE2b-256 digest on
-every entry whose content must match, none elsewhere; without it, none at all). Once
+a revision is one above the last sync's, or that one again, or behind), and so is a
+vote whose entries do not carry content digests exactly as the run requires
+(``content_digest``: a BLAKE2b-256 digest on every entry whose content must match, none
+elsewhere; without it, none at all). Once
 every accepted member of the group voted, :func:`shared_state.elect` decides, as a pure
 function of the ballots: who is kicked, which revision everyone holds afterwards, who
 fetches which keys, and who may distribute them. Every remaining voter gets its
@@ -120,7 +121,7 @@ class Syncs:
                 peer,
                 f"shared-state revision {message.revision} skips ahead of revision "
                 f"{expected}, the next one of peer group {peer.peer_group}: each sync must "
-                "advance the revision by exactly one",
+                "advance the revision by at most one",
             )
             return
         peer.ballot = Ballot(

@@ -20,7 +20,10 @@ whatever happens). One call is one *attempt*:
 5. The attempt ends: no more writes, no more frames routed to it. On an aborted
    verdict the ring is marked stale at once, the input is restored, and the last
    attempt of a failed set re-establishes the ring (unless that was done since) so
-   that a retry runs on the survivors.
+   that a retry runs on the survivors. A verdict that it never ran leaves the ring as
+   it is: REJECTED (the peers disagree) and BLOCKED (a member waits in a shared-state
+   sync, whose vote a re-establishment would refuse; this peer's next call is its own
+   sync, and ``all_reduce_multiple_with_retry`` gives up rather than retry).
 
 A cancelled ``all_reduce`` follows trio's rule for an operation that may be past the
 point of no return: the cancellation either takes effect, and then the all-reduce was
@@ -102,6 +105,11 @@ _CANCELLED = "the caller cancelled the all-reduce"
 class _Rejected(InvalidArgument):
     """The master rejected a collective for every peer of its group (the peers disagree
     on its arguments, or a peer's data cannot be reduced): retrying would fail alike."""
+
+
+class _Blocked(CollectiveAborted):
+    """The master ended a collective before it ran because a member waits in a
+    shared-state sync: the ring is intact; retrying before syncing would fail alike."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -376,6 +384,8 @@ class AllReduces:
         async def one(index: int) -> None:
             try:
                 info = await results[index].get()
+            except _Blocked as exc:  # a member syncs: retrying before that fails alike
+                fatal.append(CollectiveAborted(str(exc)))
             except CollectiveAborted:
                 failed.append(index)
             except _Rejected as exc:  # the same verdict on every peer: not retried
@@ -522,7 +532,7 @@ class AllReduces:
                     world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes,
                     clamped=attempt.clamped,
                 )
-            never_ran = verdict.outcome == Outcome.REJECTED and not verdict.seq
+            never_ran = verdict.outcome in (Outcome.REJECTED, Outcome.BLOCKED) and not verdict.seq
             if not never_ran:
                 # Stale from the verdict on, not from after the settle: a
                 # re-establishment that another attempt starts meanwhile then covers
@@ -533,6 +543,12 @@ class AllReduces:
             await attempt.settle()
             if never_ran:
                 attempt.restore()  # nothing was written, but keep the rule simple
+                if verdict.outcome == Outcome.BLOCKED:
+                    raise _Blocked(
+                        f"the all-reduce with tag {tag} was aborted for every peer before it "
+                        f"ran: {verdict.reason}; the input is unchanged: synchronize the "
+                        "shared state as that peer does, then retry"
+                    )
                 raise _Rejected(verdict.reason)
             reason = verdict.reason or attempt.failure or "a peer failed"
             await self._after_abort(attempt, result)

@@ -110,7 +110,6 @@ log = logging.getLogger("pccl_trio.peer")
 _T = TypeVar("_T")
 
 
-
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CommunicatorStatistics:
     """A snapshot of a communicator's membership view and open p2p connections.
@@ -467,7 +466,8 @@ class Communicator:
         """Collective vote: make this peer's shared state the group's popular one.
 
         Every peer of the group calls it with the same tensors (names, dtypes, sizes, in
-        the same order) and a revision one above its last sync's. The master elects
+        the same order) and a revision one above its last sync's (or the same one again
+        when the step after that sync was aborted). The master elects
         the popular content; a peer whose tensors differ (or whose revision is behind,
         like a joiner) fetches exactly the differing tensors from the peers that hold
         it, straight into its buffers, verifies them, and adopts the group's revision.
@@ -493,10 +493,28 @@ class Communicator:
         self._all_reduces.check_idle("sync_shared_state")
         return await self._through_master_loss(lambda: self._sync.sync(state, strategy))
 
-    async def are_peers_pending(self) -> bool:
-        """Collective vote: whether peers wait to be admitted by ``update_topology``."""
+    async def are_peers_pending(self, *, wait: float = 0.0) -> bool:
+        """Collective vote: whether peers wait to be admitted by ``update_topology``.
+
+        ``wait`` (seconds, ``math.inf`` allowed): while nobody waits, the master holds the
+        answer until a peer asks to join (True) or the shortest ``wait`` of the voters
+        runs out (False). A peer alone in the run waits for company this way at no cost
+        (one question, no round trips meanwhile), still told of a kick or a lost master.
+
+        Raises:
+            InvalidUsage: the master refused the vote (a peer waits in ``update_topology``,
+                ``optimize_topology`` or its group's ``sync_shared_state``, or did not ask
+                within the stall timeout), another membership call runs, or not connected.
+            InvalidArgument: ``wait`` is not a number >= 0.
+            MasterConnectionError, Kicked: the run is over for this peer.
+        """
         self._life.check_connected()
-        return await self._through_master_loss(self._membership.are_peers_pending)
+        if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
+            raise InvalidArgument(f"wait must be a number of seconds >= 0, got {wait!r}")
+        deadline = trio.current_time() + wait
+        return await self._through_master_loss(
+            lambda: self._membership.are_peers_pending(deadline)
+        )
 
     async def _through_master_loss(self, call: Callable[[], Awaitable[_T]]) -> _T:
         """Run a membership call; if the master is lost meanwhile, run it again once it
@@ -547,8 +565,10 @@ class Communicator:
         op. On success every peer holds bit-identical results.
 
         Raises:
-            CollectiveAborted: a peer failed or left; an in-place ``send`` is restored
-                and a retry (after which the ring excludes departed peers) is safe.
+            CollectiveAborted: a peer failed or left, or waits in
+                ``sync_shared_state`` (then sync before retrying); an in-place ``send``
+                is restored and a retry (after which the ring excludes departed peers)
+                is safe.
             InvalidArgument: bad buffers, or the peers disagree on the arguments.
             InvalidUsage: the tag is already in flight, or a topology update runs.
             TooFewPeers: the peer group has a single peer.
@@ -607,6 +627,8 @@ class Communicator:
             InvalidArgument: the run rejected some tensors (named in the message; each
                 of them was restored to its input), or an argument is malformed.
             TooFewPeers: the peer group shrank to a single peer.
+            CollectiveAborted: a peer of the group waits in ``sync_shared_state``
+                (each tensor holds its input or, if it completed, its result).
         """
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise InvalidArgument(f"max_in_flight must be a positive integer, got {max_in_flight!r}")

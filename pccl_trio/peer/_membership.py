@@ -28,7 +28,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import trio
+
 from .._core.messages import (
+    MAX_PENDING_WAIT,
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
@@ -203,11 +206,14 @@ class Membership:
                 "rounds (peers kept failing or leaving); call update_topology() again"
             )
 
-    async def are_peers_pending(self) -> bool:
-        """``Communicator.are_peers_pending``."""
+    async def are_peers_pending(self, deadline: float) -> bool:
+        """``Communicator.are_peers_pending``, its answer held by the master until a peer
+        waits or ``deadline`` (trio time) passes; asked again with what is left of the
+        wait when the master was lost meanwhile (see ``Communicator``)."""
         await self.ensure_ring()
         with self._life.operation(Call.ARE_PEERS_PENDING):
-            await self._session.vote(VotePeersPending())
+            wait = min(max(0.0, deadline - trio.current_time()), MAX_PENDING_WAIT)
+            await self._session.vote(VotePeersPending(wait=wait))
             result = await self._session.wait_for(PeersPendingResult)
             if result.error:
                 raise InvalidUsage(result.error)

@@ -300,8 +300,8 @@ class MasterHarness:
             conn, CollectiveComplete(tag=tag, seq=seq, aborted=aborted, invalid=invalid)
         )
 
-    def pending(self, conn: int) -> list[Action]:
-        return self.send(conn, VotePeersPending())
+    def pending(self, conn: int, wait: float = 0.0) -> list[Action]:
+        return self.send(conn, VotePeersPending(wait=wait))
 
     def optimize(self, conn: int) -> list[Action]:
         return self.send(conn, VoteOptimizeTopology())

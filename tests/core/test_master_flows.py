@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pccl_trio._core.errors import LocalProtocolError
+from pccl_trio._core.errors import LocalProtocolError, RemoteProtocolError
 from pccl_trio._core.master import (
     Close,
     ConnectionBroken,
@@ -19,6 +19,7 @@ from pccl_trio._core.master import (
 )
 from pccl_trio._core.messages import (
     C2M,
+    MAX_PENDING_WAIT,
     PROTOCOL_VERSION,
     Heartbeat,
     Kick,
@@ -482,6 +483,76 @@ def test_a_round_voids_pending_votes() -> None:
     assert h.take(2) == []  # peer 1's vote went with the round
     h.pending(1)  # and voting again is no double vote
     assert h.take(1) == h.take(2) == [PeersPendingResult(pending=False)]
+
+
+def test_a_waiting_question_is_answered_when_a_peer_registers() -> None:
+    h = MasterHarness()
+    accepted(h, 1)
+    h.take_all()
+    h.pending(1, wait=MAX_PENDING_WAIT)
+    assert h.take(1) == []  # held: nobody waits to be admitted
+    h.now = 2.0
+    h.heartbeat(1)
+    h.tick(h.now)
+    assert h.received(1, PeersPendingResult) == []
+    h.register(2)
+    assert h.received(1, PeersPendingResult) == [PeersPendingResult(pending=True)]
+
+
+def test_a_waiting_question_is_answered_at_once_when_a_peer_waits_already() -> None:
+    h = MasterHarness()
+    accepted(h, 1)
+    h.register(2)
+    h.take_all()
+    h.pending(1, wait=60.0)
+    assert h.take(1) == [PeersPendingResult(pending=True)]
+
+
+def test_a_waiting_question_ends_with_the_shortest_wait() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2)
+    h.take_all()
+    h.pending(1, wait=3.0)  # at 0: due at 3
+    h.now = 1.0
+    h.pending(2, wait=100.0)  # due at 101: the earlier one decides
+    h.now = 2.0
+    h.heartbeat(1)
+    h.heartbeat(2)
+    h.tick(2.5)
+    assert h.received(1, PeersPendingResult) == h.received(2, PeersPendingResult) == []
+    assert h.core.next_deadline() == 3.0  # the answer is due (heartbeats are later)
+    h.tick()
+    assert h.received(1, PeersPendingResult) == h.received(2, PeersPendingResult) == [
+        PeersPendingResult(pending=False)
+    ]
+    assert h.core.next_deadline() > 3.0  # no Tick loop on an answered question
+
+
+def test_a_waiting_question_is_still_refused_beside_a_topology_vote() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2)
+    h.take_all()
+    h.pending(1, wait=60.0)
+    h.vote(2)
+    [answer] = h.received(1, PeersPendingResult)
+    assert not answer.pending and "update_topology" in answer.error
+
+
+def test_a_waiting_question_is_answered_when_the_last_holdout_leaves() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    h.take_all()
+    h.pending(1, wait=60.0)
+    h.pending(2, wait=60.0)
+    h.register(4)
+    h.close(3)  # the holdout leaves while peer 4 waits: the askers learn it at once
+    assert h.take(1) == h.take(2) == [PeersPendingResult(pending=True)]
+
+
+@pytest.mark.parametrize("wait", [-1.0, MAX_PENDING_WAIT * 2])
+def test_a_wait_out_of_range_is_refused_on_the_wire(wait: float) -> None:
+    with pytest.raises(RemoteProtocolError, match="VotePeersPending.wait"):
+        VotePeersPending(wait=wait)
 
 
 # --- liveness -------------------------------------------------------------------------

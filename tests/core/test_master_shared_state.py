@@ -598,6 +598,44 @@ def test_a_vote_at_an_old_revision_is_outdated_and_receives() -> None:
     synced(h, 2, dict.fromkeys((1, 2, 3), (W2, B1)))
 
 
+def test_a_step_aborted_after_its_sync_repeats_the_revision_and_moves_nothing() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    synced(h, 5, dict.fromkeys((1, 2, 3), (W1, B1)))
+    # The step's all-reduce aborted: nobody advanced, everyone syncs 5 again.
+    repeat = synced(h, 5, dict.fromkeys((1, 2, 3), (W1, B1)))
+    assert repeat > 0
+    # The group expects 6 again: the next step advances as usual, a skip is kicked.
+    vote(h, 1, 6, W2, B1)
+    vote(h, 2, 6, W2, B1)
+    assert was_kicked(only(vote(h, 3, 7, W2, B1), 3), 3)
+    assert plan_of(h, 1).revision == plan_of(h, 2).revision == 6
+
+
+def test_a_repeat_drags_along_the_peer_whose_sync_failed() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    synced(h, 0, dict.fromkeys((1, 2, 3), (W1, B1)))
+    h.take_all()
+    vote(h, 1, 1, W2, B1)
+    vote(h, 2, 1, W2, B1)
+    vote(h, 3, 0, W1, B1)
+    number = plan_of(h, 3).sync
+    for conn in (1, 2):
+        plan_of(h, conn)
+    done(h, 1, number)
+    done(h, 2, number)
+    done(h, 3, number, success=False)  # peer 3 keeps revision 0 and its old weights
+    h.take_all()
+    # The others' step aborted without peer 3: they repeat 1, peer 3 is still at 0.
+    vote(h, 1, 1, W2, B1)
+    vote(h, 2, 1, W2, B1)
+    vote(h, 3, 0, W1, B1)
+    plans = {conn: plan_of(h, conn) for conn in (1, 2, 3)}
+    assert {p.revision for p in plans.values()} == {1}
+    assert plans[3].fetches == (fetch(W2),) and not plans[1].fetches and not plans[2].fetches
+
+
 def test_an_outdated_peer_with_equal_content_only_adopts_the_revision() -> None:
     h = MasterHarness()
     accepted(h, 1, 2)
@@ -974,7 +1012,7 @@ def test_a_sync_vote_with_an_initiated_collective_is_kicked() -> None:
 
 
 @pytest.mark.parametrize("initiate_first", [True, False], ids=["initiate-first", "vote-first"])
-def test_a_collective_initiated_while_a_member_votes_to_sync_is_aborted(initiate_first: bool) -> None:
+def test_a_collective_initiated_while_a_member_votes_to_sync_is_blocked(initiate_first: bool) -> None:
     h = MasterHarness()
     accepted(h, 1, 2, 3)
     if initiate_first:
@@ -989,7 +1027,8 @@ def test_a_collective_initiated_while_a_member_votes_to_sync_is_aborted(initiate
         messages = got(h, conn)
         assert len(messages) == 1 and isinstance(messages[0], CollectiveVerdict), messages
         verdict = messages[0]
-        assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, Outcome.ABORTED)
+        # BLOCKED: it never ran and the ring is intact (nothing to re-establish first).
+        assert (verdict.tag, verdict.seq, verdict.outcome) == (5, 0, Outcome.BLOCKED)
         assert "peer 1" in verdict.reason and "synchronize the shared state" in verdict.reason
     assert got(h, 1) == []
     assert h.where(1) == (ACC, SVOTED)

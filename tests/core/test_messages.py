@@ -18,6 +18,7 @@ from pccl_trio._core.messages import (
     DISTRIBUTION_HINT_NAMES,
     DTYPE_NAMES,
     M2C,
+    MAX_PENDING_WAIT,
     MAX_POOL_SIZE,
     MAX_TIMER,
     OP_NAMES,
@@ -50,6 +51,7 @@ from pccl_trio._core.messages import (
     TopologyOptimized,
     VoteEstablish,
     VoteOptimizeTopology,
+    VotePeersPending,
     Welcome,
     WorldSizes,
     decode_message,
@@ -414,6 +416,7 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (BenchmarkRequest, "frame_bytes"): st.integers(1, U64_MAX),
     (BenchmarkRequest, "nbytes"): st.integers(1, 1 << 30),
     (SharedStateVote, "strategy"): st.integers(0, len(STRATEGY_NAMES) - 1),
+    (VotePeersPending, "wait"): st.floats(0, MAX_PENDING_WAIT),
     (SharedStateVote, "entries"): st.deferred(
         lambda: st.lists(records(SharedStateEntry), max_size=5, unique_by=lambda e: e.key)
     ).map(tuple),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import trio
@@ -439,3 +440,83 @@ async def test_p2p_info_right_behind_welcome_is_honoured(cluster: Cluster, clock
             assert trio.current_time() - start < cluster.config.connect_timeout
             nursery.cancel_scope.cancel()
         await joiner.aclose()
+
+
+async def test_a_lone_peer_waits_for_company_in_one_question(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        async with cluster.communicator("alone") as alone:
+            answer: list[bool] = []
+            late = cluster.communicator("late")
+            async with trio.open_nursery() as nursery:
+
+                async def ask() -> None:
+                    answer.append(await alone.are_peers_pending(wait=math.inf))
+                    await alone.update_topology()
+
+                nursery.start_soon(ask)
+                await late.connect()  # returns once the lone peer's update admitted it
+            assert answer == [True]
+            assert attributes(late) == attributes(alone) == (2, 2, 1, 2)
+            await late.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])  # virtual time
+async def test_a_wait_for_company_runs_out(cluster: Cluster, clock: object) -> None:
+    with trio.fail_after(600):
+        async with cluster.communicator("alone") as alone:
+            start = trio.current_time()
+            assert await alone.are_peers_pending(wait=300) is False
+            assert 300 <= trio.current_time() - start < 301
+            assert await alone.are_peers_pending() is False  # 0: answered at once
+            assert trio.current_time() - start < 301
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])  # virtual time
+async def test_a_peer_waiting_for_company_learns_that_its_master_is_gone(
+    cluster: Cluster, clock: object
+) -> None:
+    cluster.config = dataclasses.replace(cluster.config, master_grace=5.0)
+    with trio.fail_after(600):
+        async with cluster.communicator("alone") as alone:
+            async with trio.open_nursery() as nursery:
+
+                async def stop_master() -> None:
+                    await trio.sleep(100)  # long after the question
+                    cluster.master_scope.cancel()
+
+                nursery.start_soon(stop_master)
+                with pytest.raises(pccl.MasterConnectionError):
+                    await alone.are_peers_pending(wait=math.inf)
+            # Within the liveness timeout and the grace, not at the end of the wait.
+            assert trio.current_time() < 100 + 5.0 + 2 * cluster.config.liveness_timeout
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])  # partitions need the memory network
+async def test_a_peer_waiting_for_company_learns_that_it_was_kicked(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(600):
+        async with cluster.communicator("alone") as alone:
+            async with trio.open_nursery() as nursery:
+
+                async def cut_off() -> None:
+                    await trio.sleep(100)
+                    cluster.partition("alone")  # the master removes it meanwhile
+                    await trio.sleep(5 * cluster.config.liveness_timeout)
+                    cluster.memory.heal("alone")  # type: ignore[union-attr]
+
+                nursery.start_soon(cut_off)
+                with pytest.raises(pccl.Kicked):
+                    await alone.are_peers_pending(wait=math.inf)
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+@pytest.mark.parametrize("wait", [-1, math.nan, "1", True, None])
+async def test_a_wait_that_is_no_duration_is_refused(
+    cluster: Cluster, clock: object, wait: object
+) -> None:
+    async with cluster.communicator("alone") as alone:
+        with pytest.raises(pccl.InvalidArgument, match="wait must be a number of seconds"):
+            await alone.are_peers_pending(wait=wait)  # type: ignore[arg-type]

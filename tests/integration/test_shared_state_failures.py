@@ -170,3 +170,45 @@ async def test_hashing_leaves_the_event_loop_free_without_threaded_data_path(
         infos = await sync_all(comms, [big_state(1), big_state(1)])
         assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
         assert on_loop and not any(on_loop), on_loop
+
+
+# A peer that syncs while the others all-reduce (its sync failed, theirs succeeded, and
+# it syncs again): their all-reduce ends before it ran, leaving the ring as it is, so
+# their own sync, which comes next, meets this peer's vote instead of a re-establishment
+# that would refuse it.
+@pytest.mark.parametrize("network_kind", ["memory"])
+@pytest.mark.parametrize("call", ["all_reduce", "all_reduce_multiple_with_retry"])
+async def test_an_all_reduce_facing_a_sync_ends_before_it_runs_and_the_sync_follows(
+    cluster: Cluster, clock: object, call: str
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        states = [big_state(0) for _ in comms]
+        grads = [np.full(1000, float(i), dtype=np.float32) for i in range(3)]
+        rounds_before = [c.ring for c in comms]
+
+        async def reduce(index: int, comm: pccl.Communicator) -> object:
+            if call == "all_reduce":
+                return await comm.all_reduce(grads[index])
+            return await comm.all_reduce_multiple_with_retry([grads[index]])
+
+        async with trio.open_nursery() as nursery:
+            synced: list[object] = []
+
+            async def sync_first() -> None:
+                synced.append(await comms[0].sync_shared_state(states[0]))
+
+            nursery.start_soon(sync_first)
+            results = await run_all(comms[1:], reduce)
+            assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results
+            assert all("synchronize the shared state" in str(r) for r in results)
+            assert all(np.all(grads[i] == i) for i in (1, 2))  # inputs untouched
+            # Their ring was not made stale: their sync is the next vote, and it runs
+            # (a re-establishment first would refuse peer 0's sync).
+            results = await run_all(comms[1:], lambda i, c: c.sync_shared_state(states[i + 1]))
+            assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in results), results
+        assert len(synced) == 1 and [c.ring for c in comms] == rounds_before
+        await run_all(comms, lambda i, c: c.all_reduce(grads[i]))
+        assert all(np.all(g == 3) for g in grads)
+        for comm in comms:
+            await comm.aclose()
