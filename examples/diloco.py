@@ -227,7 +227,7 @@ async def train_peer(master: str, args: argparse.Namespace) -> None:
             outer_optimizer.step()
             state.revision += 1
             load_flat(model, outer)
-            loss, accuracy = evaluate(model, data.train_x, data.train_y)
+            loss, _ = evaluate(model, data.train_x, data.train_y)
             emit(event="step", peer=comm.peer_id, step=state.revision, peers=sorted(comm.ring),
                  world=world, inner_loss=round(inner_loss, 4), loss=round(loss, 4))
 
@@ -385,7 +385,7 @@ async def launch(args: argparse.Namespace) -> int:
     peers: list[Peer] = []
     worlds: dict[int, int] = {}
     on_record = narrate(worlds)
-    code = 1
+    code, churn = 1, False
     try:
         async with trio.open_nursery() as nursery:
 
@@ -401,18 +401,17 @@ async def launch(args: argparse.Namespace) -> int:
                 return peer
 
             with trio.fail_after(args.timeout):
-                victim_index = min(1, args.world - 1)
+                churn = args.kill_at > 0  # kill peer-1 after --kill-at, then add a joiner
                 first = [
                     await spawn(f"peer-{i}", *(["--stall-after", str(args.kill_at)]
-                                               if i == victim_index and args.world > 1 else []))
+                                               if churn and i == 1 else []))
                     for i in range(args.world)
                 ]
-                if args.world > 1:
-                    victim = first[victim_index]
+                if churn:
+                    victim, survivors = first[1], first[:1] + first[2:]
                     await victim.wait_for(lambda r: r["event"] == "stalled")
                     say("launch", f"SIGKILL {victim.name} (peer {victim.peer_id})")
                     victim.process.kill()
-                    survivors = [p for p in first if p is not victim]
                     await survivors[0].wait_for(
                         lambda r: r["event"] == "step" and r["world"] == args.world - 1)
                     await spawn("joiner")
@@ -426,17 +425,19 @@ async def launch(args: argparse.Namespace) -> int:
             record = peer.last("finished")
             if record is not None:
                 say(peer.name, f"finished at outer step {record['step']}: train loss "
-                               f"{record['loss']:.4f}, test accuracy {record['test_accuracy']:.4f}, "
-                               f"outer parameters {str(record['digest'])[:16]}")
+                               f"{record['loss']:.4f}, test loss {record['test_loss']:.4f}, test "
+                               f"accuracy {record['test_accuracy']:.4f}, outer parameters and "
+                               f"momentum sha256 {str(record['digest'])[:16]}")
         first_step = next((r for p in peers for r in p.records if r["event"] == "step"), None)
-        identical = len(finished) == len(peers) - (args.world > 1) and len(digests) == 1
+        identical = len(finished) == len(peers) - churn and len(digests) == 1
         say("launch", "every peer holds bit-identical outer parameters and momentum"
             if identical else "FAILED: the peers did not end bit-identical")
         result = {
-            "identical": identical, "peers": len(finished), "killed": args.world > 1,
+            "identical": identical, "peers": len(finished), "killed": churn,
             "joiner_finished": any(p.name == "joiner" for p in peers if p.last("finished")),
             "first_loss": None if first_step is None else first_step["loss"],
             "final_loss": finished[0]["loss"] if finished else None,
+            "test_loss": finished[0]["test_loss"] if finished else None,
             "test_accuracy": finished[0]["test_accuracy"] if finished else None,
             "worlds": [worlds[step] for step in sorted(worlds)],
         }
@@ -477,7 +478,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inner-lr", type=float, default=1e-3)
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--kill-at", type=int, default=None,
-                        help="demo: the outer step after which a peer is killed (T/3)")
+                        help="demo: the outer step after which a peer is killed and a joiner "
+                             "started (default T/3; 0: no kill, no joiner)")
     parser.add_argument("--hold-at", type=int, default=None,
                         help="at this outer step the run waits until it has --world peers "
                              "(2T/3: the demo's joiner takes part for certain)")
@@ -487,8 +489,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("outer_steps", "inner_steps", "batch", "world", "hidden"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if args.peer is not None or args.single or args.world == 1:
-        args.kill_at = -1 if args.kill_at is None else args.kill_at
+    if args.peer is not None or args.single or args.world == 1 or args.kill_at == 0:
+        args.kill_at = 0  # no churn
         args.hold_at = -1 if args.hold_at is None else args.hold_at
         return args
     if args.kill_at is None:
@@ -497,7 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.hold_at = max(args.kill_at + 1, math.ceil(2 * args.outer_steps / 3))
     if not 0 < args.kill_at < args.hold_at < args.outer_steps:
         parser.error(f"the demo needs 0 < --kill-at ({args.kill_at}) < --hold-at ({args.hold_at}) "
-                     f"< --outer-steps ({args.outer_steps})")
+                     f"< --outer-steps ({args.outer_steps}); --kill-at 0 runs it without churn")
     return args
 
 
