@@ -42,7 +42,8 @@ the peer of rank k in that order trains on slice k. Whatever the membership, the
 partition the training set: a dead peer's samples go to the survivors, a joiner takes a
 slice at once, and no sample is read by two peers in one outer step. The inner batches
 are drawn from a generator seeded by (seed, outer step, rank), so a run is
-reproducible given its membership history.
+reproducible given its membership history, up to rounding (the all-reduce sums in ring
+order).
 """
 
 from __future__ import annotations
