@@ -15,7 +15,7 @@ Each outer step, every peer:
 1. admits waiting peers (``are_peers_pending`` / ``update_topology``) and re-orders the
    ring (``optimize_topology``), like every pccl_trio trainer;
 2. syncs the shared state: the *outer* parameters and the outer optimizer's Nesterov
-   momentum, at revision = outer steps done. A joiner (zeros, revision 0) receives both
+   momentum, at revision = outer steps done. A joiner (fresh tensors, revision 0) receives both
    and the revision here; between peers that stepped together nothing moves;
 3. copies the outer parameters into its local model and takes H AdamW steps on its
    slice of the data (its inner optimizer state stays its own, as in the paper);
@@ -33,8 +33,8 @@ a peer dies mid all-reduce every survivor gets ``CollectiveAborted`` with its bu
 restored, and retries the same all-reduce with the survivors (no revision moved, the
 pseudo-gradient is still the one from this outer step's inner steps). A peer left
 alone (``TooFewPeers``) is its own average. A membership call or a sync that fails
-(retryable errors) sends every peer back to the top of the loop, where the next sync
-at the same revision is allowed (nobody holds the next one).
+with a retryable error is called again; a sync at the same revision again is allowed
+(nobody holds the next one), which the waits for company rely on too.
 
 The data: the training set is shuffled once by ``--seed``; at each outer step the
 current members (the ring, sorted by peer id) split it into W interleaved slices, and
@@ -58,9 +58,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -69,6 +69,7 @@ from torch import nn
 import pccl_trio as pccl
 
 TEST_FRACTION = 0.2
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------
@@ -144,6 +145,16 @@ def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
+async def retrying(call: Callable[[], Awaitable[T]], retryable: type[pccl.PCCLError]) -> T:
+    """``call()`` again until it does not raise ``retryable`` (a membership call or a
+    sync that failed for the group: every peer retries the same call)."""
+    while True:
+        try:
+            return await call()
+        except retryable as exc:
+            emit(event="retry", error=type(exc).__name__, message=str(exc)[:200])
+
+
 # ---------------------------------------------------------------------------------------
 # One peer of a run
 
@@ -173,17 +184,13 @@ async def train_peer(master: str, args: argparse.Namespace) -> None:
         emit(event="joined", peer=comm.peer_id)
         just_joined = True  # connect() ended in the others' update_topology
         while state.revision < args.outer_steps:
-            try:
-                if just_joined or await comm.are_peers_pending():
-                    if not just_joined:
-                        await comm.update_topology()
-                    await comm.optimize_topology()
-                just_joined = False
-                synced = await comm.sync_shared_state(state)
-            except (pccl.UpdateTopologyFailed, pccl.TopologyOptimizationFailed,
-                    pccl.SharedStateSyncFailed) as exc:
-                emit(event="retry", peer=comm.peer_id, error=type(exc).__name__)
-                continue
+            if just_joined or await comm.are_peers_pending():
+                if not just_joined:
+                    await retrying(comm.update_topology, pccl.UpdateTopologyFailed)
+                await retrying(comm.optimize_topology, pccl.TopologyOptimizationFailed)
+            just_joined = False
+            synced = await retrying(lambda: comm.sync_shared_state(state),
+                                    pccl.SharedStateSyncFailed)
             if synced.rx_bytes:
                 emit(event="synced", peer=comm.peer_id, step=state.revision, rx=synced.rx_bytes)
             members = sorted(comm.ring)
