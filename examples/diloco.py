@@ -478,13 +478,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--inner-steps", type=int, default=20, help="AdamW steps per outer step (H)")
     parser.add_argument("--batch", type=int, default=32, help="samples per inner step and peer")
     parser.add_argument("--world", type=int, default=3,
-                        help="peers the demo starts; a peer waits for this many before outer step 0")
+                        help="peers the demo starts; a peer waits for this many before outer "
+                             "step 0; --single takes batches of world x batch")
     parser.add_argument("--quantize", action="store_true",
                         help="all-reduce the pseudo-gradient as uint8 (min-max)")
     parser.add_argument("--seed", type=int, default=0, help="data split, model init and batches")
     parser.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP")
-    parser.add_argument("--inner-lr", type=float, default=1e-3)
-    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD learning rate")
     parser.add_argument("--kill-at", type=int, default=None,
                         help="demo: the outer step after which a peer is killed and a joiner "
                              "started (default T/3; 0: no kill, no joiner)")
@@ -492,7 +493,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="at this outer step the run waits until it has --world peers "
                              "(2T/3: the demo's joiner takes part for certain)")
     parser.add_argument("--stall-after", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=300.0, help="demo: give up after this many s")
+    parser.add_argument("--timeout", type=float, default=300.0, help="demo: give up after this many seconds")
     args = parser.parse_args(argv)
     for name in ("outer_steps", "inner_steps", "batch", "world", "hidden"):
         if getattr(args, name) < 1:
