@@ -4,6 +4,7 @@ every peer ends with bit-identical outer parameters and momentum, and the loss f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,10 +12,13 @@ from pathlib import Path
 import pytest
 import trio
 
-pytest.importorskip("torch")
-pytest.importorskip("sklearn")
-
-pytestmark = pytest.mark.process
+pytestmark = [
+    pytest.mark.process,
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None or importlib.util.find_spec("sklearn") is None,
+        reason="needs the examples extra (torch, scikit-learn)",
+    ),
+]
 
 DILOCO = Path(__file__).resolve().parents[2] / "examples" / "diloco.py"
 
