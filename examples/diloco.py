@@ -1,0 +1,526 @@
+"""DiLoCo over pccl_trio: peers that join and die at any moment train one model together,
+talking to each other once every H local steps.
+
+Run ``python examples/diloco.py`` for the whole demo on this machine: a master and three
+peers on loopback train a small MLP on scikit-learn's digits (shipped inside the
+package, no download); one peer is SIGKILLed mid-run, a new one joins later, and at the
+end every peer's parameters are checked to be bit-identical. ``--single`` trains the
+same model in one process for comparison (``docs/diloco.md``). ``--peer HOST:PORT`` is
+one peer of a run: the part to copy into a trainer.
+
+Theory of operation
+-------------------
+Each outer step, every peer:
+
+1. admits waiting peers (``are_peers_pending`` / ``update_topology``) and re-orders the
+   ring (``optimize_topology``), like every pccl_trio trainer;
+2. syncs the shared state: the *outer* parameters and the outer optimizer's Nesterov
+   momentum, at revision = outer steps done. A joiner (fresh tensors, revision 0) receives both
+   and the revision here; between peers that stepped together nothing moves;
+3. copies the outer parameters into its local model and takes H AdamW steps on its
+   slice of the data (its inner optimizer state stays its own, as in the paper);
+4. all-reduces (AVG, optionally uint8-quantized) the pseudo-gradient, outer parameters
+   minus local parameters, as one flat tensor: one all-reduce, one verdict;
+5. applies the outer step, ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)``,
+   in place to the shared tensors, and advances the revision by one.
+
+Why every peer stays bit-identical: the all-reduce gives every peer the same bits, and
+the outer step is a deterministic function of those bits and the (identical) shared
+state, so every peer computes the same new outer parameters and momentum. The
+revision rule (``docs/shared-state.md``) wants one step per sync: the revision moves
+only after a successful all-reduce, which every survivor gets the same verdict on. When
+a peer dies mid all-reduce every survivor gets ``CollectiveAborted`` with its buffer
+restored, and retries the same all-reduce with the survivors (no revision moved, the
+pseudo-gradient is still the one from this outer step's inner steps). A peer left
+alone (``TooFewPeers``) is its own average. A membership call or a sync that fails
+with a retryable error is called again; a sync at the same revision again is allowed
+(nobody holds the next one), which the waits for company rely on too.
+
+The data: the training set is shuffled once by ``--seed``; at each outer step the
+current members (the ring, sorted by peer id) split it into W interleaved slices, and
+the peer of rank k in that order trains on slice k. Whatever the membership, the slices
+partition the training set: a dead peer's samples go to the survivors, a joiner takes a
+slice at once, and no sample is read by two peers in one outer step. The inner batches
+are drawn from a generator seeded by (seed, outer step, rank), so a run is
+reproducible given its membership history, up to rounding (the all-reduce sums in ring
+order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import trio
+from torch import nn
+
+import pccl_trio as pccl
+
+TEST_FRACTION = 0.2
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------------
+# Data and model (shared by every mode)
+
+
+@dataclass(frozen=True)
+class Data:
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+def load_data(seed: int) -> Data:
+    """scikit-learn's 8x8 digits (1797 images, in the wheel), scaled to [0, 1], shuffled
+    by ``seed`` and split 80/20 into train and test."""
+    from sklearn.datasets import load_digits  # imported here: only the trainer needs it
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    x, y = x[order], y[order]
+    n_test = int(len(y) * TEST_FRACTION)
+    return Data(x[n_test:], y[n_test:], x[:n_test], y[:n_test])
+
+
+def make_model(seed: int, hidden: int) -> nn.Module:
+    torch.manual_seed(seed)  # every peer starts from the same weights
+    return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+
+def flat_parameters(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
+    """Copy ``flat`` into the model's parameters (copies: the model never aliases it)."""
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``."""
+    with torch.no_grad():
+        logits = model(x)
+        loss = nn.functional.cross_entropy(logits, y).item()
+        accuracy = (logits.argmax(dim=1) == y).float().mean().item()
+    return loss, accuracy
+
+
+def inner_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+    steps: int, batch: int, generator: torch.Generator,
+) -> float:
+    """``steps`` AdamW steps on batches drawn from ``(x, y)``; the mean batch loss."""
+    total = 0.0
+    for _ in range(steps):
+        index = torch.randint(len(y), (batch,), generator=generator)
+        loss = nn.functional.cross_entropy(model(x[index]), y[index])
+        optimizer.zero_grad()
+        torch.autograd.backward(loss)
+        optimizer.step()
+        total += loss.item()
+    return total / steps
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+async def retrying(call: Callable[[], Awaitable[T]], retryable: type[pccl.PCCLError]) -> T:
+    """``call()`` again until it does not raise ``retryable`` (a membership call or a
+    sync that failed for the group: every peer retries the same call)."""
+    while True:
+        try:
+            return await call()
+        except retryable as exc:
+            emit(event="retry", error=type(exc).__name__, message=str(exc)[:200])
+
+
+# ---------------------------------------------------------------------------------------
+# One peer of a run
+
+
+async def train_peer(master: str, args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # several peers share this machine's cores
+    data = load_data(args.seed)
+    model = make_model(args.seed, args.hidden)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
+
+    # The outer model: one flat tensor, its Nesterov momentum pre-allocated so that
+    # SGD updates it in place (a buffer the shared state already points at).
+    outer = flat_parameters(model).clone()
+    momentum = torch.zeros_like(outer)
+    outer_optimizer = torch.optim.SGD([outer], lr=args.outer_lr, momentum=0.9, nesterov=True)
+    outer_optimizer.state[outer]["momentum_buffer"] = momentum
+    state = pccl.SharedState([pccl.TensorInfo("outer.params", outer),
+                              pccl.TensorInfo("outer.momentum", momentum)])
+    quantization = (
+        pccl.QuantizationOptions(quantized_datatype=pccl.DataType.UINT8,
+                                  algorithm=pccl.QuantizationAlgorithm.MIN_MAX)
+        if args.quantize else None
+    )
+
+    async with pccl.Communicator(master, 0, p2p_host="127.0.0.1") as comm:
+        assert comm.peer_id is not None
+        emit(event="joined", peer=comm.peer_id)
+        just_joined = True  # connect() ended in the others' update_topology
+        while state.revision < args.outer_steps:
+            if just_joined or await comm.are_peers_pending():
+                if not just_joined:
+                    await retrying(comm.update_topology, pccl.UpdateTopologyFailed)
+                await retrying(comm.optimize_topology, pccl.TopologyOptimizationFailed)
+            just_joined = False
+            synced = await retrying(lambda: comm.sync_shared_state(state),
+                                    pccl.SharedStateSyncFailed)
+            if synced.rx_bytes:
+                emit(event="synced", peer=comm.peer_id, step=state.revision, rx=synced.rx_bytes)
+            members = sorted(comm.ring)
+            world = comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
+            if state.revision in (0, args.hold_at) and world < args.world:
+                # Before the first outer step (and, in the demo, at --hold-at): wait for
+                # company. The revision is the run's after the sync, so every peer
+                # takes the same branch.
+                await trio.sleep(0.05)
+                continue
+            if state.revision == args.stall_after:
+                emit(event="stalled", peer=comm.peer_id, step=state.revision)
+                await trio.sleep_forever()  # the demo's victim: SIGKILLed here
+
+            # Inner steps, off the event loop, on this peer's slice of the data.
+            rank = members.index(comm.peer_id)
+            shard = slice(rank, None, len(members))
+            generator = torch.Generator().manual_seed(
+                args.seed * 1_000_003 + state.revision * 1009 + rank)
+            load_flat(model, outer)
+            inner_loss = await trio.to_thread.run_sync(
+                inner_steps, model, inner, data.train_x[shard], data.train_y[shard],
+                args.inner_steps, args.batch, generator)
+
+            # The pseudo-gradient, averaged over the peers; retried on the survivors.
+            pseudo_gradient = outer - flat_parameters(model)
+            while True:
+                try:
+                    info = await comm.all_reduce(pseudo_gradient, op=pccl.ReduceOp.AVG,
+                                                 quantization=quantization)
+                    world = info.world_size
+                    break
+                except pccl.CollectiveAborted as exc:
+                    emit(event="aborted", peer=comm.peer_id, step=state.revision,
+                         reason=str(exc)[:100])
+                except pccl.TooFewPeers:
+                    world = 1  # alone: its own pseudo-gradient is the average
+                    break
+
+            # The outer step, in place on the shared tensors; then the next revision.
+            outer.grad = pseudo_gradient
+            outer_optimizer.step()
+            state.revision += 1
+            load_flat(model, outer)
+            loss, _ = evaluate(model, data.train_x, data.train_y)
+            emit(event="step", peer=comm.peer_id, step=state.revision, peers=sorted(comm.ring),
+                 world=world, inner_loss=round(inner_loss, 4), loss=round(loss, 4))
+
+        test_loss, test_accuracy = evaluate(model, data.test_x, data.test_y)
+        digest = hashlib.sha256(outer.numpy().tobytes() + momentum.numpy().tobytes())
+        emit(event="finished", peer=comm.peer_id, step=state.revision,
+             loss=round(evaluate(model, data.train_x, data.train_y)[0], 4),
+             test_loss=round(test_loss, 4), test_accuracy=round(test_accuracy, 4),
+             digest=digest.hexdigest())
+
+
+async def run_peer(master: str, args: argparse.Namespace) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(stop)
+            try:
+                await train_peer(master, args)
+            except pccl.PCCLError as exc:
+                emit(event="error", kind=type(exc).__name__, message=str(exc))
+            nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------------------
+# The same model in one process
+
+
+def train_single(args: argparse.Namespace) -> None:
+    """Plain AdamW, no peers: as many sequential steps as a DiLoCo peer takes
+    (outer x inner), each on ``world`` x ``batch`` samples, so the same samples as the
+    whole DiLoCo run, and what synchronous data-parallel training (a gradient
+    all-reduce every step) over ``world`` peers computes."""
+    torch.set_num_threads(1)
+    data = load_data(args.seed)
+    model = make_model(args.seed, args.hidden)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
+    generator = torch.Generator().manual_seed(args.seed)
+    batch = args.world * args.batch
+    for step in range(1, args.outer_steps + 1):
+        inner_steps(model, optimizer, data.train_x, data.train_y, args.inner_steps, batch, generator)
+        loss, _ = evaluate(model, data.train_x, data.train_y)
+        print(f"step {step * args.inner_steps:5d} (= outer step {step:3d})  loss {loss:.4f}")
+    loss, _ = evaluate(model, data.train_x, data.train_y)
+    test_loss, accuracy = evaluate(model, data.test_x, data.test_y)
+    print(f"single process, AdamW, {args.outer_steps * args.inner_steps} steps of batch {batch}: "
+          f"train loss {loss:.4f}, test loss {test_loss:.4f}, test accuracy {accuracy:.4f}")
+
+
+# ---------------------------------------------------------------------------------------
+# The launcher: a master and peers on loopback, one killed, one joining
+
+START = time.monotonic()
+
+
+def say(who: str, text: str) -> None:
+    print(f"[{time.monotonic() - START:6.2f}s] {who:<7} {text}", flush=True)
+
+
+class Peer:
+    """A peer process and what its JSON lines said."""
+
+    def __init__(self, name: str, process: trio.Process) -> None:
+        self.name = name
+        self.process = process
+        self.peer_id: int | None = None
+        self.records: list[dict[str, Any]] = []
+        self.changed = trio.Event()
+        self.ended = False  # its stdout reached EOF
+
+    async def follow(self, on_record: Callable[[Peer, dict[str, Any]], None]) -> None:
+        assert self.process.stdout is not None
+        buffer = b""
+        while chunk := await self.process.stdout.receive_some(65536):
+            buffer += chunk
+            while b"\n" in buffer:
+                line, buffer = buffer.split(b"\n", 1)
+                record = json.loads(line)
+                if record["event"] == "joined":
+                    self.peer_id = int(record["peer"])
+                self.records.append(record)
+                on_record(self, record)
+                self.changed.set()
+                self.changed = trio.Event()
+        self.ended = True
+        self.changed.set()
+
+    def last(self, event: str) -> dict[str, Any] | None:
+        return next((r for r in reversed(self.records) if r["event"] == event), None)
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+        seen = 0
+        while True:
+            for record in self.records[seen:]:
+                if predicate(record):
+                    return record
+            seen = len(self.records)
+            if self.ended:
+                raise RuntimeError(f"{self.name} exited before the expected line")
+            await self.changed.wait()
+
+
+def narrate(worlds: dict[int, int]) -> Callable[[Peer, dict[str, Any]], None]:
+    """Print what a peer's record says (each outer step once); note each step's world."""
+
+    def on_record(peer: Peer, record: dict[str, Any]) -> None:
+        event = record["event"]
+        if event == "joined":
+            say(peer.name, f"joined the run as peer {record['peer']}")
+        elif event == "synced":
+            say(peer.name, f"received {record['rx']} bytes of shared state: the outer model "
+                           f"and momentum at outer step {record['step']}")
+        elif event == "step" and record["step"] not in worlds:
+            worlds[record["step"]] = record["world"]
+            say("run", f"outer step {record['step']:>3}  peers {record['peers']}  "
+                       f"loss {record['loss']:.4f}  (inner loss {record['inner_loss']:.4f})")
+        elif event == "aborted":
+            say(peer.name, f"all-reduce of outer step {record['step'] + 1} aborted, "
+                           f"retrying with the survivors: {record['reason']}")
+        elif event == "stalled":
+            say(peer.name, f"stops after outer step {record['step']} (it is about to be killed)")
+        elif event in ("error", "retry"):
+            say(peer.name, json.dumps(record))
+
+    return on_record
+
+
+async def launch(args: argparse.Namespace) -> int:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PCCL_TRIO_RUN_SECRET=secrets.token_hex(32))
+    master = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0", "--log-level",
+         "WARNING", "--liveness-timeout", "2", "--heartbeat-interval", "0.2"],
+        stdout=subprocess.PIPE, env=env,
+    )
+    assert master.stdout is not None
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = await master.stdout.receive_some(1)
+        if not chunk:
+            raise SystemExit("the master exited before listening")
+        line += chunk
+    address = line.decode().split()[-1]
+    say("master", line.decode().strip())
+
+    shared = [
+        "--outer-steps", str(args.outer_steps), "--inner-steps", str(args.inner_steps),
+        "--batch", str(args.batch), "--seed", str(args.seed), "--hidden", str(args.hidden),
+        "--inner-lr", str(args.inner_lr), "--outer-lr", str(args.outer_lr),
+        "--world", str(args.world), "--hold-at", str(args.hold_at),
+        *(["--quantize"] if args.quantize else []),
+    ]
+    peers: list[Peer] = []
+    worlds: dict[int, int] = {}
+    on_record = narrate(worlds)
+    code, churn = 1, False
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def spawn(name: str, *extra: str) -> Peer:
+                process = await trio.lowlevel.open_process(
+                    [sys.executable, __file__, "--peer", address, *shared, *extra],
+                    stdout=subprocess.PIPE, env=env,
+                )
+                peer = Peer(name, process)
+                peers.append(peer)
+                nursery.start_soon(peer.follow, on_record)
+                say("launch", f"started {name} (pid {process.pid})")
+                return peer
+
+            with trio.fail_after(args.timeout):
+                churn = args.kill_at > 0  # kill peer-1 after --kill-at, then add a joiner
+                first = [
+                    await spawn(f"peer-{i}", *(["--stall-after", str(args.kill_at)]
+                                               if churn and i == 1 else []))
+                    for i in range(args.world)
+                ]
+                if churn:
+                    victim, survivors = first[1], first[:1] + first[2:]
+                    await victim.wait_for(lambda r: r["event"] == "stalled")
+                    say("launch", f"SIGKILL {victim.name} (peer {victim.peer_id})")
+                    victim.process.kill()
+                    await survivors[0].wait_for(
+                        lambda r: r["event"] == "step" and r["world"] == args.world - 1)
+                    await spawn("joiner")
+                for peer in peers:
+                    if peer.process.returncode is None and peer.last("stalled") is None:
+                        await peer.wait_for(lambda r: r["event"] in ("finished", "error"))
+            nursery.cancel_scope.cancel()
+        finished = [r for p in peers if (r := p.last("finished")) is not None]
+        digests = {str(r["digest"]) for r in finished}
+        for peer in peers:
+            record = peer.last("finished")
+            if record is not None:
+                say(peer.name, f"finished at outer step {record['step']}: train loss "
+                               f"{record['loss']:.4f}, test loss {record['test_loss']:.4f}, test "
+                               f"accuracy {record['test_accuracy']:.4f}, outer parameters and "
+                               f"momentum sha256 {str(record['digest'])[:16]}")
+        first_step = next((r for p in peers for r in p.records if r["event"] == "step"), None)
+        identical = len(finished) == len(peers) - churn and len(digests) == 1
+        say("launch", "every peer holds bit-identical outer parameters and momentum"
+            if identical else "FAILED: the peers did not end bit-identical")
+        result = {
+            "identical": identical, "peers": len(finished), "killed": churn,
+            "joiner_finished": any(p.name == "joiner" for p in peers if p.last("finished")),
+            "first_loss": None if first_step is None else first_step["loss"],
+            "final_loss": finished[0]["loss"] if finished else None,
+            "test_loss": finished[0]["test_loss"] if finished else None,
+            "test_accuracy": finished[0]["test_accuracy"] if finished else None,
+            "worlds": [worlds[step] for step in sorted(worlds)],
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+        code = 0 if identical else 1
+    finally:
+        for peer in peers:
+            if peer.process.returncode is None:
+                peer.process.kill()
+        master.send_signal(signal.SIGTERM)
+        with trio.CancelScope(shield=True):
+            for peer in peers:
+                await peer.process.wait()
+            await master.wait()
+    return code
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="DiLoCo on pccl_trio: with no mode flag, a whole demo on loopback "
+                    "(a master, peers, one killed, one joining).")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--peer", metavar="HOST:PORT", help="run one peer of the run at this master")
+    mode.add_argument("--single", action="store_true",
+                      help="train the same model with plain AdamW in one process, for comparison")
+    parser.add_argument("--outer-steps", type=int, default=30, help="outer steps of the run (T)")
+    parser.add_argument("--inner-steps", type=int, default=20, help="AdamW steps per outer step (H)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per inner step and peer")
+    parser.add_argument("--world", type=int, default=3,
+                        help="peers the demo starts; a peer waits for this many before outer "
+                             "step 0; --single takes batches of world x batch")
+    parser.add_argument("--quantize", action="store_true",
+                        help="all-reduce the pseudo-gradient as uint8 (min-max)")
+    parser.add_argument("--seed", type=int, default=0, help="data split, model init and batches")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP")
+    parser.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD learning rate")
+    parser.add_argument("--kill-at", type=int, default=None,
+                        help="demo: the outer step after which a peer is killed and a joiner "
+                             "started (default T/3; 0: no kill, no joiner)")
+    parser.add_argument("--hold-at", type=int, default=None,
+                        help="at this outer step the run waits until it has --world peers "
+                             "(2T/3: the demo's joiner takes part for certain)")
+    parser.add_argument("--stall-after", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=300.0, help="demo: give up after this many seconds")
+    args = parser.parse_args(argv)
+    for name in ("outer_steps", "inner_steps", "batch", "world", "hidden"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    if args.peer is not None or args.single or args.world == 1 or args.kill_at == 0:
+        args.kill_at = 0  # no churn
+        args.hold_at = -1 if args.hold_at is None else args.hold_at
+        return args
+    if args.kill_at is None:
+        args.kill_at = max(1, args.outer_steps // 3)
+    if args.hold_at is None:
+        args.hold_at = max(args.kill_at + 1, math.ceil(2 * args.outer_steps / 3))
+    if not 0 < args.kill_at < args.hold_at < args.outer_steps:
+        parser.error(f"the demo needs 0 < --kill-at ({args.kill_at}) < --hold-at ({args.hold_at}) "
+                     f"< --outer-steps ({args.outer_steps}); --kill-at 0 runs it without churn")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.peer is not None:
+        trio.run(run_peer, args.peer, args)
+    elif args.single:
+        train_single(args)
+    else:
+        raise SystemExit(trio.run(launch, args))
+
+
+if __name__ == "__main__":
+    main()
