@@ -183,55 +183,67 @@ async def train_peer(master: str, args: argparse.Namespace) -> None:
         assert comm.peer_id is not None
         emit(event="joined", peer=comm.peer_id)
         just_joined = True  # connect() ended in the others' update_topology
+        waiting = resync = False
+        pending: torch.Tensor | None = None  # a pseudo-gradient whose all-reduce aborted
+        inner_loss = math.nan
         while state.revision < args.outer_steps:
-            if just_joined or await comm.are_peers_pending():
-                if not just_joined:
-                    await retrying(comm.update_topology, pccl.UpdateTopologyFailed)
-                await retrying(comm.optimize_topology, pccl.TopologyOptimizationFailed)
-            just_joined = False
+            if not resync:
+                # Admit the peers waiting to join; while the run waits for company, the
+                # master holds the question until one asks (no polling).
+                if just_joined or await comm.are_peers_pending(wait=math.inf if waiting else 0):
+                    if not just_joined:
+                        await retrying(comm.update_topology, pccl.UpdateTopologyFailed)
+                    await retrying(comm.optimize_topology, pccl.TopologyOptimizationFailed)
+                just_joined = False
+            resync = False
             synced = await retrying(lambda: comm.sync_shared_state(state),
                                     pccl.SharedStateSyncFailed)
             if synced.rx_bytes:
                 emit(event="synced", peer=comm.peer_id, step=state.revision, rx=synced.rx_bytes)
+                pending = None  # the outer model changed under it
             members = sorted(comm.ring)
             world = comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
-            if state.revision in (0, args.hold_at) and world < args.world:
-                # Before the first outer step (and, in the demo, at --hold-at): wait for
-                # company. The revision is the run's after the sync, so every peer
-                # takes the same branch.
-                await trio.sleep(0.05)
+            # Before the first outer step (and, in the demo, at --hold-at): wait for
+            # company. The revision is the run's after the sync, so every peer takes
+            # the same branch.
+            waiting = state.revision in (0, args.hold_at) and world < args.world
+            if waiting:
                 continue
             if state.revision == args.stall_after:
                 emit(event="stalled", peer=comm.peer_id, step=state.revision)
                 await trio.sleep_forever()  # the demo's victim: SIGKILLed here
 
-            # Inner steps, off the event loop, on this peer's slice of the data.
-            rank = members.index(comm.peer_id)
-            shard = slice(rank, None, len(members))
-            generator = torch.Generator().manual_seed(
-                args.seed * 1_000_003 + state.revision * 1009 + rank)
-            load_flat(model, outer)
-            inner_loss = await trio.to_thread.run_sync(
-                inner_steps, model, inner, data.train_x[shard], data.train_y[shard],
-                args.inner_steps, args.batch, generator)
+            if pending is None:
+                # Inner steps, off the event loop, on this peer's slice of the data.
+                rank = members.index(comm.peer_id)
+                shard = slice(rank, None, len(members))
+                generator = torch.Generator().manual_seed(
+                    args.seed * 1_000_003 + state.revision * 1009 + rank)
+                load_flat(model, outer)
+                inner_loss = await trio.to_thread.run_sync(
+                    inner_steps, model, inner, data.train_x[shard], data.train_y[shard],
+                    args.inner_steps, args.batch, generator)
+                pending = outer - flat_parameters(model)  # the pseudo-gradient
 
-            # The pseudo-gradient, averaged over the peers; retried on the survivors.
-            pseudo_gradient = outer - flat_parameters(model)
-            while True:
-                try:
-                    info = await comm.all_reduce(pseudo_gradient, op=pccl.ReduceOp.AVG,
-                                                 quantization=quantization)
-                    world = info.world_size
-                    break
-                except pccl.CollectiveAborted as exc:
-                    emit(event="aborted", peer=comm.peer_id, step=state.revision,
-                         reason=str(exc)[:100])
-                except pccl.TooFewPeers:
-                    world = 1  # alone: its own pseudo-gradient is the average
-                    break
+            # The pseudo-gradient, averaged over the peers.
+            try:
+                info = await comm.all_reduce(pending, op=pccl.ReduceOp.AVG,
+                                             quantization=quantization)
+                world = info.world_size
+            except pccl.CollectiveAborted as exc:
+                # Aborted for every peer (a peer died, or one's sync failed): the step
+                # starts over at its sync, at the same revision, which moves nothing
+                # between peers that hold the same outer model; the pseudo-gradient,
+                # restored to its input, is all-reduced again without recomputing it.
+                emit(event="aborted", peer=comm.peer_id, step=state.revision,
+                     reason=str(exc)[:100])
+                resync = True
+                continue
+            except pccl.TooFewPeers:
+                world = 1  # alone: its own pseudo-gradient is the average
 
             # The outer step, in place on the shared tensors; then the next revision.
-            outer.grad = pseudo_gradient
+            outer.grad, pending = pending, None
             outer_optimizer.step()
             state.revision += 1
             load_flat(model, outer)
@@ -357,7 +369,7 @@ def narrate(worlds: dict[int, int]) -> Callable[[Peer, dict[str, Any]], None]:
                        f"loss {record['loss']:.4f}  (inner loss {record['inner_loss']:.4f})")
         elif event == "aborted":
             say(peer.name, f"all-reduce of outer step {record['step'] + 1} aborted, "
-                           f"retrying with the survivors: {record['reason']}")
+                           f"again after a sync: {record['reason']}")
         elif event == "stalled":
             say(peer.name, f"stops after outer step {record['step']} (it is about to be killed)")
         elif event in ("error", "retry"):
