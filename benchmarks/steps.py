@@ -25,7 +25,7 @@ Gloo's time over pccl_trio's (above 1: pccl_trio is faster).
 
 Usage::
 
-    python benchmarks/steps.py                      # the full sweep, JSON in steps.json
+    python benchmarks/steps.py                      # the full sweep (~5 min), JSON in steps.json
     python benchmarks/steps.py --quick              # the default bucket size only, fewer steps
     python benchmarks/steps.py --buckets 0,1M,4M,16M,25M --repeats 5 --json out.json
 
@@ -93,13 +93,13 @@ def format_size(n: int) -> str:
 
 
 async def _pccl_worker(master: str, world: int, bucket_bytes: int, iters: int, warmup: int,
-                       workloads: list[str]) -> None:
+                       workloads: list[str], slice_bytes: int) -> None:
     import numpy as np
 
     import pccl_trio as pccl
 
-    config = pccl.Config(bucket_bytes=bucket_bytes, liveness_timeout=10.0,
-                         heartbeat_interval=1.0, insecure=True)
+    config = pccl.Config(bucket_bytes=bucket_bytes, slice_bytes=slice_bytes,
+                         liveness_timeout=10.0, heartbeat_interval=1.0, insecure=True)
     async with pccl.Communicator(master, 0, 0, config=config, p2p_host="127.0.0.1") as comm:
         while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
             await comm.update_topology()
@@ -132,12 +132,14 @@ async def _pccl_worker(master: str, world: int, bucket_bytes: int, iters: int, w
 
 
 def _gloo_worker(rank: int, world: int, port: int, mode: str, iters: int, warmup: int,
-                 workloads: list[str]) -> None:
+                 workloads: list[str], threads: int) -> None:
     import datetime as dt
 
     import torch
     import torch.distributed as dist
 
+    if threads > 0:
+        torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=dt.timedelta(seconds=300))
     clock = torch.zeros(1, dtype=torch.float64)
@@ -222,7 +224,8 @@ def run_pccl(args: argparse.Namespace, bucket_bytes: int) -> dict[str, Any]:
         address = master.stdout.readline().split()[-1]
         workers = [subprocess.Popen(
             [sys.executable, __file__, "pccl-worker", address, "--bucket-bytes",
-             str(bucket_bytes), *_common(args)], stdout=subprocess.PIPE, text=True, env=env)
+             str(bucket_bytes), "--slice-bytes", str(args.slice_bytes), *_common(args)],
+            stdout=subprocess.PIPE, text=True, env=env)
             for _ in range(args.world)]
         return _collect(workers, args.timeout, "pccl_trio")
     finally:
@@ -235,7 +238,8 @@ def run_gloo(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     port = _free_port()
     workers = [subprocess.Popen(
         [sys.executable, __file__, "gloo-worker", "--rank", str(rank), "--port", str(port),
-         "--mode", mode, *_common(args)], stdout=subprocess.PIPE, text=True, env=env)
+         "--mode", mode, "--torch-threads", str(args.torch_threads), *_common(args)],
+        stdout=subprocess.PIPE, text=True, env=env)
         for rank in range(args.world)]
     return _collect(workers, args.timeout, "gloo")
 
@@ -251,12 +255,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--buckets", default=None,
                         help="comma list of Config.bucket_bytes to sweep (K/M suffixes; 0: "
-                             "no fusion); default 1M,4M,16M,25M and the library default")
+                             "no fusion); default 0,1M,4M,16M,25M and the library default")
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true",
                         help="the default bucket size only, 5 steps, 3 repeats")
+    parser.add_argument("--slice-bytes", type=parse_size, default=1 << 20,
+                        help="pccl_trio's Config.slice_bytes (default 1M, the library's)")
+    parser.add_argument("--torch-threads", type=int, default=1,
+                        help="torch.set_num_threads in the Gloo workers (0: torch's default; "
+                             "W processes of torch's default on few cores oversubscribe them)")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=Path("steps.json"))
     # worker arguments
@@ -270,11 +279,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         import trio
 
         trio.run(_pccl_worker, args.master, args.world, args.bucket_bytes, args.iters,
-                 args.warmup, args.workloads)
+                 args.warmup, args.workloads, args.slice_bytes)
         return 0
     if args.role == "gloo-worker":
         _gloo_worker(args.rank, args.world, args.port, args.mode, args.iters, args.warmup,
-                     args.workloads)
+                     args.workloads, args.torch_threads)
         return 0
 
     import pccl_trio as pccl
@@ -286,7 +295,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.buckets:
         buckets = [parse_size(b) for b in args.buckets.split(",")]
     else:
-        buckets = sorted({1 << 20, 4 << 20, 16 << 20, 25 << 20, default})
+        buckets = sorted({0, 1 << 20, 4 << 20, 16 << 20, 25 << 20, default})
     libraries = [f"pccl {format_size(b) if b else '0 (no fusion)'}" for b in buckets]
     libraries += ["gloo/tensor", "gloo/ddp"]
     medians: dict[str, dict[str, list[float]]] = {lib: {} for lib in libraries}

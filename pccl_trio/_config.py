@@ -149,7 +149,7 @@ class Config:
     establish_attempts: int = 5
     p2p_connection_pool_size: int = 1
     slice_bytes: int = 1 << 20
-    bucket_bytes: int = 4 << 20
+    bucket_bytes: int = 25 << 20
     threaded_data_path: bool = True
     topology_solve_seconds: float = 1.0
     topology_search_seconds: float = 60.0

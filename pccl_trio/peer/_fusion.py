@@ -16,10 +16,11 @@ is the all-reduce buffer, as without fusion. A bucket of several is a view of on
 staging buffer, taken for the whole call from a pool that keeps its pages between
 steps; the members are copied into it once, at the start. Each bucket is one
 all-reduce whose tag is the bucket's index (``AllReduces.reduce_each_with_retry``
-retries it as it retries a tensor). An aborted attempt restores the staging view to
-the packed inputs, so a retry starts from them, and the caller's tensors were never
-written; on success, and only then, the bucket's slices are copied back into its
-members. Each tensor therefore ends with its input, the old world's result or the
+retries it as it retries a tensor), from the packed input into a second view of the
+staging buffer: the input is never written, so a retry starts from it, and no backup
+is taken, which makes up for the copy of packing. The caller's tensors are not
+written until the bucket succeeded; then, and only then, its result is copied back
+into its members. Each tensor therefore ends with its input, the old world's result or the
 new world's, as without fusion.
 """
 
@@ -50,17 +51,17 @@ class _Packed:
     """A bucket of several tensors: its view of the staging buffer, and where each
     member's elements lie in it."""
 
-    view: np.ndarray
+    send: np.ndarray
+    result: np.ndarray
     members: tuple[ReduceRequest, ...]
-    starts: tuple[int, ...]  # element offsets in ``view``
+    starts: tuple[int, ...]  # element offsets in ``result`` (members are packed in order)
 
     def pack(self) -> None:
-        for member, start in zip(self.members, self.starts, strict=True):
-            np.copyto(self.view[start:start + member.send.size], member.send)
+        np.concatenate([member.send for member in self.members], out=self.send)
 
     def unpack(self) -> None:
         for member, start in zip(self.members, self.starts, strict=True):
-            np.copyto(member.result, self.view[start:start + member.result.size])
+            np.copyto(member.result, self.result[start:start + member.result.size])
 
 
 class Fusion:
@@ -95,7 +96,10 @@ class Fusion:
                 nbytes = sum(int(requests[i].result.nbytes) for i in members)
                 layout.append((total, nbytes))
                 total += _aligned(nbytes)
-        staging = self._staging.take(total) if total else None
+        # Inputs in the first half, results in the second: a bucket is reduced into
+        # its result half, so its packed input stays as it is for a retry, and no
+        # backup of it is taken (an in-place all-reduce would copy it once more).
+        staging = self._staging.take(2 * total) if total else None
         packed: dict[int, _Packed] = {}
         bucket_requests: list[ReduceRequest] = []
         offsets = iter(layout)
@@ -106,17 +110,20 @@ class Fusion:
                 continue
             assert staging is not None
             offset, nbytes = next(offsets)
-            view = staging[offset:offset + nbytes].view(first.result.dtype)
+            dtype = first.result.dtype
+            send = staging[offset:offset + nbytes].view(dtype)
+            result = staging[total + offset:total + offset + nbytes].view(dtype)
             starts, start = [], 0
             for i in members:
                 starts.append(start)
                 start += int(requests[i].result.size)
             bucket = packed[index] = _Packed(
-                view=view, members=tuple(requests[i] for i in members), starts=tuple(starts)
+                send=send, result=result, members=tuple(requests[i] for i in members),
+                starts=tuple(starts),
             )
             bucket.pack()
             bucket_requests.append(
-                dataclasses.replace(first, tag=index, send=view, result=view)
+                dataclasses.replace(first, tag=index, send=send, result=result)
             )
 
         def written(index: int) -> None:
