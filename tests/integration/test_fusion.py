@@ -279,5 +279,17 @@ async def test_quantized_tensors_are_not_fused(
             await comm.aclose()
 
 
-def test_bucket_bytes_zero_is_one_all_reduce_per_tensor() -> None:
-    assert pccl.Config(bucket_bytes=0).bucket_bytes == 0
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_bucket_bytes_zero_is_one_all_reduce_per_tensor(
+    cluster: Cluster, clock: object, votes: list[Vote]
+) -> None:
+    bucketed(cluster, 0)
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        tensors = [[np.full(3 + t, rank + 1, np.int32) for t in range(4)] for rank in range(2)]
+        infos = await run_all(comms, lambda i, c: c.all_reduce_multiple_with_retry(tensors[i]))
+        assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+        assert sorted({(v.tag, v.count) for v in votes}) == [(t, 3 + t) for t in range(4)]
+        assert all(np.all(t == 3) for row in tensors for t in row)
+        for comm in comms:
+            await comm.aclose()
