@@ -38,7 +38,8 @@ from ._collectives import AllReduces, ReduceRequest
 
 __all__ = ["Fusion"]
 
-#: Each packed tensor starts on a cache line of the staging buffer.
+#: Each bucket starts on a cache line of the staging buffer (its members follow each
+#: other without gaps).
 _ALIGN = 64
 
 
@@ -48,13 +49,13 @@ def _aligned(nbytes: int) -> int:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class _Packed:
-    """A bucket of several tensors: its view of the staging buffer, and where each
-    member's elements lie in it."""
+    """A bucket of several tensors: its two views of the staging buffer (the packed
+    inputs, the result), and where each member's elements lie in them."""
 
     send: np.ndarray
     result: np.ndarray
     members: tuple[ReduceRequest, ...]
-    starts: tuple[int, ...]  # element offsets in ``result`` (members are packed in order)
+    starts: tuple[int, ...]  # element offsets (the members, packed in order)
 
     def pack(self) -> None:
         np.concatenate([member.send for member in self.members], out=self.send)

@@ -89,6 +89,11 @@ async def test_fused_results_are_exact_and_identical(
             tensors[i], op=op, max_in_flight=4))
         assert all(isinstance(info, pccl.ReduceInfo) and info.world_size == 3
                    for info in infos), infos
+        # ReduceInfo sums over the buckets: over the peers, a ring all-reduce sends
+        # (and receives) every byte 2(W-1) times.
+        payload = 2 * 2 * sum(base.nbytes for base in bases)
+        assert sum(info.tx_bytes for info in infos) == payload  # type: ignore[attr-defined]
+        assert sum(info.rx_bytes for info in infos) == payload  # type: ignore[attr-defined]
         for t, base in enumerate(bases):
             want = expected(base, op, 3)
             for rank in range(3):
