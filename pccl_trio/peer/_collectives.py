@@ -33,7 +33,9 @@ peer's part is failed, which aborts the collective unless the part was complete;
 caller waits (shielded) for the verdict and the restore, which the protocol's timers
 bound: SUCCESS (every peer had finished) returns the result, anything else re-raises.
 
-``all_reduce_multiple_with_retry`` runs in passes. A pass starts on an up-to-date ring
+``all_reduce_multiple_with_retry`` runs in passes over its all-reduces (one per bucket
+of fused tensors, ``peer/_fusion.py``; "index" below is the bucket's, its tag). A pass
+starts on an up-to-date ring
 and launches the same indices in the same order on every peer, each attempt made and
 registered as it is launched (step 1 is done once for the pass, and step 2 at once), so
 this peer votes for it before it could vote to re-establish the ring. Once the ring
