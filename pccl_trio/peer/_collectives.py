@@ -35,17 +35,17 @@ bound: SUCCESS (every peer had finished) returns the result, anything else re-ra
 
 ``all_reduce_multiple_with_retry`` runs in passes over its all-reduces (one per bucket
 of fused tensors, ``peer/_fusion.py``; "index" below is the bucket's, its tag). A pass
-starts on an up-to-date ring
-and launches the same indices in the same order on every peer, each attempt made and
-registered as it is launched (step 1 is done once for the pass, and step 2 at once), so
-this peer votes for it before it could vote to re-establish the ring. Once the ring
-went stale (an attempt was aborted), the pass launches nothing more; the next pass
-retries the aborted and the unlaunched indices. Without that stop, a peer that heard of
-an abort late could vote for an index before the re-establishment and another peer only
-after it: the master aborts the first vote (the other peer was in the establishment
-vote), and the second waits, in its old pass, for a vote that the first peer makes only
-in a later pass, if ever. With it, an index is voted in the pass's ring or not at all,
-every peer sees the same verdicts, and all retry alike.
+starts on an up-to-date ring and launches the same indices in the same order on every
+peer, each attempt made and registered as it is launched (step 1 is done once for the
+pass, and step 2 at once), so this peer votes for it before it could vote to
+re-establish the ring. Once the ring went stale (an attempt was aborted), the pass
+launches nothing more; the next pass retries the aborted and the unlaunched indices.
+Without that stop, a peer that heard of an abort late could vote for an index before
+the re-establishment and another peer only after it: the master aborts the first vote
+(the other peer was in the establishment vote), and the second waits, in its old pass,
+for a vote that the first peer makes only in a later pass, if ever. With it, an index
+is voted in the pass's ring or not at all, every peer sees the same verdicts, and all
+retry alike.
 """
 
 from __future__ import annotations
