@@ -47,6 +47,12 @@ class Config:
         slice_bytes: payload of one all-reduce data frame; a slice is forwarded as
             soon as it arrived, so smaller slices pipeline better and larger ones cost
             less per byte.
+        bucket_bytes: (peers) ``all_reduce_multiple_with_retry`` packs tensors smaller
+            than this, of one dtype, into buckets of up to this many bytes, each reduced
+            as one all-reduce (``docs/allreduce.md``, "Fusion"); 0: no fusion, one
+            all-reduce per tensor. Every peer of a group must use the same value (its
+            buckets must match the others'). The default was chosen by
+            ``benchmarks/steps.py`` (``docs/benchmarks.md``).
         threaded_data_path: drive TCP data connections from worker threads blocking
             in the kernel (they release the GIL, as numpy's kernels do), which keeps
             every direction of every connection moving while others reduce; False
@@ -143,6 +149,7 @@ class Config:
     establish_attempts: int = 5
     p2p_connection_pool_size: int = 1
     slice_bytes: int = 1 << 20
+    bucket_bytes: int = 25 << 20
     threaded_data_path: bool = True
     topology_solve_seconds: float = 1.0
     topology_search_seconds: float = 60.0
@@ -213,6 +220,12 @@ class Config:
             raise ValueError(
                 f"Config.p2p_connection_pool_size must be an integer from 1 to {MAX_POOL_SIZE}, "
                 f"got {self.p2p_connection_pool_size!r}"
+            )
+        if not (isinstance(self.bucket_bytes, int) and not isinstance(self.bucket_bytes, bool)
+                and self.bucket_bytes >= 0):
+            raise ValueError(
+                "Config.bucket_bytes must be a non-negative integer (0: no fusion), got "
+                f"{self.bucket_bytes!r}"
             )
         if self.slice_bytes + 64 > self.max_data_frame:
             raise ValueError("Config.slice_bytes must fit in Config.max_data_frame")

@@ -36,24 +36,26 @@ peer's part is failed, which aborts the collective unless the part was complete;
 caller waits (shielded) for the verdict and the restore, which the protocol's timers
 bound: SUCCESS (every peer had finished) returns the result, anything else re-raises.
 
-``all_reduce_multiple_with_retry`` runs in passes. A pass starts on an up-to-date ring
-and launches the same indices in the same order on every peer, each attempt made and
-registered as it is launched (step 1 is done once for the pass, and step 2 at once), so
-this peer votes for it before it could vote to re-establish the ring. Once the ring
-went stale (an attempt was aborted), the pass launches nothing more; the next pass
-retries the aborted and the unlaunched indices. Without that stop, a peer that heard of
-an abort late could vote for an index before the re-establishment and another peer only
-after it: the master aborts the first vote (the other peer was in the establishment
-vote), and the second waits, in its old pass, for a vote that the first peer makes only
-in a later pass, if ever. With it, an index is voted in the pass's ring or not at all,
-every peer sees the same verdicts, and all retry alike.
+``all_reduce_multiple_with_retry`` runs in passes over its all-reduces (one per bucket
+of fused tensors, ``peer/_fusion.py``; "index" below is the bucket's, its tag). A pass
+starts on an up-to-date ring and launches the same indices in the same order on every
+peer, each attempt made and registered as it is launched (step 1 is done once for the
+pass, and step 2 at once), so this peer votes for it before it could vote to
+re-establish the ring. Once the ring went stale (an attempt was aborted), the pass
+launches nothing more; the next pass retries the aborted and the unlaunched indices.
+Without that stop, a peer that heard of an abort late could vote for an index before
+the re-establishment and another peer only after it: the master aborts the first vote
+(the other peer was in the establishment vote), and the second waits, in its old pass,
+for a vote that the first peer makes only in a later pass, if ever. With it, an index
+is voted in the pass's ring or not at all, every peer sees the same verdicts, and all
+retry alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -220,6 +222,40 @@ class _RetryOutcome:
     rx: int = 0
     clamped: int = 0
     rejected: dict[int, str] = dataclasses.field(default_factory=dict)
+    on_success: Callable[[int], None] | None = None
+    recorded: set[int] = dataclasses.field(default_factory=set)
+
+    def succeeded(self, index: int, info: ReduceInfo) -> None:
+        self.recorded.add(index)
+        self.tx += info.tx_bytes
+        self.rx += info.rx_bytes
+        self.clamped += info.clamped
+        if self.on_success is not None:
+            self.on_success(index)
+
+
+def _rejection(
+    requests: Sequence[ReduceRequest],
+    members: Sequence[Sequence[int]] | None,
+    rejected: dict[int, str],
+) -> InvalidArgument:
+    """The error naming the tensors of the rejected all-reduces of a retried set."""
+    if members is None:
+        members = [(index,) for index in range(len(requests))]
+    count = sum(len(m) for m in members)
+    indices = sorted(rejected)
+    tensors = sorted(t for index in indices for t in members[index])
+    fused = [index for index in indices if len(members[index]) > 1]
+    where = (
+        f"; fused in buckets {fused}, whose peers may disagree on the tensor list or "
+        "on Config.bucket_bytes" if fused else ""
+    )
+    first = indices[0]
+    return InvalidArgument(
+        f"{len(tensors)} of {count} tensors were rejected for every peer (tensors "
+        f"{tensors}{where}; they were restored to their inputs, the others completed); "
+        f"tag {first} (tensors {list(members[first])}): {rejected[first]}"
+    )
 
 
 class AllReduces:
@@ -319,10 +355,24 @@ class AllReduces:
         return result
 
     async def reduce_each_with_retry(
-        self, requests: Sequence[ReduceRequest], max_in_flight: int
+        self,
+        requests: Sequence[ReduceRequest],
+        max_in_flight: int,
+        *,
+        members: Sequence[Sequence[int]] | None = None,
+        on_success: Callable[[int], None] | None = None,
     ) -> ReduceInfo:
-        """``Communicator.all_reduce_multiple_with_retry`` with its arguments checked."""
-        outcome = _RetryOutcome()
+        """``Communicator.all_reduce_multiple_with_retry``'s all-reduces (its buckets,
+        ``peer/_fusion.py``), each retried until it succeeded or was rejected.
+
+        Args:
+            members: per request, the indices of the caller's tensors it carries, to
+                name them in a rejection (default: request ``i`` is tensor ``i``).
+            on_success: called with a request's index once it succeeded (also for
+                one that succeeded after all while the call was being cancelled),
+                before the call returns or raises.
+        """
+        outcome = _RetryOutcome(on_success=on_success)
         pending = list(range(len(requests)))
         while pending:
             self.check_launch()
@@ -341,13 +391,7 @@ class AllReduces:
             if pending:
                 log.info("peer %s: retrying %d all-reduces", self._session.peer_id, len(pending))
         if outcome.rejected:
-            indices = sorted(outcome.rejected)
-            first = outcome.rejected[indices[0]]
-            raise InvalidArgument(
-                f"{len(indices)} of {len(requests)} all-reduces were rejected for every peer "
-                f"(tensors {indices}; they were restored to their inputs, the others "
-                f"completed); tensor {indices[0]}: {first}"
-            )
+            raise _rejection(requests, members, outcome.rejected)
         return ReduceInfo(
             world_size=len(self._membership.ring), tx_bytes=outcome.tx, rx_bytes=outcome.rx,
             clamped=outcome.clamped,
@@ -393,9 +437,7 @@ class AllReduces:
             except PCCLError as exc:  # the run is over for us: stop launching
                 fatal.append(exc)
             else:
-                outcome.tx += info.tx_bytes
-                outcome.rx += info.rx_bytes
-                outcome.clamped += info.clamped
+                outcome.succeeded(index, info)
             finally:
                 slots.release()
 
@@ -424,6 +466,11 @@ class AllReduces:
                     async with trio.open_nursery() as stopping:
                         for result in running:
                             stopping.start_soon(self._cancel, result)
+            for index, result in results.items():
+                # Succeeded, but cancelled before ``one`` recorded it (or too late to
+                # abort): its result stands, as a cancelled ``all_reduce``'s does.
+                if result.info is not None and index not in outcome.recorded:
+                    outcome.succeeded(index, result.info)
         if fatal:
             raise fatal[0]
         return sorted(failed)

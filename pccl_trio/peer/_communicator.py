@@ -95,6 +95,7 @@ from ._allreduce import AsyncReduceHandle
 from ._collectives import AllReduces, check_reduce_arguments
 from ._context import PeerContext
 from ._election import MAX_TARGETS, Elector, Finder, check_discover
+from ._fusion import Fusion
 from ._lifecycle import Call, Lifecycle, Status
 from ._membership import Membership
 from ._optimize import TopologyOptimizer
@@ -258,6 +259,7 @@ class Communicator:
         context = PeerContext(config=config, lifecycle=life, session=session, p2p=p2p)
         membership = self._membership = Membership(context, receiver=receiver)
         self._all_reduces = AllReduces(context, receiver=receiver, membership=membership)
+        self._fusion = Fusion(self._all_reduces, bucket_bytes=config.bucket_bytes)
         self._sync = SharedStateSync(context, membership=membership)
         self._optimizer = TopologyOptimizer(context, membership=membership)
 
@@ -609,15 +611,20 @@ class Communicator:
         distribution_hint: DistributionHint = DistributionHint.NONE,
         max_in_flight: int = 16,
     ) -> ReduceInfo:
-        """All-reduce every tensor in place (tag = its index), retrying after dropouts.
+        """All-reduce every tensor in place, fused into buckets, retrying after dropouts.
 
-        At most ``max_in_flight`` run at once, launched in index order on every peer.
-        When a peer drops, every all-reduce in flight is aborted together (inputs
-        restored); the unfinished ones run again with the survivors, so each tensor
-        ends as the reduction over the old world or over the new one, identical on
-        every survivor. A tensor the run rejects (the peers disagree on it, or a peer's
-        data cannot be quantized) is not retried; the others still complete, on every
-        peer alike, before the rejection is raised.
+        Tensors smaller than ``Config.bucket_bytes`` are packed by dtype, in order, into
+        buckets of up to that size (not when quantized); the others go alone, zero-copy.
+        Each bucket is one all-reduce, its tag the bucket's index (with no fusion: the
+        tensor's index); every peer must pass the same list. At most ``max_in_flight``
+        buckets run at once, launched in order on every peer. When a peer drops,
+        every all-reduce in flight is aborted together (inputs restored); the
+        unfinished ones run again with the survivors, so each tensor ends as the
+        reduction over the old world or over the new one, identical on every survivor.
+        A bucket's results reach its tensors only once it succeeded. A bucket the run
+        rejects (the peers disagree on it, or a peer's data cannot be quantized) is not
+        retried; the others still complete, on every peer alike, before the rejection
+        is raised.
 
         Returns:
             the payload bytes of the successful attempts, the values clamped by
@@ -638,7 +645,7 @@ class Communicator:
             )
             for index, tensor in enumerate(tensors)
         ]
-        return await self._all_reduces.reduce_each_with_retry(requests, max_in_flight)
+        return await self._fusion.reduce(requests, max_in_flight)
 
     async def aclose(self) -> None:
         """Leave the run: close every connection. Safe to call more than once."""

@@ -218,6 +218,13 @@ FINE = pccl.Config(slice_bytes=4096)
 ENFORCE = pccl.SharedStateSyncStrategy.ENFORCE_POPULAR
 
 
+def unfused(cluster: Cluster) -> None:
+    """Peers made from now on reduce one tensor per all-reduce in
+    ``all_reduce_multiple_with_retry`` (tag = index): for tests that steer the retry
+    engine by tag, or that mix it with single all-reduces on other peers."""
+    cluster.config = dataclasses.replace(cluster.config, bucket_bytes=0)
+
+
 def fine(cluster: Cluster) -> pccl.Config:
     """The cluster's config with ``FINE``'s slices."""
     return dataclasses.replace(cluster.config, slice_bytes=FINE.slice_bytes)

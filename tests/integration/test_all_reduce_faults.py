@@ -10,7 +10,7 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, all_do, fine, form_run, run_all, started
+from .conftest import Cluster, all_do, fine, form_run, run_all, started, unfused
 
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["kill-rank0", "kill-rank2"])
@@ -60,6 +60,7 @@ async def test_kill_mid_all_reduce(cluster: Cluster, clock: object, victim: int)
 
 async def test_kill_inside_multiple_with_retry(cluster: Cluster, clock: object) -> None:
     cluster.config = fine(cluster) if cluster.memory is not None else cluster.config
+    unfused(cluster)
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(3)])
         n_tensors = 8
@@ -290,6 +291,7 @@ async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
     from pccl_trio._core.messages import Message, VoteEstablish
     from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure, ReduceResult
 
+    unfused(cluster)
     with trio.fail_after(120):
         a, b = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         b_id = b.peer_id
@@ -360,6 +362,7 @@ async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort
     from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure, ReduceResult
 
     caplog.set_level("INFO", logger="pccl_trio.peer")
+    unfused(cluster)
     with trio.fail_after(120):
         a, b = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         b_id = b.peer_id

@@ -16,7 +16,7 @@ import trio
 
 import pccl_trio as pccl
 
-from .conftest import MEMORY_CONFIG, RUN_SECRET, TCP_CONFIG, Cluster, form_run
+from .conftest import MEMORY_CONFIG, RUN_SECRET, TCP_CONFIG, Cluster, form_run, unfused
 
 MEMORY_STALL = dataclasses.replace(MEMORY_CONFIG, stall_timeout=120.0, stall_warning=10.0)
 TCP_STALL = dataclasses.replace(TCP_CONFIG, stall_timeout=1.5, stall_warning=0.5)
@@ -145,6 +145,7 @@ async def test_all_reduce_against_are_peers_pending(cluster: Cluster, clock: obj
 
 
 async def test_two_against_three_tensors(cluster: Cluster, clock: object) -> None:
+    unfused(cluster)  # one all-reduce per tensor: the third waits for the other peer
     with trio.fail_after(600):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         tensors = [

@@ -134,11 +134,17 @@ async def test_sigkill_during_a_large_all_reduce(processes: Processes) -> None:
         await release(survivors)
 
 
-async def test_sigkill_inside_all_reduce_multiple_with_retry(processes: Processes) -> None:
+@pytest.mark.parametrize(("tensors", "megabytes"), [(8, 16), (60, 1)],
+                         ids=["alone", "fused"])
+async def test_sigkill_inside_all_reduce_multiple_with_retry(
+    processes: Processes, tensors: int, megabytes: int
+) -> None:
+    """16 MiB tensors go alone; 1 MiB ones are fused into buckets of 25 (the default
+    bucket_bytes)."""
     with trio.fail_after(300):
         _master, address = await processes.master("--liveness-timeout", "5")
-        readers = await peers(processes, address, "retry", 3, "--tensors", "8",
-                              "--megabytes", "16")
+        readers = await peers(processes, address, "retry", 3, "--tensors", str(tensors),
+                              "--megabytes", str(megabytes))
         ranks = [(await reader.wait_for(lambda r: r["event"] == "ready"))["rank"]
                  for reader in readers]
         for reader in readers:
@@ -147,7 +153,7 @@ async def test_sigkill_inside_all_reduce_multiple_with_retry(processes: Processe
         readers[victim].process.send_signal(signal.SIGKILL)
         survivors = [r for i, r in enumerate(readers) if i != victim]
         done = [await r.wait_for(lambda rec: rec["event"] == "retried") for r in survivors]
-        for t in range(8):
+        for t in range(tensors):
             old = float(sum(10 ** rank + t for rank in range(3)))
             new = float(sum(10 ** rank + t for rank in range(3) if rank != 2))
             firsts = {d["firsts"][t] for d in done}
