@@ -74,6 +74,9 @@ async def test_forwarded_results_are_the_sender_threads_bits(
 ) -> None:
     """Forwarded (no sender thread started) and sent by sender threads (forwarding
     off), every op gives the same bits on every peer, and the pipeline's order."""
+    # A forwarder that finds a connection busy waits for it rather than fall back,
+    # however long the machine keeps the thread that holds it from running.
+    monkeypatch.setattr(_allreduce, "FORWARD_LOCK_WAIT", 60.0)
     with trio.fail_after(120):
         comms = await make_run(cluster, master_config, pool=2)
         senders = SenderThreads(monkeypatch)
