@@ -2,8 +2,11 @@
 
 One task per connection reads frames and turns them into core events; one task
 feeds those events (and the passing of time) to the core, in order, and carries out
-the actions it returns. Each connection has its own writer task fed by a queue, so a
-slow or stuck peer can never block the master's event loop or other peers.
+the actions it returns. A frame for a connection is written at once when the socket
+takes it and nothing is queued before it (``FramedStream.write_nowait``: a reply
+leaves without a task switch); otherwise it waits in the queue of the connection's
+writer task, so a slow or stuck peer can never block the master's event loop or other
+peers.
 
 With a run secret, a connection first completes the handshake (``transport.secure_server``)
 within ``connect_timeout``, or is closed without a word; only then does the core hear of
@@ -98,11 +101,27 @@ class _Connection:
             decode=False, channel=channel,
         )
         self.fresh = True  # no frame received yet
-        self.outgoing_send, self.outgoing_receive = trio.open_memory_channel[bytes](math.inf)
+        self.outgoing_send, self.outgoing_receive = trio.open_memory_channel[
+            bytes | memoryview
+        ](math.inf)
+        self.queued = 0  # frames handed to the writer and not yet written by it
+        self.closing = False
         self.scope = trio.CancelScope()
         self.flush_timeout = config.liveness_timeout
 
+    def send(self, frame: bytes) -> None:
+        """Send one sealed frame after those before it: written at once if the writer
+        has nothing in hand and the socket takes it (no task switch on the way out),
+        else (or what is left of it) queued for the writer."""
+        if self.closing:
+            return  # nothing follows the close
+        rest = self.framed.write_nowait(frame) if not self.queued else memoryview(frame)
+        if rest:
+            self.outgoing_send.send_nowait(rest)
+            self.queued += 1
+
     def close_after_flush(self) -> None:
+        self.closing = True
         self.outgoing_send.close()
 
 
@@ -235,6 +254,7 @@ class _MasterServer:
         try:
             async for frame in conn.outgoing_receive:
                 await conn.framed.send_bytes(frame)
+                conn.queued -= 1
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             await self.events_send.send(ConnectionClosed(conn=conn.conn_id))
             async for _frame in conn.outgoing_receive:
@@ -265,8 +285,8 @@ class _MasterServer:
             match action:
                 case Send(message=message):
                     try:
-                        # Sealed here, in queue order: the order the writer sends them.
-                        conn.outgoing_send.send_nowait(encode_control(message, conn.framed.channel))
+                        # Sealed here, in order: the order they are written.
+                        conn.send(encode_control(message, conn.framed.channel))
                     except trio.ClosedResourceError:
                         pass
                 case Close(reason=reason):

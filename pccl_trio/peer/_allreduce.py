@@ -15,6 +15,15 @@ peer votes, so that data frames can be accepted the moment the master commences 
   share of the slices in stream order, every slice as soon as the slice it forwards
   has arrived (see ``RingSchedule``). A sender is a protocol of ``_protocol``, so the
   same code runs in a trio task or a worker thread.
+* **Forwarding.** A small unquantized all-reduce over worker threads
+  (``FORWARD_MAX_BYTES``) starts no sender: the reader thread that completes a slice
+  sends the slice that forwards it, and the trio thread sends what is ready when the
+  attempt starts (its own chunk). A ring hop then wakes one thread per peer (the
+  reader), not two. A forwarder sends only what cannot block it (the connection is
+  free within ``FORWARD_LOCK_WAIT`` and its socket buffer has room, so a reader always
+  goes back to draining its connection); a slice it cannot send starts the sender
+  threads, which skip what was sent already. Every outgoing slice is taken by exactly
+  one thread, under the lock.
 
 Readers and senders are trio tasks on streams without a socket of their own (the
 in-memory network), and worker threads blocking on ``SocketLink``s over TCP. The
@@ -37,6 +46,7 @@ receiver decodes the same bytes. So every peer ends with the same bits.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Sequence
 from functools import partial
@@ -53,7 +63,22 @@ from ..transport import Connection, SocketLink
 from ._protocol import Protocol as IOProtocol
 from ._protocol import SendData, Wait, run_protocol
 
-__all__ = ["AllReduceAttempt", "AsyncReduceHandle", "BufferPool", "LocalFailure", "ReduceResult"]
+__all__ = [
+    "FORWARD_MAX_BYTES",
+    "AllReduceAttempt",
+    "AsyncReduceHandle",
+    "BufferPool",
+    "LocalFailure",
+    "ReduceResult",
+]
+
+#: Unquantized all-reduces of at most this many bytes over worker threads forward each
+#: slice from the reader that completed it (see ``send_all``).
+FORWARD_MAX_BYTES = 4 << 20
+#: How long a forwarding thread (the trio thread included) waits for a connection
+#: another thread is sending on before it leaves the slice to the attempt's sender
+#: threads. A forwarder holds a connection only for a send that fits in its buffer.
+FORWARD_LOCK_WAIT = 0.002
 
 
 class BufferPool:
@@ -183,6 +208,18 @@ class AllReduceAttempt:
         # and (threads) connections a sender is writing a frame of ours on.
         self._direct_readers: set[_Cuttable] = set()
         self._active_links: set[_Cuttable] = set()
+        # Send side: which outgoing slices were taken by a sender (set once, under the
+        # lock, so every slice is sent exactly once), how many are not sent yet, and
+        # each send segment's first position in the stream of slices (for striping).
+        self._sent = [bytearray(self.schedule.slice_count(s)) for s in self.schedule.send]
+        self._unsent = sum(len(flags) for flags in self._sent)
+        self._positions = list(itertools.accumulate(
+            (len(flags) for flags in self._sent[:-1]), initial=0
+        ))
+        # Forwarding (see ``send_all``): the outgoing links while readers forward, and
+        # whether a slice was left to sender threads.
+        self._links: tuple[SocketLink, ...] = ()
+        self._need_senders = False
         # Whether the data moved in worker threads (TCP), so restoring may too; on the
         # in-memory network everything stays in trio tasks (virtual time).
         self.uses_threads = False
@@ -298,7 +335,14 @@ class AllReduceAttempt:
                 self._progress.done[segment.index][index] = 1
                 self.rx_bytes += self._payload_size(stop - start)
                 self._progress.remaining -= 1
-            self._wake(trio_too=not self._progress.remaining or not self._writers and not self.live)
+            self._wake(trio_too=self._finished or not self._writers and not self.live)
+            forward = written and self._links and segment.index + 1 < len(self._sent)
+        if forward:
+            # This reader forwards the slice it completed: no other thread to wake.
+            if not self._send_now(segment.index + 1, index, wait=FORWARD_LOCK_WAIT):
+                with self._lock:
+                    self._need_senders = True
+                    self._wake(trio_too=True)
 
     def _back_up(self, segment: Segment, start: int, stop: int) -> None:
         """In place: keep the caller's input of a slice about to be first written."""
@@ -503,6 +547,9 @@ class AllReduceAttempt:
                 # connection (and cuts it) or this sender sees the attempt over.
                 if self.failure is not None or not self.live:
                     return
+                if self._sent[segment.index][index]:
+                    continue  # a reader forwarded it
+                self._sent[segment.index][index] = 1
                 self._active_links.add(connection)
             try:
                 yield SendData(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
@@ -512,12 +559,80 @@ class AllReduceAttempt:
             finally:
                 with self._lock:
                     self._active_links.discard(connection)
+            self._sent_one(len(payload))
+
+    @property
+    def _finished(self) -> bool:
+        """Every slice received and sent (what ``send_all`` waits for; under the lock)."""
+        return not self._progress.remaining and not self._unsent
+
+    def _sent_one(self, nbytes: int) -> None:
+        """A slice of ``nbytes`` on the wire left this peer."""
+        with self._lock:
+            self.tx_bytes += nbytes
+            self._unsent -= 1
+            if self._finished:
+                self._wake(trio_too=True)
+
+    def _send_now(self, segment_index: int, index: int, *, wait: float) -> bool:
+        """Send outgoing slice ``index`` of ``segment_index`` (which is ready) from the
+        calling thread, if that cannot block: its connection is free within ``wait``
+        seconds and has room for the frame (``SocketLink.has_room``).
+        True if the slice is dealt with (sent, taken by another sender, or no longer
+        wanted); False leaves it to the sender threads.
+        """
+        links = self._links
+        link = links[(self._positions[segment_index] + index) % len(links)]
+        if not link.send_lock.acquire(timeout=wait):
+            return False
+        try:
+            offset, payload = self._frame(self.schedule.send[segment_index], index, None)
+            if not link.has_room(len(payload)):
+                return False
             with self._lock:
-                self.tx_bytes += len(payload)
+                # As in ``_send_slices``: ``stop`` cuts the link or we see it stopped.
+                if self._sent[segment_index][index] or self.failure is not None or not self.live:
+                    return True
+                self._sent[segment_index][index] = 1
+                self._active_links.add(link)
+            try:
+                link.send_data_locked(tag=self.tag, seq=self.seq, offset=offset, payload=payload)
+            finally:
+                with self._lock:
+                    self._active_links.discard(link)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.fail(f"sending to the next peer failed ({exc})")
+            return True
+        finally:
+            link.send_lock.release()
+        self._sent_one(len(payload))
+        return True
+
+    def _forward_from_here(self, links: tuple[SocketLink, ...]) -> None:
+        """Start forwarding (see ``send_all``): from now on the reader that completes a
+        slice sends the slice that forwards it; the slices ready already (this peer's
+        own chunk, and what arrived before) are sent from here, the trio thread, where
+        that cannot block."""
+        with self._lock:
+            self._links = links
+            ready = [
+                (s, i) for s, flags in enumerate(self._sent) for i in range(len(flags))
+                if not flags[i] and (s == 0 or self._progress.done[s - 1][i])
+            ]
+        for segment_index, index in ready:
+            if not self._send_now(segment_index, index, wait=FORWARD_LOCK_WAIT):
+                self._need_senders = True
 
     async def send_all(self, connections: Sequence[Connection]) -> None:
         """Send this peer's whole stream, striped over ``connections``, then wait for
         every slice of the incoming stream.
+
+        Small unquantized all-reduces over worker threads (at most
+        ``FORWARD_MAX_BYTES``) *forward*: each slice is sent by the thread that made it
+        ready, the reader that completed the slice it forwards (or this task, for what
+        is ready at the start), so a ring hop costs no wake-up of another thread. A
+        reader sends only what cannot block it (``_send_now``); anything else starts
+        the sender threads, which skip what was sent already.
 
         Raises:
             LocalFailure: a link broke or a frame was bad.
@@ -526,13 +641,28 @@ class AllReduceAttempt:
             self.fail(self.failure or "no open connection to the next peer")
             raise LocalFailure(self.failure or "")
         self.uses_threads = any(isinstance(c, SocketLink) for c in connections)
+        links = tuple(c for c in connections if isinstance(c, SocketLink))
+        forward = (
+            self.codec is None and len(links) == len(connections)
+            and len(self._result_bytes) <= FORWARD_MAX_BYTES
+        )
         async with trio.open_nursery() as nursery:
-            for connection, slices in zip(connections, self._plan(len(connections)), strict=True):
-                if slices:
-                    nursery.start_soon(partial(
-                        run_protocol, self._send_slices(connection, slices), connection,
-                        interrupt=self.stop,
-                    ))
+            if forward:
+                self._forward_from_here(links)
+                while (
+                    (self._progress.remaining or self._unsent) and not self._need_senders
+                    and self.failure is None and self.live
+                ):
+                    await self._lot.park()
+            if not forward or self._need_senders and self.failure is None and self.live:
+                for connection, slices in zip(
+                    connections, self._plan(len(connections)), strict=True
+                ):
+                    if slices:
+                        nursery.start_soon(partial(
+                            run_protocol, self._send_slices(connection, slices), connection,
+                            interrupt=self.stop,
+                        ))
         while self._progress.remaining and self.failure is None and self.live:
             await self._lot.park()
         if self.failure is not None:

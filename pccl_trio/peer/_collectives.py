@@ -548,12 +548,6 @@ class AllReduces:
                 verdict = reply
             else:
                 local_ok = await self._run_ring(attempt)
-                await self._session.send(
-                    CollectiveComplete(
-                        tag=tag, seq=attempt.seq, aborted=not local_ok,
-                        invalid=bounded(attempt.invalid or ""),
-                    )
-                )
                 verdict = await self._session.wait_for(
                     CollectiveVerdict, lambda m: m.tag == tag and m.seq == attempt.seq
                 )
@@ -665,14 +659,30 @@ class AllReduces:
         self._session.discard(stale_abort)
         self._life.notify()
 
+    async def _complete(self, attempt: AllReduceAttempt, ok: bool) -> None:
+        """Report this peer's part to the master. Cancellable until the master link is
+        up, shielded from then on: a frame half-sent would end the link."""
+        await self._session.until_back()
+        with trio.CancelScope(shield=True):
+            await self._session.send(
+                CollectiveComplete(
+                    tag=attempt.tag, seq=attempt.seq, aborted=not ok,
+                    invalid=bounded(attempt.invalid or ""),
+                )
+            )
+
     async def _run_ring(self, attempt: AllReduceAttempt) -> bool:
-        """This peer's part of a commenced attempt; True if it completed locally."""
+        """This peer's part of a commenced attempt, reported to the master with
+        ``CollectiveComplete``; True if it completed locally. A part that ends on its
+        own is reported at once, while the abort watcher still runs; if the master's
+        abort came first, it is reported aborted once the watcher is down."""
         successor = attempt.successor
         connections = self._p2p.successor_connections(successor)
         if not connections:
             attempt.fail(f"no open connection to the next peer ({successor})")
         master_error: PCCLError | None = None
-        ok = False
+        report_error: PCCLError | None = None
+        ok = reported = False
         async with trio.open_nursery() as nursery:
 
             async def watch_for_abort() -> None:
@@ -692,7 +702,18 @@ class AllReduces:
                 ok = True
             except LocalFailure as exc:
                 log.info("peer %s: tag %d failed locally: %s", self._session.peer_id, attempt.tag, exc)
+            ok = ok and attempt.live
+            try:
+                await self._complete(attempt, ok)
+                reported = True
+            except PCCLError as exc:  # raised below, not grouped by the nursery
+                report_error = exc
             nursery.cancel_scope.cancel()
         if master_error is not None:
             raise master_error
-        return ok and attempt.live
+        if report_error is not None:
+            raise report_error
+        if not reported:  # the master's abort stopped it
+            ok = False
+            await self._complete(attempt, ok)
+        return ok

@@ -16,14 +16,23 @@ blocked on neither wakes that thread nor is safe (the number may be reused at on
 so ``cut`` shuts the connection down instead, which wakes every blocked call, and the
 descriptor is closed by whoever is the last to stop using it.
 
+Sending without waiting
+-----------------------
+``has_room`` tells whether a frame fits in the socket's send buffer now (the bytes
+queued, ``TIOCOUTQ``, against half the buffer's fixed size): a thread that must not
+block, such as a reader forwarding a slice of a small all-reduce, holds ``send_lock``
+and sends with ``send_data_locked`` only then.
+
 A link keeps the ``Channel`` of the stream it was detached from (its frame counters
 go on where the stream's stopped) and protects frames as ``FramedStream`` does.
 """
 
 from __future__ import annotations
 
+import fcntl
 import socket
 import struct
+import termios
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +54,10 @@ from .._core.wire import (
 from ._framed import RECEIVE_CHUNK, FramedStream, drop_sent, readable_now
 
 __all__ = ["SocketLink"]
+
+_INT = bytes(4)
+#: Room counted for a frame's header and authentication tag.
+_FRAME_ALLOWANCE = 256
 
 
 class SocketLink:
@@ -71,6 +84,8 @@ class SocketLink:
         self._cut = False
         self._released = False
         self.send_lock = threading.Lock()
+        # Set once when the socket was tuned (a fixed size turns off auto-tuning).
+        self._send_buffer: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
 
     @classmethod
     def detach(
@@ -186,16 +201,37 @@ class SocketLink:
     def send_data(self, *, tag: int, seq: int, offset: int, payload: memoryview) -> None:
         """Send one data frame; the payload goes from the caller's memory to the kernel
         (unless the channel encrypts it)."""
+        with self.send_lock:
+            self.send_data_locked(tag=tag, seq=seq, offset=offset, payload=payload)
+
+    def send_data_locked(self, *, tag: int, seq: int, offset: int, payload: memoryview) -> None:
+        """``send_data`` for a caller that holds ``send_lock`` (tags, with a channel,
+        are made in the order the frames leave)."""
         if payload.itemsize != 1:
             payload = payload.cast("B")  # lengths below count bytes
         header = encode_data_header(
             tag=tag, seq=seq, offset=offset, nbytes=len(payload), trailer=self._data.trailer
         )
         if self.channel is None:
-            self.send_frames([memoryview(header), payload])
-            return
-        with self.send_lock:  # tags are made in the order the frames leave
+            self._send_locked([memoryview(header), payload])
+        else:
             self._send_locked(self.channel.protect_data(header, payload))
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a frame with ``nbytes`` of payload fits in the socket's send buffer
+        now, with a margin: sending it then returns without waiting for the other side.
+        The kernel accounts queued bytes with overhead, so at most half the buffer
+        counts as room.
+
+        Raises:
+            trio.ClosedResourceError: this side cut the connection.
+        """
+        with self._use() as sock:
+            try:
+                queued: int = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, _INT))[0]
+            except OSError:
+                return False
+        return queued + nbytes + _FRAME_ALLOWANCE <= self._send_buffer // 2
 
     def send_message(self, message: Message) -> None:
         """Send one control frame (blocking)."""

@@ -20,7 +20,10 @@ checkpoint; it never holds the lock across an await, and a frame left part-writt
 while trio waits for room in the socket stays claimed. ``write_if_idle`` holds the lock
 while it seals and writes a whole frame, and writes only while no trio send holds the
 claim. A channel's frames therefore leave in the order they were sealed, and bytes of
-two frames never interleave. Closing the stream marks it closed under the same lock
+two frames never interleave. ``write_nowait`` (the master's replies) writes from the
+trio thread without awaiting, under the wire lock, what the socket takes at once; a
+frame it leaves part-written stays claimed until the ``send_bytes`` that finishes it.
+Closing the stream marks it closed under the same lock
 before the socket is closed, so the thread never writes to a descriptor number the
 kernel may hand out again.
 """
@@ -237,6 +240,27 @@ class FramedStream:
             await self.aclose()
             raise
         await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def write_nowait(self, frame: bytes) -> memoryview:
+        """From the trio thread: write what the TCP socket takes of ``frame`` (complete
+        sealed frames) right now, without waiting, if no trio send holds the stream.
+        Returns what was not written (all of it without a socket, while a send is in
+        progress, or if the socket is full or broken): send it with ``send_bytes``
+        before anything else. A frame left part-written keeps the wire claimed (a
+        keepalive writes nothing) until that send ends."""
+        view = memoryview(frame).cast("B")
+        if self._socket is None or self._closed or self._send_lock.locked():
+            return view
+        with self._wire:
+            if self._claimed:
+                return view
+            try:
+                written = os.write(self._socket.fileno(), view)
+            except OSError:  # full, or broken: the queued send waits or reports it
+                return view
+            self._last_write = time.monotonic()
+            self._claimed = written < len(view)
+        return view[written:]
 
     def write_if_idle(self, message: Message, idle: float) -> bool:
         """From a thread other than trio's: seal ``message`` and write it straight to the

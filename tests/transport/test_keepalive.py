@@ -19,7 +19,7 @@ import trio
 
 from pccl_trio._core.channel import Purpose
 from pccl_trio._core.messages import Heartbeat, Kick, Message
-from pccl_trio._core.wire import DataFrame, Undecoded
+from pccl_trio._core.wire import DataFrame, Undecoded, encode_control
 from pccl_trio.testing import MemoryNetwork
 from pccl_trio.transport import Credential, FramedStream, keep_alive, secure_client, secure_server
 
@@ -208,3 +208,37 @@ async def test_no_thread_without_a_tcp_socket() -> None:
         link = FramedStream(stream, max_control_frame=MAX_CONTROL)
         assert keep_alive(link, Heartbeat(), 0.01) is None
         await link.aclose()
+
+
+async def test_a_frame_written_in_part_without_waiting_keeps_the_wire_claimed(
+    pair: tuple[FramedStream, FramedStream],
+) -> None:
+    """``write_nowait`` writes what the socket takes at once (here, with nobody
+    reading, not all of it); until ``send_bytes`` finished the rest, a keepalive
+    writes nothing, even once there is room, so the frames arrive whole and in seal
+    order."""
+    client, server = pair
+    with trio.fail_after(TIMEOUT):
+        kicks = [Kick(reason=f"{i:06d}" + "x" * 1000) for i in range(16_000)]
+        sealed = b"".join(encode_control(kick, server.channel) for kick in kicks)
+        rest = server.write_nowait(sealed)
+        assert 0 < len(rest) < len(sealed)
+        # Make room, then offer the keepalive's heartbeat mid-frame.
+        whole = (len(sealed) - len(rest)) * len(kicks) // len(sealed)
+        received: list[Message | DataFrame] = [await client.receive_message()
+                                               for _ in range(whole // 2)]
+        assert server.socket is not None
+        await trio.lowlevel.wait_writable(server.socket)
+        assert server.write_if_idle(Heartbeat(), 0.0)
+        async with trio.open_nursery() as nursery:
+
+            async def receive() -> None:
+                received.extend(await received_until_closed(client))
+
+            nursery.start_soon(receive)
+            await server.send_bytes(rest)
+            last = server.write_nowait(encode_control(Kick(reason="last"), server.channel))
+            if last:
+                await server.send_bytes(last)
+            await server.aclose()
+    assert received == [*kicks, Kick(reason="last")]
