@@ -56,17 +56,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import Any
 
-import numpy as np
 import trio
 
 from .._core.messages import (
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
-    CollectiveInitiate,
     CollectiveVerdict,
     Message,
     Outcome,
@@ -81,22 +77,19 @@ from .._errors import (
     UpdateTopologyFailed,
 )
 from .._types import (
-    DataType,
-    DistributionHint,
-    QuantizationAlgorithm,
-    QuantizationOptions,
     ReduceInfo,
-    ReduceOp,
 )
-from ..ops import Array, ArrayModule, Codec, as_array, check_quantization, from_numpy_dtype
+from ..ops import Codec
 from ..transport import run_in_thread
-from ._allreduce import AllReduceAttempt, AsyncReduceHandle, BufferPool, LocalFailure, ReduceResult
+from ._allreduce import AllReduceAttempt, BufferPool, LocalFailure
 from ._context import PeerContext
 from ._membership import Membership
 from ._receiver import DataReceiver
+from ._requests import ReduceRequest
+from ._results import AsyncReduceHandle, ReduceResult
 from ._session import MasterLost
 
-__all__ = ["AllReduces", "ReduceRequest"]
+__all__ = ["AllReduces"]
 
 log = logging.getLogger("pccl_trio.peer")
 
@@ -112,106 +105,6 @@ class _Rejected(InvalidArgument):
 class _Blocked(CollectiveAborted):
     """The master ended a collective before it ran because a member waits in a
     shared-state sync: the ring is intact; retrying before syncing would fail alike."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ReduceRequest:
-    """One all-reduce's checked arguments.
-
-    Attributes:
-        xp: the array module of the buffers.
-        send: the input, a flat array; result: where the result goes (``send`` itself
-            for in place).
-        quantization: None when the call is not quantized (``QuantizationAlgorithm.NONE``
-            included).
-    """
-
-    tag: int
-    xp: ArrayModule
-    send: Array
-    result: Array
-    op: ReduceOp
-    quantization: QuantizationOptions | None
-    hint: DistributionHint
-
-    def vote(self) -> CollectiveInitiate:
-        """The descriptor every peer of the group must vote alike."""
-        dtype = from_numpy_dtype(self.result.dtype)
-        quantization = self.quantization
-        return CollectiveInitiate(
-            tag=self.tag,
-            count=int(self.result.size),
-            dtype=dtype.value,
-            op=self.op.value,
-            quantized_dtype=(quantization.quantized_datatype if quantization else dtype).value,
-            quantization=(
-                quantization.algorithm if quantization else QuantizationAlgorithm.NONE
-            ).value,
-            distribution_hint=self.hint.value if quantization else 0,
-        )
-
-
-def check_reduce_arguments(
-    send: Any,
-    recv: Any,
-    *,
-    op: ReduceOp,
-    tag: int,
-    quantization: QuantizationOptions | None,
-    hint: DistributionHint,
-) -> ReduceRequest:
-    """The arguments of an all-reduce call, checked.
-
-    Raises:
-        InvalidArgument: which argument is wrong, and how.
-    """
-    if not isinstance(op, ReduceOp):
-        raise InvalidArgument(f"op must be a pccl_trio.ReduceOp, got {op!r}")
-    if not (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 1 << 64):
-        raise InvalidArgument(f"tag must be an integer in [0, 2**64), got {tag!r}")
-    if not isinstance(hint, DistributionHint):
-        raise InvalidArgument(
-            f"distribution_hint must be a pccl_trio.DistributionHint, got {hint!r}"
-        )
-    if quantization is not None:
-        if not isinstance(quantization, QuantizationOptions):
-            raise InvalidArgument(
-                f"quantization must be QuantizationOptions or None, got {quantization!r}"
-            )
-        if not isinstance(quantization.algorithm, QuantizationAlgorithm):
-            raise InvalidArgument(
-                "quantization.algorithm must be a pccl_trio.QuantizationAlgorithm, got "
-                f"{quantization.algorithm!r}"
-            )
-        if not isinstance(quantization.quantized_datatype, DataType):
-            raise InvalidArgument(
-                "quantization.quantized_datatype must be a pccl_trio.DataType, got "
-                f"{quantization.quantized_datatype!r}"
-            )
-        if quantization.algorithm is QuantizationAlgorithm.NONE:
-            quantization = None
-    xp, send_array = as_array(send, name="send")
-    if quantization is not None:
-        check_quantization(
-            quantization.algorithm, quantization.quantized_datatype, send_array.dtype, op
-        )
-    request = partial(ReduceRequest, tag=tag, xp=xp, send=send_array, op=op,
-                      quantization=quantization, hint=hint)
-    if recv is None or recv is send:
-        return request(result=send_array)
-    recv_xp, recv_array = as_array(recv, name="recv")
-    if recv_xp is not xp:
-        raise InvalidArgument("send and recv must live on the same device")
-    if recv_array.dtype != send_array.dtype or recv_array.size != send_array.size:
-        raise InvalidArgument(
-            f"recv ({recv_array.size} x {recv_array.dtype}) must match send "
-            f"({send_array.size} x {send_array.dtype}) in count and dtype"
-        )
-    if np.shares_memory(send_array, recv_array):
-        if send_array.ctypes.data == recv_array.ctypes.data:
-            return request(result=send_array)  # the same memory: in place
-        raise InvalidArgument("send and recv overlap without being the same buffer")
-    return request(result=recv_array)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -68,7 +68,6 @@ from .._core.messages import (
     P2PInfo,
     SharedStateRequest,
 )
-from .._core.records import U32_MAX
 from .._core.ring import neighbours
 from .._errors import InvalidArgument, InvalidUsage, MasterConnectionError
 from .._types import (
@@ -89,10 +88,9 @@ from ..transport import (
     check_remote_host,
     find_masters,
     listen_host,
-    parse_address,
 )
-from ._allreduce import AsyncReduceHandle
-from ._collectives import AllReduces, check_reduce_arguments
+from ._arguments import check_arguments
+from ._collectives import AllReduces
 from ._context import PeerContext
 from ._election import MAX_TARGETS, Elector, Finder, check_discover
 from ._fusion import Fusion
@@ -101,6 +99,8 @@ from ._membership import Membership
 from ._optimize import TopologyOptimizer
 from ._p2p import P2PConnections
 from ._receiver import DataReceiver
+from ._requests import check_reduce_arguments
+from ._results import AsyncReduceHandle
 from ._session import MasterLost, MasterSession, Standing
 from ._sync import SharedStateSync
 
@@ -182,37 +182,10 @@ class Communicator:
         discover: str | None = None,
         host_master: bool = False,
     ) -> None:
-        if host_master and discover is None:
-            raise InvalidArgument(
-                "host_master=True elects a master among the peers that discover a run by "
-                "name: give discover='RUN' (and no master address)"
-            )
-        if (master_address is None) == (discover is None):
-            raise InvalidArgument(
-                "give either the master's address (Communicator('host:port')) or the name of "
-                "a run whose master to discover (Communicator(discover='RUN')), "
-                + ("not both" if discover is not None else "got neither")
-            )
-        addresses: list[tuple[str, int]] = [("", 0)]
-        if master_address is not None:
-            try:
-                addresses = [
-                    parse_address(part.strip()) for part in str(master_address).split(",")
-                ]
-            except ValueError as exc:
-                raise InvalidArgument(f"master_address: {exc}") from None
-        if not (isinstance(peer_group, int) and not isinstance(peer_group, bool)
-                and 0 <= peer_group <= U32_MAX):
-            raise InvalidArgument(f"peer_group must be an integer in [0, 2**32-1], got {peer_group!r}")
-        if not (isinstance(p2p_connection_pool_size, int)
-                and not isinstance(p2p_connection_pool_size, bool)
-                and 0 <= p2p_connection_pool_size <= 1024):
-            raise InvalidArgument(
-                "p2p_connection_pool_size must be an integer in [0, 1024] (0: default), "
-                f"got {p2p_connection_pool_size!r}"
-            )
-        if not (isinstance(p2p_port, int) and 0 <= p2p_port <= 65535):
-            raise InvalidArgument(f"p2p_port must be 0-65535, got {p2p_port!r}")
+        addresses = check_arguments(
+            master_address, discover=discover, host_master=host_master, peer_group=peer_group,
+            pool_size=p2p_connection_pool_size, p2p_port=p2p_port,
+        )
         config = (config or Config()).with_environment_secret()
         network = network if network is not None else TcpNetwork()
         if discover is not None:

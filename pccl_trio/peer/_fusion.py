@@ -34,7 +34,8 @@ import numpy as np
 from .._core.buckets import plan_buckets
 from .._types import ReduceInfo
 from ._allreduce import BufferPool
-from ._collectives import AllReduces, ReduceRequest
+from ._collectives import AllReduces
+from ._requests import ReduceRequest
 
 __all__ = ["Fusion"]
 

@@ -289,7 +289,8 @@ async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
     Tensor 2 then fails at B once A launched 3, and B's pass hears of 1's end only once
     B voted to re-establish the ring again (or A is retrying already)."""
     from pccl_trio._core.messages import Message, VoteEstablish
-    from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure, ReduceResult
+    from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure
+    from pccl_trio.peer._results import ReduceResult
 
     unfused(cluster)
     with trio.fail_after(120):
@@ -359,7 +360,8 @@ async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort
     0's success only once B voted to re-establish the ring. The master aborts A's vote
     for tensor 2, so B must not vote for it in this pass: both retry tensors 1 and 2."""
     from pccl_trio._core.messages import Message, VoteEstablish
-    from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure, ReduceResult
+    from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure
+    from pccl_trio.peer._results import ReduceResult
 
     caplog.set_level("INFO", logger="pccl_trio.peer")
     unfused(cluster)

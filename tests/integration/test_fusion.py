@@ -12,7 +12,7 @@ import trio
 
 import pccl_trio as pccl
 from pccl_trio._core.messages import CollectiveInitiate
-from pccl_trio.peer._collectives import ReduceRequest
+from pccl_trio.peer._requests import ReduceRequest
 
 from .conftest import Cluster, fine, form_run, run_all, started
 

@@ -1,0 +1,126 @@
+"""An all-reduce call's arguments, checked, and the descriptor its peers vote on.
+
+Theory of operation
+-------------------
+``check_reduce_arguments`` turns what the caller passed (buffers of any accepted kind,
+the op, tag, quantization and hint) into a ``ReduceRequest``: flat zero-copy views of
+the buffers, the quantization normalised (an algorithm of NONE is no quantization),
+and every mistake refused with an ``InvalidArgument`` that names the argument. A
+request's ``vote`` is the descriptor the master compares across the group; it depends
+on the request alone, so peers that passed the same kind of call vote alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from .._core.messages import CollectiveInitiate
+from .._errors import InvalidArgument
+from .._types import DataType, DistributionHint, QuantizationAlgorithm, QuantizationOptions, ReduceOp
+from ..ops import Array, ArrayModule, as_array, check_quantization, from_numpy_dtype
+
+__all__ = ["ReduceRequest", "check_reduce_arguments"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ReduceRequest:
+    """One all-reduce's checked arguments.
+
+    Attributes:
+        xp: the array module of the buffers.
+        send: the input, a flat array; result: where the result goes (``send`` itself
+            for in place).
+        quantization: None when the call is not quantized (``QuantizationAlgorithm.NONE``
+            included).
+    """
+
+    tag: int
+    xp: ArrayModule
+    send: Array
+    result: Array
+    op: ReduceOp
+    quantization: QuantizationOptions | None
+    hint: DistributionHint
+
+    def vote(self) -> CollectiveInitiate:
+        """The descriptor every peer of the group must vote alike."""
+        dtype = from_numpy_dtype(self.result.dtype)
+        quantization = self.quantization
+        return CollectiveInitiate(
+            tag=self.tag,
+            count=int(self.result.size),
+            dtype=dtype.value,
+            op=self.op.value,
+            quantized_dtype=(quantization.quantized_datatype if quantization else dtype).value,
+            quantization=(
+                quantization.algorithm if quantization else QuantizationAlgorithm.NONE
+            ).value,
+            distribution_hint=self.hint.value if quantization else 0,
+        )
+
+
+def check_reduce_arguments(
+    send: Any,
+    recv: Any,
+    *,
+    op: ReduceOp,
+    tag: int,
+    quantization: QuantizationOptions | None,
+    hint: DistributionHint,
+) -> ReduceRequest:
+    """The arguments of an all-reduce call, checked.
+
+    Raises:
+        InvalidArgument: which argument is wrong, and how.
+    """
+    if not isinstance(op, ReduceOp):
+        raise InvalidArgument(f"op must be a pccl_trio.ReduceOp, got {op!r}")
+    if not (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 1 << 64):
+        raise InvalidArgument(f"tag must be an integer in [0, 2**64), got {tag!r}")
+    if not isinstance(hint, DistributionHint):
+        raise InvalidArgument(
+            f"distribution_hint must be a pccl_trio.DistributionHint, got {hint!r}"
+        )
+    if quantization is not None:
+        if not isinstance(quantization, QuantizationOptions):
+            raise InvalidArgument(
+                f"quantization must be QuantizationOptions or None, got {quantization!r}"
+            )
+        if not isinstance(quantization.algorithm, QuantizationAlgorithm):
+            raise InvalidArgument(
+                "quantization.algorithm must be a pccl_trio.QuantizationAlgorithm, got "
+                f"{quantization.algorithm!r}"
+            )
+        if not isinstance(quantization.quantized_datatype, DataType):
+            raise InvalidArgument(
+                "quantization.quantized_datatype must be a pccl_trio.DataType, got "
+                f"{quantization.quantized_datatype!r}"
+            )
+        if quantization.algorithm is QuantizationAlgorithm.NONE:
+            quantization = None
+    xp, send_array = as_array(send, name="send")
+    if quantization is not None:
+        check_quantization(
+            quantization.algorithm, quantization.quantized_datatype, send_array.dtype, op
+        )
+    request = partial(ReduceRequest, tag=tag, xp=xp, send=send_array, op=op,
+                      quantization=quantization, hint=hint)
+    if recv is None or recv is send:
+        return request(result=send_array)
+    recv_xp, recv_array = as_array(recv, name="recv")
+    if recv_xp is not xp:
+        raise InvalidArgument("send and recv must live on the same device")
+    if recv_array.dtype != send_array.dtype or recv_array.size != send_array.size:
+        raise InvalidArgument(
+            f"recv ({recv_array.size} x {recv_array.dtype}) must match send "
+            f"({send_array.size} x {send_array.dtype}) in count and dtype"
+        )
+    if np.shares_memory(send_array, recv_array):
+        if send_array.ctypes.data == recv_array.ctypes.data:
+            return request(result=send_array)  # the same memory: in place
+        raise InvalidArgument("send and recv overlap without being the same buffer")
+    return request(result=recv_array)

@@ -1,0 +1,95 @@
+"""What the caller of an all-reduce holds while it runs: its result and its handle.
+
+Theory of operation
+-------------------
+The task that runs an all-reduce (``AllReduces._run``) sets its ``ReduceResult`` once,
+whatever happens: a ``ReduceInfo`` or the error the caller gets. The result also
+carries what a cancelled caller needs to stop the all-reduce: whether it was
+cancelled (an attempt made from then on starts stopped), the attempt once made, and
+``final``, set once the buffers hold what they will hold. ``AsyncReduceHandle`` is the
+public view of a result for ``all_reduce_async``: awaiting it never cancels the
+all-reduce, which goes on in the communicator.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import trio
+
+from .._types import ReduceInfo
+
+if TYPE_CHECKING:
+    from ._allreduce import AllReduceAttempt
+
+__all__ = ["AsyncReduceHandle", "ReduceResult"]
+
+
+class ReduceResult:
+    """How one all-reduce ended, set once by the task that runs it; and what a
+    cancelled caller needs to stop it (``cancelled``, ``attempt``, ``final``)."""
+
+    def __init__(self) -> None:
+        self._done = trio.Event()
+        self._info: ReduceInfo | None = None
+        self._error: BaseException | None = None
+        # The caller was cancelled: an attempt made from now on starts stopped.
+        self.cancelled = False
+        # The attempt, once made (before its vote).
+        self.attempt: AllReduceAttempt | None = None
+        # The buffers hold what they will hold: the result, or the input restored.
+        self.final = trio.Event()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def info(self) -> ReduceInfo | None:
+        """The ``ReduceInfo`` of a successful all-reduce (None otherwise, or not yet)."""
+        return self._info
+
+    def finish(self, info: ReduceInfo | None, error: BaseException | None) -> None:
+        self._info, self._error = info, error
+        self._done.set()
+        self.final.set()
+
+    async def settled(self) -> None:
+        """Wait until it ended, whatever the outcome."""
+        await self._done.wait()
+
+    async def get(self) -> ReduceInfo:
+        """Wait until it ended; its ``ReduceInfo``, or raise its error."""
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._info is not None
+        return self._info
+
+    def __repr__(self) -> str:
+        return "running" if not self.done else ("failed" if self._error else "done")
+
+
+class AsyncReduceHandle:
+    """A running all-reduce started by ``Communicator.all_reduce_async``.
+
+    ``await handle.wait()`` returns its ``ReduceInfo`` or raises what ``all_reduce``
+    would have raised; it may be awaited any number of times. Cancelling a ``wait``
+    does not cancel the all-reduce, which goes on in the communicator.
+    """
+
+    def __init__(self, tag: int, result: ReduceResult) -> None:
+        self.tag = tag
+        self._result = result
+
+    @property
+    def done(self) -> bool:
+        """Whether the all-reduce has ended (``wait`` then returns at once)."""
+        return self._result.done
+
+    async def wait(self) -> ReduceInfo:
+        """Wait for the all-reduce to end; its ``ReduceInfo``, or raise its error."""
+        return await self._result.get()
+
+    def __repr__(self) -> str:
+        return f"<AsyncReduceHandle tag={self.tag} {self._result!r}>"
