@@ -23,7 +23,7 @@ import trio
 
 import pccl_trio as pccl
 from pccl_trio._core.messages import CollectiveComplete, Message
-from pccl_trio.peer import _allreduce, _session
+from pccl_trio.peer import _results, _session
 from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, fine, form_run, run_all, started, unfused
@@ -137,14 +137,14 @@ async def test_cancelled_after_the_verdict_returns_the_result(
     with trio.fail_after(120):
         comms = await make_ring(cluster)
         scopes: list[trio.CancelScope] = []
-        finish = _allreduce.ReduceResult.finish
+        finish = _results.ReduceResult.finish
 
-        def finish_then_cancel(self: _allreduce.ReduceResult, info: object, error: object) -> None:
+        def finish_then_cancel(self: _results.ReduceResult, info: object, error: object) -> None:
             finish(self, info, error)  # type: ignore[arg-type]
             for scope in scopes:
                 scope.cancel()
 
-        monkeypatch.setattr(_allreduce.ReduceResult, "finish", finish_then_cancel)
+        monkeypatch.setattr(_results.ReduceResult, "finish", finish_then_cancel)
         outcome = await cancelled_reduce(
             comms, 1, in_place=True, cancel=lambda scope, _nursery: scopes.append(scope)
         )
