@@ -18,7 +18,8 @@ zeros on every peer. A step is, at the same point on every peer:
    the ring (at most six peers) is exact in float32 whatever the order of additions,
    so the peer recomputes it from ``comm.ring`` (the ring of the attempt that
    succeeded) and compares every element. ``CollectiveAborted`` restores the input:
-   the peer retries the same all-reduce, which runs on the survivors.
+   the step starts over at its sync, at the same revision (the README's loop), and
+   the all-reduce runs again on the survivors.
 4. *Update*: ``weights = 0.75 * weights + result / 1024`` in float32 (rounding on
    purpose: only identical inputs and operations give identical bits), ``steps += 1``,
    ``revision += 1``.
@@ -119,18 +120,22 @@ async def train(master: str, elements: int, step_seconds: float, optimize: bool,
         emit("joined", peer=me)
         just_joined = True
         synced_before = False
+        resync = False  # an all-reduce aborted: the step starts over at its sync
+        aborts = 0
         while True:
-            if just_joined or await comm.are_peers_pending():
-                if not just_joined:
-                    await retrying(comm.update_topology, "update_topology",
-                                   (pccl.UpdateTopologyFailed,))
-                if optimize:
-                    await retrying(comm.optimize_topology, "optimize_topology",
-                                   (pccl.TopologyOptimizationFailed,))
-            just_joined = False
-            if comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < 2:
-                await trio.sleep(step_seconds)  # alone: wait for company
-                continue
+            if not resync:
+                if just_joined or await comm.are_peers_pending():
+                    if not just_joined:
+                        await retrying(comm.update_topology, "update_topology",
+                                       (pccl.UpdateTopologyFailed,))
+                    if optimize:
+                        await retrying(comm.optimize_topology, "optimize_topology",
+                                       (pccl.TopologyOptimizationFailed,))
+                just_joined = False
+                if comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < 2:
+                    await trio.sleep(step_seconds)  # alone: wait for company
+                    continue
+            resync = False
             synced = await retrying(lambda: comm.sync_shared_state(state), "sync_shared_state",
                                     (pccl.SharedStateSyncFailed,))
             emit("sync", peer=me, rev=state.revision, rx=synced.rx_bytes, tx=synced.tx_bytes,
@@ -139,14 +144,15 @@ async def train(master: str, elements: int, step_seconds: float, optimize: bool,
 
             revision = state.revision
             data = contribution(me, revision, elements)
-            aborts = 0
-            while True:
-                try:
-                    info = await comm.all_reduce(data)
-                    break
-                except pccl.CollectiveAborted as exc:
-                    aborts += 1
-                    emit("retry", call="all_reduce", kind="CollectiveAborted", message=str(exc)[:300])
+            try:
+                info = await comm.all_reduce(data)
+            except pccl.CollectiveAborted as exc:
+                # Aborted for every peer (one died, or one's sync failed and it syncs
+                # again): every peer starts the step over at its sync, at this revision.
+                aborts += 1
+                emit("retry", call="all_reduce", kind="CollectiveAborted", message=str(exc)[:300])
+                resync = True
+                continue
             injecting = inject is not None and int(steps[0]) == inject_at
             if injecting and inject == "wrong-sum":
                 data[0] += 1
@@ -163,6 +169,7 @@ async def train(master: str, elements: int, step_seconds: float, optimize: bool,
             emit("step", peer=me, rev=state.revision, world=info.world_size, ring=list(ring),
                  result=digest(data), weights=digest(weights), aborts=aborts, wrong=wrong,
                  hosting=comm.hosting_master, master=comm.master_address)
+            aborts = 0
             if injecting and inject == "hang":
                 await trio.sleep_forever()
             await trio.sleep(step_seconds)  # stands in for computing gradients
