@@ -614,7 +614,8 @@ class Communicator:
             raise InvalidArgument(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         requests = [
             check_reduce_arguments(
-                tensor, None, op=op, tag=index, quantization=quantization, hint=distribution_hint
+                tensor, None, op=op, tag=index, quantization=quantization,
+                hint=distribution_hint, name=f"tensors[{index}]",
             )
             for index, tensor in enumerate(tensors)
         ]

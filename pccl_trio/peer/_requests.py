@@ -71,8 +71,10 @@ def check_reduce_arguments(
     tag: int,
     quantization: QuantizationOptions | None,
     hint: DistributionHint,
+    name: str = "send",
 ) -> ReduceRequest:
-    """The arguments of an all-reduce call, checked.
+    """The arguments of an all-reduce call, checked; ``name``: what the caller called
+    ``send`` (``tensors[i]`` for a tensor of ``all_reduce_multiple_with_retry``).
 
     Raises:
         InvalidArgument: which argument is wrong, and how.
@@ -102,7 +104,7 @@ def check_reduce_arguments(
             )
         if quantization.algorithm is QuantizationAlgorithm.NONE:
             quantization = None
-    xp, send_array = as_array(send, name="send")
+    xp, send_array = as_array(send, name=name)
     if quantization is not None:
         check_quantization(
             quantization.algorithm, quantization.quantized_datatype, send_array.dtype, op

@@ -298,3 +298,18 @@ async def test_bucket_bytes_zero_is_one_all_reduce_per_tensor(
         assert all(np.all(t == 3) for row in tensors for t in row)
         for comm in comms:
             await comm.aclose()
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_a_bad_tensor_is_named_by_its_index_before_anything_runs(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        good = np.ones(8, dtype=np.float32)
+        strided = np.ones((4, 4), dtype=np.float32)[:, :2]
+        with pytest.raises(pccl.InvalidArgument, match=r"^tensors\[1\]: the array is not C-contiguous"):
+            await comms[0].all_reduce_multiple_with_retry([good, strided])
+        assert bool((good == 1).all())
+        for comm in comms:
+            await comm.aclose()
