@@ -48,6 +48,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pccl_trio._bench import format_size, parse_size
+
 WORKLOADS = ("100x256KiB", "400x16KiB", "transformer")
 DDP_BUCKET = 25 << 20
 
@@ -70,23 +72,6 @@ def shapes(workload: str) -> list[tuple[int, ...]]:
                     (width, 4 * width), (width,)]  # MLP down
         return [*out, (width,), (width,)]  # final layer norm (the head is tied)
     raise ValueError(f"unknown workload {workload!r}; choose from {WORKLOADS}")
-
-
-def parse_size(text: str) -> int:
-    """'4M', '256K', '0' or plain bytes."""
-    t = text.strip().upper().replace("IB", "").replace("B", "")
-    scale = 1
-    if t and t[-1] in "KMG":
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[t[-1]]
-        t = t[:-1]
-    return int(float(t) * scale)
-
-
-def format_size(n: int) -> str:
-    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= div and n % div == 0:
-            return f"{n // div} {unit}"
-    return f"{n} B"
 
 
 # --- pccl_trio worker --------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -76,10 +77,12 @@ class Fusion:
 
     @staticmethod
     def _key(request: ReduceRequest) -> Hashable | None:
-        """What a tensor fuses by (None: it goes alone)."""
+        """What a tensor fuses by (None: it goes alone): its dtype, since the op and the
+        quantization are the call's, the same for every tensor."""
         if request.quantization is not None or request.xp is not np:
             return None
-        return (request.result.dtype, request.op)
+        dtype: np.dtype[Any] = request.result.dtype
+        return dtype
 
     def plan(self, requests: Sequence[ReduceRequest]) -> list[tuple[int, ...]]:
         """The buckets of the call's tensors (``requests``, tag = index)."""
