@@ -24,6 +24,7 @@ Texts the master builds from what peers sent (reasons, errors) go through
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -80,49 +81,82 @@ def bounded(text: str, limit: int = MAX_REASON) -> str:
 
 def check_field(value: Any, hint: Any, where: str) -> None:
     """Raise ``RemoteProtocolError`` unless ``value`` matches the type ``hint``."""
-    origin = typing.get_origin(hint)
+    _checker(hint)(value, where)
+
+
+def _invalid(value: Any, hint: Any, where: str) -> typing.NoReturn:
+    raise RemoteProtocolError(f"{where}: invalid value {value!r:.80} for a field of type "
+                              f"{getattr(hint, '__name__', hint)}")
+
+
+_Check = typing.Callable[[Any, str], None]
+
+
+@functools.cache
+def _checker(hint: Any) -> _Check:
+    """The check of values against ``hint``, built once per hint (every message is
+    checked when it is built and when it is decoded, so this is on every send and
+    receive path)."""
+    check: _Check
     if hint is bool:
-        ok = isinstance(value, bool)
+        def check(value: Any, where: str) -> None:
+            if not isinstance(value, bool):
+                _invalid(value, hint, where)
     elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX
+        def check(value: Any, where: str) -> None:
+            if not (isinstance(value, int) and not isinstance(value, bool)
+                    and 0 <= value <= U64_MAX):
+                _invalid(value, hint, where)
     elif hint is float:
-        ok = (
-            isinstance(value, int | float)
-            and not isinstance(value, bool)
-            and math.isfinite(value)
-        )
-    elif hint is str:
-        ok = isinstance(value, str) and len(value) <= MAX_STRING
-    elif hint is bytes:
-        ok = isinstance(value, bytes) and len(value) <= MAX_STRING
-    elif origin is tuple:
+        def check(value: Any, where: str) -> None:
+            if not (isinstance(value, int | float) and not isinstance(value, bool)
+                    and math.isfinite(value)):
+                _invalid(value, hint, where)
+    elif hint is str or hint is bytes:
+        def check(value: Any, where: str) -> None:
+            if not (isinstance(value, hint) and len(value) <= MAX_STRING):
+                _invalid(value, hint, where)
+    elif typing.get_origin(hint) is tuple:
         (item_hint, _ellipsis) = typing.get_args(hint)
-        if not isinstance(value, tuple):
-            raise RemoteProtocolError(f"{where}: expected a sequence, got {type(value).__name__}")
-        if len(value) > MAX_SEQUENCE:
-            raise RemoteProtocolError(
-                f"{where}: {len(value)} items exceed the limit of {MAX_SEQUENCE}"
-            )
-        for index, item in enumerate(value):
-            check_field(item, item_hint, f"{where}[{index}]")
-        return
+        check_item = _checker(item_hint)
+
+        def check(value: Any, where: str) -> None:
+            if not isinstance(value, tuple):
+                raise RemoteProtocolError(
+                    f"{where}: expected a sequence, got {type(value).__name__}"
+                )
+            if len(value) > MAX_SEQUENCE:
+                raise RemoteProtocolError(
+                    f"{where}: {len(value)} items exceed the limit of {MAX_SEQUENCE}"
+                )
+            try:
+                for item in value:
+                    check_item(item, where)
+            except RemoteProtocolError:
+                # Name the first bad item (its index is only worth the cost now).
+                for index, item in enumerate(value):
+                    check_item(item, f"{where}[{index}]")
+                raise
     elif isinstance(hint, type) and dataclasses.is_dataclass(hint):
-        ok = isinstance(value, hint)
+        def check(value: Any, where: str) -> None:
+            if not isinstance(value, hint):
+                _invalid(value, hint, where)
     else:  # pragma: no cover - a message declared a field type this module can't check
-        raise TypeError(f"{where}: unsupported field type {hint!r}")
-    if not ok:
-        raise RemoteProtocolError(f"{where}: invalid value {value!r:.80} for a field of type "
-                                  f"{getattr(hint, '__name__', hint)}")
+        raise TypeError(f"unsupported field type {hint!r}")
+    return check
 
 
 class Record:
     """Mixin: type-check every field of a frozen dataclass after construction."""
 
     _HINTS: ClassVar[Mapping[str, Any]] = types.MappingProxyType({})
+    #: Per field, in declaration order: its name, how errors name it, its check, and
+    #: how its wire value becomes a field value (None: as it is).
+    _FIELDS: ClassVar[tuple[tuple[str, str, _Check, _Convert | None], ...]] = ()
 
     def __post_init__(self) -> None:
-        for name, hint in type(self)._HINTS.items():
-            check_field(getattr(self, name), hint, f"{type(self).__name__}.{name}")
+        for name, where, check, _convert in type(self)._FIELDS:
+            check(getattr(self, name), where)
         self._validate()
 
     def _validate(self) -> None:
@@ -151,6 +185,10 @@ def record(cls: _R) -> _R:
     hints = typing.get_type_hints(cls)
     cls._HINTS = types.MappingProxyType(
         {field.name: hints[field.name] for field in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    )
+    cls._FIELDS = tuple(
+        (name, f"{cls.__name__}.{name}", _checker(hint), _converter(hint))
+        for name, hint in cls._HINTS.items()
     )
     return cls
 
@@ -188,34 +226,51 @@ def body_limit(cls: type[Message], max_control_frame: int) -> int:
 
 def _to_wire(value: Any) -> Any:
     if isinstance(value, Record):
-        return [_to_wire(getattr(value, name)) for name in type(value)._HINTS]
+        return [
+            getattr(value, name) if convert is None else _to_wire(getattr(value, name))
+            for name, _where, _check, convert in type(value)._FIELDS
+        ]
     if isinstance(value, tuple):
         return [_to_wire(item) for item in value]
     return value
 
 
-def _from_wire(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise RemoteProtocolError(f"{where}: expected an array, got {type(value).__name__}")
+_Convert = typing.Callable[[Any, str], Any]
+
+
+def _converter(hint: Any) -> _Convert | None:
+    """How a wire value of a field of type ``hint`` becomes the field's value: None for
+    scalars (msgpack gave them as they are), a function for sequences and nested
+    records."""
+    if typing.get_origin(hint) is tuple:
         (item_hint, _ellipsis) = typing.get_args(hint)
-        return tuple(_from_wire(item, item_hint, f"{where}[{i}]") for i, item in enumerate(value))
+        convert_item = _converter(item_hint)
+
+        def convert(value: Any, where: str) -> Any:
+            if not isinstance(value, list):
+                raise RemoteProtocolError(
+                    f"{where}: expected an array, got {type(value).__name__}"
+                )
+            if convert_item is None:
+                return tuple(value)
+            return tuple(convert_item(item, f"{where}[{i}]") for i, item in enumerate(value))
+
+        return convert
     if isinstance(hint, type) and issubclass(hint, Record) and not issubclass(hint, Message):
-        return _build(hint, value, where)
-    return value
+        return functools.partial(_build, hint)
+    return None
 
 
 def _build(cls: type[Record], fields: Any, where: str) -> Any:
-    hints = cls._HINTS
-    if not isinstance(fields, list) or len(fields) != len(hints):
+    spec = cls._FIELDS
+    if not isinstance(fields, list) or len(fields) != len(spec):
         raise RemoteProtocolError(
-            f"{where}: expected {len(hints)} fields, got "
+            f"{where}: expected {len(spec)} fields, got "
             f"{len(fields) if isinstance(fields, list) else type(fields).__name__}"
         )
     kwargs = {
-        name: _from_wire(value, hint, f"{where}.{name}")
-        for (name, hint), value in zip(hints.items(), fields, strict=True)
+        name: value if convert is None else convert(value, f"{where}.{name}")
+        for (name, _where, _check, convert), value in zip(spec, fields, strict=True)
     }
     try:
         return cls(**kwargs)

@@ -90,6 +90,10 @@ HANDSHAKE_ERRORS = (
 THREAD_DECODE_BYTES = 64 * 1024
 
 
+#: Most events the core handles in a row before it looks at its deadlines again.
+_BATCH = 64
+
+
 class _Connection:
     def __init__(
         self, conn_id: int, stream: trio.abc.Stream, config: Config, admission: Admission,
@@ -343,15 +347,27 @@ class _MasterServer:
         return [Close(conn=conn_id, reason="internal error")]
 
     async def run_core(self) -> NoReturn:
+        deadline = self.core.next_deadline()
         while True:
             event: Event
-            with trio.move_on_at(self.core.next_deadline()):
+            with trio.move_on_at(deadline):
                 event = await self.events_receive.receive()
                 self.feed(event)
+                # The events that came meanwhile (the votes of one collective arrive
+                # together), without a scope and a deadline each; a bounded batch, so
+                # deadlines are still checked under a flood.
+                for _ in range(_BATCH):
+                    try:
+                        event = self.events_receive.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    self.feed(event)
             # Deadlines are checked even when events never stop coming.
-            if trio.current_time() >= self.core.next_deadline():
+            deadline = self.core.next_deadline()
+            if trio.current_time() >= deadline:
                 await self.drain_arrivals()
                 self.feed(Tick())
+                deadline = self.core.next_deadline()
 
     async def drain_arrivals(self) -> None:
         """Handle what already reached our sockets before judging anyone silent.

@@ -58,7 +58,8 @@ def as_array(obj: object, *, name: str) -> tuple[ArrayModule, Array]:
     """
     if isinstance(obj, numpy.ndarray):
         # A subclass's __array_ufunc__ must not run inside the reduction kernels.
-        return numpy, _flat_view(numpy, obj.view(numpy.ndarray), name=name)
+        array = obj if type(obj) is numpy.ndarray else obj.view(numpy.ndarray)
+        return numpy, _flat_view(numpy, array, name=name)
     if type(obj).__module__.startswith("cupy"):
         cupy = _import_cupy(name=name, what=type(obj).__qualname__)
         if isinstance(obj, cupy.ndarray):
@@ -90,14 +91,31 @@ def byte_view(xp: ArrayModule, array: Array) -> memoryview:
 
 def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
     """View a DLPack exporter as a numpy array (host memory) or a cupy array (GPU memory)."""
-    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    device_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
     from_torch = type(obj).__module__.startswith("torch")
     if from_torch and getattr(obj, "requires_grad", False):
         # A model's parameter: its data, the same memory, written outside autograd as an
         # optimizer's step is (DLPack refuses a tensor that requires grad).
         obj = obj.detach()
     torch_bfloat16 = from_torch and repr(obj.dtype) == "torch.bfloat16"
+    if from_torch and not torch_bfloat16:
+        try:
+            # A host tensor: the same memory as through DLPack, for a fraction of the
+            # cost (a gradient list has hundreds of tensors).
+            host = obj.numpy()
+        except (RuntimeError, TypeError):
+            pass  # on a device, or a view numpy cannot express: DLPack decides below
+        else:
+            return numpy, _flat_view(numpy, host, name=name)
+        if obj.is_neg() or obj.is_conj():
+            # Lazy negation or conjugation: the memory does not hold the values, and
+            # DLPack would export the memory as if it did.
+            raise InvalidArgument(
+                f"{name}: the tensor is a lazy negated or conjugated view (its memory does "
+                "not hold its values); pass .resolve_neg().resolve_conj() and copy the "
+                "result back"
+            )
+    kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    device_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
     xp: ModuleType
     if int(device_type) in _DLPACK_GPU_DEVICES:
         if torch_bfloat16:
@@ -138,14 +156,15 @@ def _flat_view(xp: ArrayModule, array: Array, *, name: str) -> Array:
         raise InvalidArgument(
             f"{name}: {error}; convert it first (e.g. .astype(numpy.float32)) and copy the result back"
         ) from error
-    if not array.flags.c_contiguous:
+    flags = array.flags
+    if not flags.c_contiguous:
         raise InvalidArgument(
             f"{name}: the array is not C-contiguous (shape {tuple(array.shape)}, strides "
             f"{tuple(array.strides)}); pass a contiguous copy (numpy.ascontiguousarray, or torch's "
             ".contiguous()) and copy the result back"
         )
     # cupy arrays have no writeable flag: device memory is always writable.
-    if not getattr(array.flags, "writeable", True):
+    if not getattr(flags, "writeable", True):
         raise InvalidArgument(
             f"{name}: the array is read-only, but the all-reduce writes its result into it; "
             "pass a writable array (e.g. numpy.array(x) makes a writable copy)"

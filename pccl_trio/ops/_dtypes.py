@@ -32,6 +32,11 @@ _NUMPY_DTYPES: dict[DataType, numpy.dtype[Any]] = {
     DataType.DOUBLE: numpy.dtype(numpy.float64),
 }
 
+#: Dtypes already resolved (a dict lookup matches a dtype equal to a key, as the scan
+#: below would), so a call of many buffers pays the scan once per dtype.
+_SEEN: dict[numpy.dtype[Any], DataType] = {}
+_SEEN_MAX = 64
+
 _SUPPORTED = ", ".join(str(dtype) for dtype in _NUMPY_DTYPES.values())
 
 
@@ -47,6 +52,10 @@ def from_numpy_dtype(dtype: npt.DTypeLike) -> DataType:
         InvalidArgument: the dtype has no DataType (e.g. bool, complex, object, or non-native byte
             order); the message lists the supported dtypes.
     """
+    if isinstance(dtype, numpy.dtype):
+        known = _SEEN.get(dtype)
+        if known is not None:
+            return known
     try:
         resolved = numpy.dtype(dtype)
     except TypeError as error:
@@ -55,6 +64,8 @@ def from_numpy_dtype(dtype: npt.DTypeLike) -> DataType:
     # (int64 may be spelled 'l' or 'q'), and == is what numpy defines as "the same dtype".
     for data_type, candidate in _NUMPY_DTYPES.items():
         if resolved == candidate:
+            if len(_SEEN) < _SEEN_MAX:
+                _SEEN[resolved] = data_type
             return data_type
     raise InvalidArgument(
         f"dtype {resolved} is not supported; supported dtypes (native byte order): {_SUPPORTED}"

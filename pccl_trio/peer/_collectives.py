@@ -433,6 +433,10 @@ class AllReduces:
         local_ok = False
         try:
             await self._session.send(request.vote())
+            if request.fill is not None:
+                # Before any checkpoint: the commence (the master needs every vote) is
+                # applied by a trio task, so no frame reaches the attempt before this.
+                request.fill()
             reply: CollectiveCommence | CollectiveVerdict = await self._session.wait_for(
                 (CollectiveCommence, CollectiveVerdict),
                 lambda m: m.tag == tag and (isinstance(m, CollectiveCommence) or m.seq == 0),

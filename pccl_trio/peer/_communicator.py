@@ -99,7 +99,7 @@ from ._membership import Membership
 from ._optimize import TopologyOptimizer
 from ._p2p import P2PConnections
 from ._receiver import DataReceiver
-from ._requests import check_reduce_arguments
+from ._requests import check_reduce_arguments, check_reduce_options
 from ._results import AsyncReduceHandle
 from ._session import MasterLost, MasterSession, Standing
 from ._sync import SharedStateSync
@@ -612,11 +612,9 @@ class Communicator:
         """
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise InvalidArgument(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
+        options = check_reduce_options(op=op, quantization=quantization, hint=distribution_hint)
         requests = [
-            check_reduce_arguments(
-                tensor, None, op=op, tag=index, quantization=quantization,
-                hint=distribution_hint, name=f"tensors[{index}]",
-            )
+            options.request(tensor, None, tag=index, name=f"tensors[{index}]")
             for index, tensor in enumerate(tensors)
         ]
         return await self._fusion.reduce(requests, max_in_flight)

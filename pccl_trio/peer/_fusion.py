@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-The call's tensors are checked one by one (``check_reduce_arguments``), then
+The call's tensors are checked one by one (``ReduceOptions.request``), then
 ``_core.buckets.plan_buckets`` groups them into buckets of up to
 ``Config.bucket_bytes`` from their order, dtype and size alone, so every peer that
 passes the same list makes the same buckets. A tensor may fuse when it lives in host
@@ -14,7 +14,8 @@ its neighbours and on ``bucket_bytes`` (see ``docs/allreduce.md``).
 A bucket of one tensor is that tensor's own request: zero-copy, the caller's buffer
 is the all-reduce buffer, as without fusion. A bucket of several is a view of one
 staging buffer, taken for the whole call from a pool that keeps its pages between
-steps; the members are copied into it once, at the start. Each bucket is one
+steps; the members are copied into it once this peer voted for the bucket (the copy
+overlaps the master's round trip; a retry copies them again, unchanged). Each bucket is one
 all-reduce whose tag is the bucket's index (``AllReduces.reduce_each_with_retry``
 retries it as it retries a tensor), from the packed input into a second view of the
 staging buffer: the input is never written, so a retry starts from it, and no backup
@@ -63,8 +64,10 @@ class _Packed:
         np.concatenate([member.send for member in self.members], out=self.send)
 
     def unpack(self) -> None:
+        result = self.result
         for member, start in zip(self.members, self.starts, strict=True):
-            np.copyto(member.result, self.result[start:start + member.result.size])
+            # Item assignment of equal dtypes: a plain copy, cheaper to call than copyto.
+            member.result[...] = result[start:start + member.result.size]
 
 
 class Fusion:
@@ -126,9 +129,8 @@ class Fusion:
                 send=send, result=result, members=tuple(requests[i] for i in members),
                 starts=tuple(starts),
             )
-            bucket.pack()
             bucket_requests.append(
-                dataclasses.replace(first, tag=index, send=send, result=result)
+                dataclasses.replace(first, tag=index, send=send, result=result, fill=bucket.pack)
             )
 
         def written(index: int) -> None:

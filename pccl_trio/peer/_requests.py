@@ -5,7 +5,9 @@ Theory of operation
 ``check_reduce_arguments`` turns what the caller passed (buffers of any accepted kind,
 the op, tag, quantization and hint) into a ``ReduceRequest``: flat zero-copy views of
 the buffers, the quantization normalised (an algorithm of NONE is no quantization),
-and every mistake refused with an ``InvalidArgument`` that names the argument. A
+and every mistake refused with an ``InvalidArgument`` that names the argument. A call
+of many buffers checks its options once (``check_reduce_options``) and then each
+buffer (``ReduceOptions.request``): per buffer, only what differs is looked at. A
 request's ``vote`` is the descriptor the master compares across the group; it depends
 on the request alone, so peers that passed the same kind of call vote alike.
 """
@@ -13,7 +15,7 @@ on the request alone, so peers that passed the same kind of call vote alike.
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from .._errors import InvalidArgument
 from .._types import DataType, DistributionHint, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from ..ops import Array, ArrayModule, as_array, check_quantization, from_numpy_dtype
 
-__all__ = ["ReduceRequest", "check_reduce_arguments"]
+__all__ = ["ReduceOptions", "ReduceRequest", "check_reduce_arguments", "check_reduce_options"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -36,6 +38,9 @@ class ReduceRequest:
             for in place).
         quantization: None when the call is not quantized (``QuantizationAlgorithm.NONE``
             included).
+        fill: None, or what fills ``send`` once this peer voted, before the ring reads
+            it (fusion packs a bucket then, so the copy overlaps the master's round
+            trip); called before each attempt, it must give the same bytes each time.
     """
 
     tag: int
@@ -45,6 +50,7 @@ class ReduceRequest:
     op: ReduceOp
     quantization: QuantizationOptions | None
     hint: DistributionHint
+    fill: Callable[[], None] | None = None
 
     def vote(self) -> CollectiveInitiate:
         """The descriptor every peer of the group must vote alike."""
@@ -74,15 +80,28 @@ def check_reduce_arguments(
     name: str = "send",
 ) -> ReduceRequest:
     """The arguments of an all-reduce call, checked; ``name``: what the caller called
-    ``send`` (``tensors[i]`` for a tensor of ``all_reduce_multiple_with_retry``).
+    ``send``.
 
     Raises:
         InvalidArgument: which argument is wrong, and how.
     """
-    if not isinstance(op, ReduceOp):
-        raise InvalidArgument(f"op must be a pccl_trio.ReduceOp, got {op!r}")
     if not (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 1 << 64):
         raise InvalidArgument(f"tag must be an integer in [0, 2**64), got {tag!r}")
+    options = check_reduce_options(op=op, quantization=quantization, hint=hint)
+    return options.request(send, recv, tag=tag, name=name)
+
+
+def check_reduce_options(
+    *, op: ReduceOp, quantization: QuantizationOptions | None, hint: DistributionHint
+) -> ReduceOptions:
+    """A call's options, checked once for all its buffers (the quantization normalised:
+    an algorithm of NONE is no quantization).
+
+    Raises:
+        InvalidArgument: which option is wrong, and how.
+    """
+    if not isinstance(op, ReduceOp):
+        raise InvalidArgument(f"op must be a pccl_trio.ReduceOp, got {op!r}")
     if not isinstance(hint, DistributionHint):
         raise InvalidArgument(
             f"distribution_hint must be a pccl_trio.DistributionHint, got {hint!r}"
@@ -104,25 +123,51 @@ def check_reduce_arguments(
             )
         if quantization.algorithm is QuantizationAlgorithm.NONE:
             quantization = None
-    xp, send_array = as_array(send, name=name)
-    if quantization is not None:
-        check_quantization(
-            quantization.algorithm, quantization.quantized_datatype, send_array.dtype, op
+    return ReduceOptions(op=op, quantization=quantization, hint=hint)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ReduceOptions:
+    """An all-reduce call's checked options, shared by the requests of its buffers."""
+
+    op: ReduceOp
+    quantization: QuantizationOptions | None
+    hint: DistributionHint
+
+    def request(self, send: Any, recv: Any, *, tag: int, name: str) -> ReduceRequest:
+        """The request for one buffer (``recv``: None or ``send`` for in place) under
+        these options; ``tag`` must be valid already.
+
+        Raises:
+            InvalidArgument: which buffer is wrong, and how.
+        """
+        xp, send_array = as_array(send, name=name)
+        quantization = self.quantization
+        if quantization is not None:
+            check_quantization(
+                quantization.algorithm, quantization.quantized_datatype, send_array.dtype,
+                self.op,
+            )
+        result = send_array
+        if recv is not None and recv is not send:
+            result = self._recv(xp, send_array, recv)
+        return ReduceRequest(
+            tag=tag, xp=xp, send=send_array, result=result, op=self.op,
+            quantization=quantization, hint=self.hint,
         )
-    request = partial(ReduceRequest, tag=tag, xp=xp, send=send_array, op=op,
-                      quantization=quantization, hint=hint)
-    if recv is None or recv is send:
-        return request(result=send_array)
-    recv_xp, recv_array = as_array(recv, name="recv")
-    if recv_xp is not xp:
-        raise InvalidArgument("send and recv must live on the same device")
-    if recv_array.dtype != send_array.dtype or recv_array.size != send_array.size:
-        raise InvalidArgument(
-            f"recv ({recv_array.size} x {recv_array.dtype}) must match send "
-            f"({send_array.size} x {send_array.dtype}) in count and dtype"
-        )
-    if np.shares_memory(send_array, recv_array):
-        if send_array.ctypes.data == recv_array.ctypes.data:
-            return request(result=send_array)  # the same memory: in place
-        raise InvalidArgument("send and recv overlap without being the same buffer")
-    return request(result=recv_array)
+
+    @staticmethod
+    def _recv(xp: ArrayModule, send_array: Array, recv: Any) -> Array:
+        recv_xp, recv_array = as_array(recv, name="recv")
+        if recv_xp is not xp:
+            raise InvalidArgument("send and recv must live on the same device")
+        if recv_array.dtype != send_array.dtype or recv_array.size != send_array.size:
+            raise InvalidArgument(
+                f"recv ({recv_array.size} x {recv_array.dtype}) must match send "
+                f"({send_array.size} x {send_array.dtype}) in count and dtype"
+            )
+        if np.shares_memory(send_array, recv_array):
+            if send_array.ctypes.data == recv_array.ctypes.data:
+                return send_array  # the same memory: in place
+            raise InvalidArgument("send and recv overlap without being the same buffer")
+        return recv_array

@@ -9,7 +9,7 @@ import numpy
 import pytest
 
 from pccl_trio import DataType, InvalidArgument
-from pccl_trio.ops import from_numpy_dtype, to_numpy_dtype
+from pccl_trio.ops import _dtypes, from_numpy_dtype, to_numpy_dtype
 
 EXPECTED: dict[DataType, Any] = {
     DataType.UINT8: numpy.uint8,
@@ -61,3 +61,21 @@ def test_unsupported_dtypes_are_rejected_with_the_supported_list(dtype: Any) -> 
 def test_a_non_dtype_is_rejected() -> None:
     with pytest.raises(InvalidArgument, match="not a dtype"):
         from_numpy_dtype("no such dtype")
+
+
+def test_resolved_dtypes_answer_as_the_scan_does_and_the_memo_stays_bounded() -> None:
+    # Every spelling of int64 resolves alike, first and later (from the memo).
+    for _ in range(2):
+        assert from_numpy_dtype(numpy.dtype("l")) is DataType.INT64
+        assert from_numpy_dtype(numpy.dtype("q")) is DataType.INT64
+        assert from_numpy_dtype(numpy.dtype("<f4")) is DataType.FLOAT
+    # A non-native order is never remembered as its native twin.
+    for _ in range(2):
+        with pytest.raises(InvalidArgument, match="not supported"):
+            from_numpy_dtype(numpy.dtype(">f4"))
+    # Dtypes with metadata compare equal to their plain twin; however many there are,
+    # the memo does not grow past its bound.
+    for index in range(3 * _dtypes._SEEN_MAX):
+        tagged = numpy.dtype(numpy.float32, metadata={"n": index})
+        assert from_numpy_dtype(tagged) is DataType.FLOAT
+    assert len(_dtypes._SEEN) <= _dtypes._SEEN_MAX

@@ -73,6 +73,16 @@ def test_non_contiguous_tensors_are_rejected_with_the_fix(make: Any) -> None:
         as_array(make(), name="send")
 
 
+@pytest.mark.parametrize(
+    "make", [lambda: torch.ones(4)._neg_view(), lambda: torch.ones(4, dtype=torch.complex64).conj()],
+    ids=["negated", "conjugated"],
+)
+def test_lazy_negated_or_conjugated_views_are_rejected(make: Any) -> None:
+    # Their memory does not hold their values: reducing it would reduce other numbers.
+    with pytest.raises(InvalidArgument, match=r"^send: .*lazy negated or conjugated.*resolve_neg"):
+        as_array(make(), name="send")
+
+
 def test_model_parameters_are_viewed_without_copying_and_written_in_place() -> None:
     layer = torch.nn.Linear(4, 3)
     _, weight = as_array(layer.weight, name="send")
