@@ -14,6 +14,7 @@ torch and cupy are optional: neither is imported unless the caller hands over on
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 from typing import Any, TypeAlias
 
@@ -60,10 +61,10 @@ def as_array(obj: object, *, name: str) -> tuple[ArrayModule, Array]:
         # A subclass's __array_ufunc__ must not run inside the reduction kernels.
         array = obj if type(obj) is numpy.ndarray else obj.view(numpy.ndarray)
         return numpy, _flat_view(numpy, array, name=name)
-    if type(obj).__module__.startswith("cupy"):
-        cupy = _import_cupy(name=name, what=type(obj).__qualname__)
-        if isinstance(obj, cupy.ndarray):
-            return cupy, _flat_view(cupy, obj, name=name)
+    # A cupy array exists only once cupy was imported: look it up, never import it.
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(obj, cupy.ndarray):
+        return cupy, _flat_view(cupy, obj, name=name)
     if hasattr(obj, "__dlpack__"):
         return _from_dlpack(obj, name=name)
     raise InvalidArgument(

@@ -1,5 +1,5 @@
-"""Public test helpers: an in-memory network with failure hooks, and the test seam of
-a communicator (``PeerSeam``).
+"""Public test helpers: an in-memory network with failure hooks, the test seam of a
+communicator (``PeerSeam``), and a strict stand-in for cupy (``StrictDevice``).
 
 Not imported by ``import pccl_trio``; import it explicitly::
 
@@ -7,6 +7,8 @@ Not imported by ``import pccl_trio``; import it explicitly::
 """
 
 from ..peer._seam import PeerSeam as PeerSeam
+from ._device import DeviceArray as DeviceArray
+from ._device import StrictDevice as StrictDevice
 from ._directory import MemoryDirectory as MemoryDirectory
 from ._memory import MemoryHost as MemoryHost
 from ._memory import MemoryListener as MemoryListener

@@ -1,0 +1,279 @@
+"""A strict stand-in for cupy: device arrays that live apart from host memory.
+
+Theory of operation
+-------------------
+The library runs one algorithm for host and GPU buffers; the array module (``numpy``
+or ``cupy``) is a parameter of the ops layer. On a machine without a GPU, the GPU
+side of that code would go untested, and the mistakes it invites are exactly the ones
+numpy forgives: handing a device array to something that needs host memory (a
+socket, ``numpy.asarray``, a numpy ufunc), or mixing host and device operands. This
+module is the array module such code sees in tests instead of cupy, and it forgives
+none of them:
+
+- A ``DeviceArray`` keeps its elements in a private numpy array. It exports no
+  buffer, refuses ``__array__`` and numpy's ufuncs (``TypeError``, as cupy does), and
+  compares, indexes and computes only with device arrays and scalars.
+- The module's functions are numpy's, called on the private arrays; a host
+  ``numpy.ndarray`` among their arguments is refused. Results come back as device
+  arrays, reductions as 0-d ones (as cupy's do).
+- Crossing between host and device is explicit and counted: ``asarray`` (and
+  ``DeviceArray.set``) copies host to device, ``asnumpy`` (and ``DeviceArray.get``,
+  and turning a 0-d array into a Python number) copies device to host. The counters
+  ``to_device_bytes`` and ``to_host_bytes`` let a test check what would cross PCIe.
+
+Results are computed by numpy, so they are bit for bit what the host path computes;
+what the double checks is that the code keeps to device operations and explicit
+copies, which is what makes it correct on cupy.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import numpy
+
+__all__ = ["DeviceArray", "StrictDevice"]
+
+
+class DeviceArray:
+    """An array in the stand-in device's memory (see the module docstring)."""
+
+    __slots__ = ("_device", "_host")
+    #: numpy's ufuncs must not take it as an operand (nor its functions, below).
+    __array_ufunc__ = None
+
+    def __array_function__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "a numpy function was given a device array; call the device module's own"
+        )
+
+    def __init__(self, device: StrictDevice, host: numpy.ndarray) -> None:
+        self._device = device
+        self._host = host
+
+    # --- what stays on the device ------------------------------------------------------
+
+    @property
+    def dtype(self) -> numpy.dtype[Any]:
+        return self._host.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._host.shape
+
+    @property
+    def ndim(self) -> int:
+        return self._host.ndim
+
+    @property
+    def size(self) -> int:
+        return self._host.size
+
+    @property
+    def nbytes(self) -> int:
+        return self._host.nbytes
+
+    @property
+    def itemsize(self) -> int:
+        return self._host.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        return self._host.strides
+
+    @property
+    def flags(self) -> Any:
+        # cupy's flags have no ``writeable``: device memory is always writable.
+        return types.SimpleNamespace(
+            c_contiguous=self._host.flags.c_contiguous,
+            f_contiguous=self._host.flags.f_contiguous,
+            owndata=self._host.flags.owndata,
+        )
+
+    @property
+    def data(self) -> Any:
+        """The device pointer's stand-in: an opaque handle, not a buffer."""
+        return types.SimpleNamespace(ptr=self._host.__array_interface__["data"][0])
+
+    def __len__(self) -> int:
+        return len(self._host)
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self._host, name)
+        if isinstance(attribute, numpy.ndarray):  # .T, .real, .base: views, on the device
+            return self._device._lift(attribute)
+        if not callable(attribute):  # .ctypes, .__array_interface__: host addresses
+            raise AttributeError(f"DeviceArray has no attribute {name!r}")
+        return self._device._wrap(attribute, name)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._device._lift(self._host[self._device._lower(index, "an index")])
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        self._host[self._device._lower(index, "an index")] = self._device._lower(
+            value, "a value assigned to a device array"
+        )
+
+    # --- crossings (explicit, counted) -------------------------------------------------
+
+    def get(self, stream: Any = None, out: numpy.ndarray | None = None) -> numpy.ndarray:
+        """Copy to host memory (``out`` if given)."""
+        return self._device.asnumpy(self, stream=stream, out=out)
+
+    def set(self, host: numpy.ndarray, stream: Any = None) -> None:
+        """Copy ``host`` (same shape and dtype) into this array."""
+        if not isinstance(host, numpy.ndarray) or host.shape != self.shape or host.dtype != self.dtype:
+            raise ValueError("set() needs a host array of the same shape and dtype")
+        self._device.to_device_bytes += host.nbytes
+        self._host[...] = host
+
+    def _scalar(self) -> Any:
+        if self._host.size != 1:
+            raise TypeError("only a one-element device array converts to a Python scalar")
+        self._device.to_host_bytes += self._host.nbytes
+        return self._host.reshape(()).item()
+
+    def __int__(self) -> int:
+        return int(self._scalar())
+
+    def __float__(self) -> float:
+        return float(self._scalar())
+
+    def __bool__(self) -> bool:
+        return bool(self._scalar())
+
+    def __index__(self) -> int:
+        return int(self._scalar())
+
+    # --- what is refused ---------------------------------------------------------------
+
+    def __array__(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(
+            "implicit conversion of a device array to a host array is not allowed; "
+            "copy it with asnumpy() or .get()"
+        )
+
+    def __iter__(self) -> Any:
+        raise TypeError("iterating over a device array would copy it element by element")
+
+    def tolist(self) -> Any:
+        raise TypeError("tolist() copies a device array to host memory; use asnumpy() first")
+
+    def tobytes(self) -> Any:
+        raise TypeError("tobytes() copies a device array to host memory; use asnumpy() first")
+
+
+def _operator(name: str) -> Callable[..., Any]:
+    def apply(self: DeviceArray, *others: Any) -> Any:
+        device = self._device
+        lowered = [device._lower(other, "an operand") for other in others]
+        return device._lift(getattr(self._host, name)(*lowered))
+
+    apply.__name__ = name
+    return apply
+
+
+for _name in (
+    "__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+    "__rtruediv__", "__floordiv__", "__mod__", "__pow__", "__neg__", "__abs__",
+    "__and__", "__or__", "__xor__", "__invert__", "__lshift__", "__rshift__",
+    "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__",
+    "__iadd__", "__isub__", "__imul__", "__itruediv__", "__iand__", "__ior__", "__ixor__",
+):
+    setattr(DeviceArray, _name, _operator(_name))
+DeviceArray.__hash__ = None  # type: ignore[assignment]  # == is elementwise
+
+
+class StrictDevice:
+    """The array module of the stand-in device: ``numpy``'s functions, on device arrays
+    only, with explicit, counted copies (see the module docstring). Pass it where the
+    code takes ``xp``; install it as ``cupy`` (``sys.modules``) to have buffers
+    recognised as GPU ones."""
+
+    __name__ = "cupy"
+
+    def __init__(self) -> None:
+        self.ndarray = DeviceArray
+        self.to_device_bytes = 0
+        self.to_host_bytes = 0
+        self.lib = types.SimpleNamespace(
+            stride_tricks=types.SimpleNamespace(
+                as_strided=self._wrap(numpy.lib.stride_tricks.as_strided, "as_strided")
+            )
+        )
+
+    # --- crossings ----------------------------------------------------------------------
+
+    def asarray(self, obj: Any, dtype: Any = None) -> DeviceArray:
+        """A device array of ``obj``: a copy of a host array (counted), or ``obj``
+        itself if it is a device array of that dtype."""
+        if isinstance(obj, DeviceArray):
+            return obj if dtype is None or obj.dtype == dtype else obj.astype(dtype)
+        host = numpy.array(obj, dtype=dtype, copy=True)
+        self.to_device_bytes += host.nbytes
+        return DeviceArray(self, host)
+
+    def asnumpy(self, array: Any, stream: Any = None, out: numpy.ndarray | None = None) -> numpy.ndarray:
+        """A host copy of a device array (into ``out`` if given), counted."""
+        if not isinstance(array, DeviceArray):
+            raise TypeError(f"asnumpy() needs a device array, got {type(array).__name__}")
+        self.to_host_bytes += array.nbytes
+        if out is None:
+            return array._host.copy()
+        out[...] = array._host
+        return out
+
+    def from_dlpack(self, obj: Any) -> DeviceArray:
+        if isinstance(obj, DeviceArray):
+            return obj
+        raise TypeError("the stand-in device imports only its own arrays")
+
+    # --- everything else: numpy's, on device arrays ------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(numpy, name)
+        if isinstance(attribute, type) or not callable(attribute):
+            return attribute  # dtypes, scalar types, constants
+        return self._wrap(attribute, name)
+
+    def _wrap(self, function: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            lowered_args = [self._lower(a, f"an argument of {name}()") for a in args]
+            lowered_kwargs = {k: self._lower(v, f"{k}= of {name}()") for k, v in kwargs.items()}
+            return self._lift(function(*lowered_args, **lowered_kwargs))
+
+        call.__name__ = name
+        return call
+
+    def _lower(self, value: Any, what: str) -> Any:
+        """A device array's private host array; host arrays refused."""
+        if isinstance(value, DeviceArray):
+            if value._device is not self:
+                raise TypeError(f"{what} lives on another device")
+            return value._host
+        if isinstance(value, numpy.ndarray):
+            raise TypeError(
+                f"{what} is a host array: copy it to the device first (asarray), as cupy "
+                "requires"
+            )
+        if isinstance(value, list | tuple):
+            return type(value)(self._lower(item, what) for item in value)
+        if isinstance(value, slice):
+            return slice(*(self._lower(part, what) for part in (value.start, value.stop, value.step)))
+        return value
+
+    def _lift(self, value: Any) -> Any:
+        if isinstance(value, numpy.ndarray):
+            return DeviceArray(self, value)
+        if isinstance(value, numpy.generic):
+            return DeviceArray(self, numpy.asarray(value))  # cupy reduces to 0-d arrays
+        if isinstance(value, tuple):
+            return tuple(self._lift(item) for item in value)
+        if isinstance(value, list):
+            return [self._lift(item) for item in value]
+        return value
