@@ -11,7 +11,10 @@ algbw = size / time; busbw = algbw * 2(W-1)/W (the NCCL-tests convention).
 the same session, alternating with pccl_trio, and prints the ratio. ``--protection``
 runs pccl_trio once per data protection listed (``none``: no run secret; ``mac``: a
 run secret, every frame authenticated; ``encrypt``: payloads encrypted too), alternating
-within each repeat, and prints each one's speed relative to the first.
+within each repeat, and prints each one's speed relative to the first. ``--device
+cuda`` puts the buffers in GPU memory (cupy arrays; needs the ``gpu`` extra and a
+GPU), staged through pinned host memory; pass ``--gloo benchmarks/gloo_cuda.py`` to
+compare with Gloo all-reducing the same CUDA tensors.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 __all__ = ["bench_main"]
 
 PROTECTIONS = ("none", "mac", "encrypt")
+DEVICES = ("cpu", "cuda")
 
 
 def parse_size(text: str) -> int:
@@ -56,10 +60,17 @@ def format_size(n: int) -> str:
 
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
-                  algorithm: str, protection: str) -> None:
+                  algorithm: str, protection: str, device: str) -> None:
     import numpy as np
 
     import pccl_trio as pccl
+
+    # The buffers' array module: numpy, or cupy for GPU memory.
+    xp: Any = np
+    if device == "cuda":
+        import cupy  # type: ignore[import-not-found,unused-ignore]
+
+        xp = cupy
 
     quantization = None
     if quantize != "none":
@@ -80,8 +91,8 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
         clock = np.zeros(1, dtype=np.float64)
         results = {}
         for size in sizes:
-            data = np.ones(size // 4, dtype=np.float32)
-            out = np.empty_like(data) if into_recv else None
+            data = xp.ones(size // 4, dtype=np.float32)
+            out = xp.empty_like(data) if into_recv else None
             # Constant data: quantized results are exact too, so every run checks them.
             for _ in range(warmup):
                 data.fill(1.0)
@@ -121,11 +132,12 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--quantize", default="none")
     parser.add_argument("--algorithm", default="min_max")
     parser.add_argument("--protection", choices=PROTECTIONS, default="none")
+    parser.add_argument("--device", choices=DEVICES, default="cpu")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
              args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm,
-             args.protection)
+             args.protection, args.device)
     return 0
 
 
@@ -181,7 +193,7 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
                  "--pool", str(args.pool), "--slice-bytes", str(args.slice_bytes),
                  "--host", host, "--quantize", getattr(args, "quantize", "none"),
                  "--algorithm", getattr(args, "algorithm", "min_max"),
-                 "--protection", protection,
+                 "--protection", protection, "--device", getattr(args, "device", "cpu"),
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
             ))
@@ -200,7 +212,8 @@ def _run_gloo(script: Path, world: int, sizes: list[int], args: argparse.Namespa
     subprocess.run(
         [args.gloo_python or sys.executable, str(script), "--world", str(world),
          "--sizes", ",".join(str(s) for s in sizes), "--iters", str(args.iters),
-         "--warmup", str(args.warmup), "--repeats", "1", "--json", str(out)],
+         "--warmup", str(args.warmup), "--repeats", "1", "--json", str(out),
+         *(["--device", args.device] if getattr(args, "device", "cpu") != "cpu" else [])],
         check=True, stdout=subprocess.DEVNULL, timeout=args.timeout,
     )
     records = json.loads(out.read_text())["results"]
@@ -238,6 +251,8 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                         help="comma list of data protections to compare: none (no run "
                              "secret), mac (a run secret; frames authenticated), encrypt "
                              "(payloads encrypted too); default none")
+    parser.add_argument("--device", choices=DEVICES, default="cpu",
+                        help="where the buffers live: host memory, or GPU memory (cupy arrays)")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     args = parser.parse_args(argv)
@@ -250,7 +265,7 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
 
     quantized = "" if args.quantize == "none" else f" quantized {args.algorithm}->{args.quantize}"
     print(f"# all-reduce float32 SUM{quantized} {'into recv' if args.into_recv else 'in place'} "
-          "on 127.0.0.1, "
+          f"{'GPU' if args.device == 'cuda' else 'host'} buffers on 127.0.0.1, "
           f"iters={args.iters} warmup={args.warmup} "
           f"repeats={args.repeats} pool={args.pool or 'default'} (GB = 1e9 bytes)")
     header = f"{'W':>2} {'size':>9} {'library':>13} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"

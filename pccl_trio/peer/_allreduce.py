@@ -35,6 +35,12 @@ were already running, so ``restore`` never races a late write.
 For an in-place all-reduce every slice is copied to a backup just before its first
 write, so an aborted attempt restores exactly the caller's input.
 
+GPU buffers run this same code: the attempt's ``staging`` (``_staging``) hands senders
+the host bytes of a slice (copied from the device into pinned memory, the next one
+while this one is sent), lands received payloads on the device, and runs the kernels
+on the reader's stream; the backup lives in device memory. Only forwarding and the
+receive straight into the result (``direct_target``) are host-only.
+
 Quantized (with a ``Codec``), every slice travels as one encoded block. In the
 reduce-scatter a sender encodes the slice's current partial result afresh; the
 receiver decodes it and combines it into its own values. The owner of a chunk encodes
@@ -62,11 +68,11 @@ from ..ops import Codec, NonFiniteData, combine_into, copy_into, finalize_averag
 from ..transport import Connection, SocketLink
 from ._protocol import Protocol as IOProtocol
 from ._protocol import SendData, Wait, run_protocol
+from ._staging import Sender, Staging
 
 __all__ = [
     "FORWARD_MAX_BYTES",
     "AllReduceAttempt",
-    "BufferPool",
     "LocalFailure",
 ]
 
@@ -77,36 +83,8 @@ FORWARD_MAX_BYTES = 4 << 20
 #: another thread is sending on before it leaves the slice to the attempt's sender
 #: threads. A forwarder holds a connection only for a send that fits in its buffer.
 FORWARD_LOCK_WAIT = 0.002
-
-
-class BufferPool:
-    """Reusable host byte buffers (their pages stay mapped between collectives).
-
-    Thread-safe: readers of different attempts may take backups at once.
-    """
-
-    def __init__(self) -> None:
-        self._free: list[Any] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> Any:
-        """A uint8 array of at least ``nbytes`` (a view of exactly ``nbytes``)."""
-        with self._lock:
-            fitting = [i for i, b in enumerate(self._free) if b.size >= nbytes]
-            buffer = (
-                self._free.pop(min(fitting, key=lambda i: self._free[i].size)) if fitting else None
-            )
-        if buffer is None:
-            buffer = np.empty(nbytes, dtype=np.uint8)
-        return buffer[:nbytes]
-
-    def give(self, view: Any) -> None:
-        base = view.base if view.base is not None else view
-        with self._lock:
-            self._free.append(base)
-            # Keep a bounded amount: the largest few.
-            self._free.sort(key=lambda b: b.size, reverse=True)
-            del self._free[4:]
+#: Forwarding sends from host buffers only.
+_HOST = Sender()
 
 
 class LocalFailure(Exception):
@@ -130,7 +108,8 @@ class AllReduceAttempt:
     """One attempt of an all-reduce (see the module docstring).
 
     Args:
-        xp: the array module of the buffers.
+        staging: how bytes move between the buffers and the sockets (its ``xp`` is
+            the buffers' array module).
         send: the caller's input, a flat array.
         result: where the result goes (``send`` itself for in place).
         op: the reduction.
@@ -144,7 +123,7 @@ class AllReduceAttempt:
     def __init__(
         self,
         *,
-        xp: Any,
+        staging: Staging,
         send: Any,
         result: Any,
         op: ReduceOp,
@@ -152,12 +131,11 @@ class AllReduceAttempt:
         ring: tuple[int, ...],
         rank: int,
         slice_bytes: int,
-        buffers: BufferPool,
         codec: Codec | None = None,
     ) -> None:
-        self.xp = xp
+        self.staging = staging
+        self.xp = staging.xp
         self.codec = codec
-        self.buffers = buffers
         self.tag = tag
         self.op = op
         self.seq = 0  # the master's number for it, once it commences
@@ -234,7 +212,7 @@ class AllReduceAttempt:
                     for a, b in map(partial(self.schedule.slice_range, segment),
                                     range(self.schedule.slice_count(segment)))
                 )
-            self._blocks = buffers.take(total)
+            self._blocks = staging.host_pool.take(total)
 
     # --- waking waiters ----------------------------------------------------------------
 
@@ -347,11 +325,15 @@ class AllReduceAttempt:
         if self.in_place and (segment.reduce or segment.chunk == self.schedule.rank):
             with self._lock:
                 if self._backup is None:
-                    self._backup = self.buffers.take(len(self._result_bytes))
+                    self._backup = self.staging.pool.take(len(self._result_bytes))
                 self._backed_up.append((start, stop))
             self._backup[start:stop] = self._result_bytes[start:stop]
 
     def _write(self, segment: Segment, start: int, stop: int, payload: Any) -> None:
+        with self.staging.working():
+            self._write_staged(segment, start, stop, self.staging.to_device(payload))
+
+    def _write_staged(self, segment: Segment, start: int, stop: int, payload: Any) -> None:
         dtype = self.result.dtype
         target = self._result_bytes[start:stop].view(dtype)
         incoming = payload.view(dtype)
@@ -384,31 +366,37 @@ class AllReduceAttempt:
 
     def _write_block(self, segment: Segment, index: int, start: int, stop: int, block: Any) -> None:
         """``_write`` for an encoded slice: decode and combine it (reduce-scatter), or
-        decode it and keep it to forward (all-gather)."""
+        decode it and keep it to forward (all-gather). Blocks stay in host memory: the
+        codec copies only the codes across, and decodes where the buffers are."""
         codec = self.codec
         assert codec is not None
         dtype = self.result.dtype
         target = self._result_bytes[start:stop].view(dtype)
-        self._back_up(segment, start, stop)
-        last_reduce = self.schedule.world - 2
-        if segment.reduce:
-            local = target if self.in_place else self._send_bytes[start:stop].view(dtype)
-            codec.decode_combine(block, target, local, self.op)
-            if segment.index == last_reduce:
-                # This peer owns the chunk: encode its final value once, and hold
-                # exactly what every other peer will decode.
-                if self.op is ReduceOp.AVG:
-                    finalize_average(self.xp, target, self.schedule.world)
-                own = self._block(segment.index + 1, index)
-                clamped = codec.encode(target, own)
-                codec.decode(own, target)
-                if clamped:
-                    with self._lock:
-                        self.clamped += clamped
-        else:
-            codec.decode(block, target)
-            if segment.index + 1 < len(self.schedule.send):
-                self._block(segment.index + 1, index)[:] = block
+        with self.staging.working():
+            self._back_up(segment, start, stop)
+            if not segment.reduce:
+                codec.decode(block, target)
+            else:
+                local = target if self.in_place else self._send_bytes[start:stop].view(dtype)
+                codec.decode_combine(block, target, local, self.op)
+                if segment.index == self.schedule.world - 2:
+                    self._own_block(index, target)
+        if not segment.reduce and segment.index + 1 < len(self.schedule.send):
+            self._block(segment.index + 1, index)[:] = block
+
+    def _own_block(self, index: int, target: Any) -> None:
+        """This peer owns the chunk: encode its final value once, and hold exactly
+        what every other peer will decode."""
+        codec = self.codec
+        assert codec is not None
+        if self.op is ReduceOp.AVG:
+            finalize_average(self.xp, target, self.schedule.world)
+        own = self._block(self.schedule.world - 1, index)
+        clamped = codec.encode(target, own)
+        codec.decode(own, target)
+        if clamped:
+            with self._lock:
+                self.clamped += clamped
 
     def reject(self, error: NonFiniteData) -> None:
         """This peer's data cannot be quantized: the collective fails for everyone as
@@ -455,17 +443,18 @@ class AllReduceAttempt:
     def restore(self) -> None:
         """Put the caller's input back (in place); call only after ``settle``."""
         assert not self.live and not self._writers
-        for start, stop in self._backed_up:
-            self._result_bytes[start:stop] = self._backup[start:stop]
+        with self.staging.working():
+            for start, stop in self._backed_up:
+                self._result_bytes[start:stop] = self._backup[start:stop]
         self._backed_up.clear()
 
     def release(self) -> None:
         """Return pooled memory; the attempt is over."""
         if self._backup is not None:
-            self.buffers.give(self._backup)
+            self.staging.pool.give(self._backup)
             self._backup = None
         if self._blocks is not None:
-            self.buffers.give(self._blocks)
+            self.staging.host_pool.give(self._blocks)
             self._blocks = None
 
     # --- send side -----------------------------------------------------------------
@@ -479,23 +468,31 @@ class AllReduceAttempt:
                 position += 1
         return plan
 
-    def _frame(self, segment: Segment, index: int, scratch: Any) -> tuple[int, memoryview]:
-        """The stream offset and payload of one outgoing slice (``scratch``: room for
-        one encoded block, when quantized).
+    def _source(self, segment: Segment, index: int) -> Any:
+        """The bytes of an outgoing slice in the buffers: segment 0 is our own input,
+        later ones forward what we received."""
+        start, stop = self.schedule.slice_range(segment, index)
+        source = self._send_bytes if segment.index == 0 else self._result_bytes
+        return source[start:stop]
+
+    def _frame(
+        self, segment: Segment, index: int, sender: Sender, scratch: Any
+    ) -> tuple[int, memoryview]:
+        """The stream offset and payload (host bytes) of one outgoing slice, staged
+        by ``sender`` (``scratch``: host room for one encoded block, when quantized).
 
         Raises:
             NonFiniteData: quantized, and the slice holds NaN or inf.
         """
-        start, stop = self.schedule.slice_range(segment, index)
         offset = segment.stream_offset + index * self.schedule.slice_bytes
-        # Segment 0 is our own input; later ones forward what we received.
-        source = self._send_bytes if segment.index == 0 else self._result_bytes
         if self.codec is None:
-            return offset, memoryview(source[start:stop])
+            return offset, sender.host(self._source(segment, index), key=(segment.index, index))
         if segment.reduce:
-            # A partial result: encode it afresh.
-            block = scratch[:self._payload_size(stop - start)]
-            clamped = self.codec.encode(source[start:stop].view(self.result.dtype), block)
+            # A partial result: encode it afresh, where it is; only the codes cross.
+            source = self._source(segment, index)
+            block = scratch[:self._payload_size(source.size)]
+            with sender.working():
+                clamped = self.codec.encode(source.view(self.result.dtype), block)
             if clamped:
                 with self._lock:
                     self.clamped += clamped
@@ -503,10 +500,18 @@ class AllReduceAttempt:
         return offset, memoryview(self._block(segment.index, index))
 
     def _scratch(self) -> Any:
-        """Room for one outgoing encoded block (None unquantized)."""
+        """Host room for one outgoing encoded block (None unquantized)."""
         if self.codec is None:
             return None
-        return np.empty(self._payload_size(self.schedule.slice_bytes), dtype=np.uint8)
+        return self.staging.host_empty(self._payload_size(self.schedule.slice_bytes))
+
+    def _prefetch(self, sender: Sender, slices: list[tuple[Segment, int]], position: int) -> None:
+        """Start staging the sender's slice at ``position`` if it is ready."""
+        if self.codec is not None or position >= len(slices):
+            return
+        segment, index = slices[position]
+        if segment.index == 0 or self._progress.done[segment.index - 1][index]:
+            sender.prefetch((segment.index, index), self._source(segment, index))
 
     async def _arrived(self, segment_index: int, slice_index: int) -> bool:
         """Wait until slice ``slice_index`` of received segment ``segment_index`` is in;
@@ -528,18 +533,29 @@ class AllReduceAttempt:
 
     def _send_slices(self, connection: Connection, slices: list[tuple[Segment, int]]) -> IOProtocol[None]:
         """One sender: ``slices`` in order on ``connection``, each once it is ready."""
+        sender = self.staging.sender(self._payload_size(self.schedule.slice_bytes))
+        try:
+            yield from self._send_staged(connection, slices, sender)
+        finally:
+            sender.close()
+
+    def _send_staged(
+        self, connection: Connection, slices: list[tuple[Segment, int]], sender: Sender
+    ) -> IOProtocol[None]:
         scratch = self._scratch()
-        for segment, index in slices:
+        for position, (segment, index) in enumerate(slices, start=1):
             if segment.index and not (yield Wait(
                 partial(self._arrived, segment.index - 1, index),
                 partial(self._arrived_blocking, segment.index - 1, index),
             )):
                 return
             try:
-                offset, payload = self._frame(segment, index, scratch)
+                offset, payload = self._frame(segment, index, sender, scratch)
             except NonFiniteData as exc:
                 self.reject(exc)
                 return
+            # Its staging overlaps this one's send.
+            self._prefetch(sender, slices, position)
             with self._lock:
                 # Checked and registered under the lock: ``stop`` either sees this
                 # connection (and cuts it) or this sender sees the attempt over.
@@ -584,7 +600,7 @@ class AllReduceAttempt:
         if not link.send_lock.acquire(timeout=wait):
             return False
         try:
-            offset, payload = self._frame(self.schedule.send[segment_index], index, None)
+            offset, payload = self._frame(self.schedule.send[segment_index], index, _HOST, None)
             if not link.has_room(len(payload)):
                 return False
             with self._lock:
@@ -641,7 +657,7 @@ class AllReduceAttempt:
         self.uses_threads = any(isinstance(c, SocketLink) for c in connections)
         links = tuple(c for c in connections if isinstance(c, SocketLink))
         forward = (
-            self.codec is None and len(links) == len(connections)
+            self.codec is None and self.xp is np and len(links) == len(connections)
             and len(self._result_bytes) <= FORWARD_MAX_BYTES
         )
         async with trio.open_nursery() as nursery:

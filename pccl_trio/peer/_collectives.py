@@ -81,13 +81,14 @@ from .._types import (
 )
 from ..ops import Codec
 from ..transport import run_in_thread
-from ._allreduce import AllReduceAttempt, BufferPool, LocalFailure
+from ._allreduce import AllReduceAttempt, LocalFailure
 from ._context import PeerContext
 from ._membership import Membership
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
 from ._results import AsyncReduceHandle, ReduceResult
 from ._session import MasterLost
+from ._staging import staging_for
 
 __all__ = ["AllReduces"]
 
@@ -164,7 +165,6 @@ class AllReduces:
         self._receiver = receiver
         self._membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
-        self._buffers = BufferPool()
 
     def check_idle(self, call: str) -> None:
         """Connected, with no all-reduce in flight (``call`` is the call asking)."""
@@ -410,9 +410,9 @@ class AllReduces:
             codec = Codec(request.xp, request.result.dtype, request.quantization.algorithm,
                           request.quantization.quantized_datatype, request.hint)
         attempt = AllReduceAttempt(
-            xp=request.xp, send=request.send, result=request.result, op=request.op,
-            tag=request.tag, ring=ring, rank=ring.index(self._session.peer_id),
-            slice_bytes=self._config.slice_bytes, buffers=self._buffers, codec=codec,
+            staging=staging_for(request.xp), send=request.send, result=request.result,
+            op=request.op, tag=request.tag, ring=ring, rank=ring.index(self._session.peer_id),
+            slice_bytes=self._config.slice_bytes, codec=codec,
         )
         self._receiver.add(attempt)
         result.attempt = attempt

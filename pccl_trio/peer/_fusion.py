@@ -35,9 +35,9 @@ import numpy as np
 
 from .._core.buckets import plan_buckets
 from .._types import ReduceInfo
-from ._allreduce import BufferPool
 from ._collectives import AllReduces
 from ._requests import ReduceRequest
+from ._staging import BufferPool
 
 __all__ = ["Fusion"]
 

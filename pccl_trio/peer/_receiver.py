@@ -134,15 +134,24 @@ class DataReceiver:
                 connection.cut()
 
     def _receive(self, connection: Connection, sender: int) -> Protocol[None]:
-        """Receive data frames from ``sender`` and hand each slice to its attempt."""
-        staging = np.empty(0, dtype=np.uint8)
+        """Receive data frames from ``sender`` and hand each slice to its attempt.
+
+        A payload that is not received in place lands in this reader's host buffer for
+        the attempt's staging (pinned memory for GPU buffers, see ``_staging``).
+        """
+        landing: dict[int, Any] = {}
         while True:
             header = yield ReceiveHeader()
-            if header[3] > staging.size:
-                staging = np.empty(header[3], dtype=np.uint8)
             seq = header[1]
             attempt = yield Wait(partial(self._attempt_for, seq), partial(self._attempt_for_blocking, seq))
-            yield from self._deliver(attempt, sender, connection, staging, header)
+            staging = None if attempt is None else attempt.staging
+            buffer = landing.get(id(staging))
+            if buffer is None or header[3] > buffer.size:
+                buffer = landing[id(staging)] = (
+                    np.empty(header[3], dtype=np.uint8) if staging is None
+                    else staging.host_empty(header[3])
+                )
+            yield from self._deliver(attempt, sender, connection, buffer, header)
 
     def _link_lost(self, sender: int, connection: Connection, exc: BaseException) -> None:
         """Every attempt receiving from ``sender`` lost frames with ``connection``,

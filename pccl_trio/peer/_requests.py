@@ -166,8 +166,13 @@ class ReduceOptions:
                 f"recv ({recv_array.size} x {recv_array.dtype}) must match send "
                 f"({send_array.size} x {send_array.dtype}) in count and dtype"
             )
-        if np.shares_memory(send_array, recv_array):
-            if send_array.ctypes.data == recv_array.ctypes.data:
+        if xp.shares_memory(send_array, recv_array):
+            if _address(xp, send_array) == _address(xp, recv_array):
                 return send_array  # the same memory: in place
             raise InvalidArgument("send and recv overlap without being the same buffer")
         return recv_array
+
+
+def _address(xp: ArrayModule, array: Array) -> int:
+    """Where ``array``'s first element is (host or device memory)."""
+    return int(array.ctypes.data if xp is np else array.data.ptr)

@@ -65,6 +65,7 @@ from .._errors import InvalidArgument
 from .._types import SharedState, TensorInfo
 from ..ops import Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash
 from ._protocol import Protocol, ReceiveHeader, ReceiveMessage, ReceivePayload, Send, SendData
+from ._staging import Lander, staging_for
 
 __all__ = [
     "PIECE_BYTES",
@@ -138,7 +139,7 @@ class Tensor:
         a GPU)."""
         if self.xp is numpy:
             return byte_view(numpy, self.raw)[offset : offset + nbytes]
-        return memoryview(self.xp.asnumpy(self.raw[offset : offset + nbytes]))  # pragma: no cover
+        return memoryview(self.xp.asnumpy(self.raw[offset : offset + nbytes]))
 
 
 def prepare_state(state: object) -> list[Tensor]:
@@ -295,12 +296,20 @@ def serve_requests(serving: Serving, request: SharedStateRequest) -> Protocol[No
         for index, wanted in enumerate(request.ranges):
             tensor = serving.tensors[wanted.key]
             end = wanted.offset + wanted.nbytes
-            for start in range(wanted.offset, end, frame):
-                nbytes = min(frame, end - start)
-                yield SendData(
-                    tag=index, seq=request.sync, offset=start, payload=tensor.read(start, nbytes)
-                )
-                serving.sent(nbytes)
+            # Staged like an all-reduce's slices: the next frame's copy to the host
+            # overlaps this frame's send.
+            sender = staging_for(tensor.xp).sender(frame)
+            try:
+                for start in range(wanted.offset, end, frame):
+                    nbytes = min(frame, end - start)
+                    payload = sender.host(tensor.raw[start : start + nbytes], key=start)
+                    if start + frame < end:
+                        following = start + frame
+                        sender.prefetch(following, tensor.raw[following : min(following + frame, end)])
+                    yield SendData(tag=index, seq=request.sync, offset=start, payload=payload)
+                    serving.sent(nbytes)
+            finally:
+                sender.close()
         following = yield ReceiveMessage()
         if not isinstance(following, SharedStateRequest):
             raise RemoteProtocolError(
@@ -426,59 +435,72 @@ def request_pieces(fetcher: Fetcher) -> Protocol[None]:
     """A fetching peer's side of one connection: request pieces until none is left.
 
     A piece interrupted by a failure goes back to the queue, from its first missing byte.
+    Payloads land through the staging of their tensor's array module (on a GPU, a copy
+    to the device runs while the next frame arrives); every such copy is complete when
+    this returns or raises.
     """
-    while True:
-        piece = fetcher.take()
-        if piece is None:
-            return
-        done = 0
-        try:
-            yield Send(
-                SharedStateRequest(
-                    protocol_version=PROTOCOL_VERSION,
-                    peer_id=fetcher.peer_id,
-                    sync=fetcher.sync,
-                    ranges=(SharedStateRange(key=piece.key, offset=piece.offset,
-                                             nbytes=piece.nbytes),),
-                    frame_bytes=fetcher.frame_bytes,
-                )
+    landers: dict[int, Lander] = {}
+    try:
+        while True:
+            piece = fetcher.take()
+            if piece is None:
+                return
+            yield from _fetch_piece(fetcher, piece, landers)
+    finally:
+        for lander in landers.values():
+            lander.close()
+
+
+def _fetch_piece(fetcher: Fetcher, piece: Piece, landers: dict[int, Lander]) -> Protocol[None]:
+    done = 0
+    try:
+        yield Send(
+            SharedStateRequest(
+                protocol_version=PROTOCOL_VERSION,
+                peer_id=fetcher.peer_id,
+                sync=fetcher.sync,
+                ranges=(SharedStateRange(key=piece.key, offset=piece.offset,
+                                         nbytes=piece.nbytes),),
+                frame_bytes=fetcher.frame_bytes,
             )
-            response = yield ReceiveMessage()
-            if not isinstance(response, SharedStateResponse):
+        )
+        response = yield ReceiveMessage()
+        if not isinstance(response, SharedStateResponse):
+            raise RemoteProtocolError(
+                f"expected a SharedStateResponse, got {type(response).__name__}"
+            )
+        if response.error:
+            raise DistributorRefused(response.error)
+        tensor = fetcher.tensors[piece.key]
+        lander = landers.get(id(tensor.xp))
+        if lander is None:
+            lander = landers[id(tensor.xp)] = staging_for(tensor.xp).lander(fetcher.frame_bytes)
+        while done < piece.nbytes:
+            tag, seq, offset, nbytes = yield ReceiveHeader()
+            if (tag, seq, offset) != (0, fetcher.sync, piece.offset + done) or not (
+                0 < nbytes <= min(piece.nbytes - done, fetcher.frame_bytes)
+            ):
                 raise RemoteProtocolError(
-                    f"expected a SharedStateResponse, got {type(response).__name__}"
+                    f"data frame (tag {tag}, sync {seq}, bytes {offset} to "
+                    f"{offset + nbytes}) does not continue tensor {piece.key!r} at byte "
+                    f"{piece.offset + done}"
                 )
-            if response.error:
-                raise DistributorRefused(response.error)
-            tensor = fetcher.tensors[piece.key]
-            while done < piece.nbytes:
-                tag, seq, offset, nbytes = yield ReceiveHeader()
-                if (tag, seq, offset) != (0, fetcher.sync, piece.offset + done) or not (
-                    0 < nbytes <= min(piece.nbytes - done, fetcher.frame_bytes)
-                ):
-                    raise RemoteProtocolError(
-                        f"data frame (tag {tag}, sync {seq}, bytes {offset} to "
-                        f"{offset + nbytes}) does not continue tensor {piece.key!r} at byte "
-                        f"{piece.offset + done}"
-                    )
-                if tensor.xp is numpy:
-                    yield ReceivePayload(byte_view(numpy, tensor.raw)[offset : offset + nbytes])
-                else:  # pragma: no cover - needs a GPU
-                    staging = numpy.empty(nbytes, numpy.uint8)
-                    yield ReceivePayload(staging.data)
-                    tensor.raw[offset : offset + nbytes].set(staging)
-                done += nbytes
-                fetcher.count(nbytes)
-        except BaseException:
-            if done < piece.nbytes:
-                if piece.whole:
-                    fetcher.uncount(done)
-                    fetcher.give_back(piece)
-                else:
-                    fetcher.give_back(
-                        Piece(piece.key, piece.offset + done, piece.nbytes - done)
-                    )
-            raise
+            target = tensor.raw[offset : offset + nbytes]
+            room = lander.room(target)
+            yield ReceivePayload(room)
+            lander.landed(target, room)
+            done += nbytes
+            fetcher.count(nbytes)
+    except BaseException:
+        if done < piece.nbytes:
+            if piece.whole:
+                fetcher.uncount(done)
+                fetcher.give_back(piece)
+            else:
+                fetcher.give_back(
+                    Piece(piece.key, piece.offset + done, piece.nbytes - done)
+                )
+        raise
 
 
 class Backup:

@@ -8,6 +8,8 @@ Not imported by ``import pccl_trio``; import it explicitly::
 
 from ..peer._seam import PeerSeam as PeerSeam
 from ._device import DeviceArray as DeviceArray
+from ._device import DeviceEvent as DeviceEvent
+from ._device import DeviceStream as DeviceStream
 from ._device import StrictDevice as StrictDevice
 from ._directory import MemoryDirectory as MemoryDirectory
 from ._memory import MemoryHost as MemoryHost

@@ -20,6 +20,17 @@ none of them:
   ``DeviceArray.set``) copies host to device, ``asnumpy`` (and ``DeviceArray.get``,
   and turning a 0-d array into a Python number) copies device to host. The counters
   ``to_device_bytes`` and ``to_host_bytes`` let a test check what would cross PCIe.
+- Streams (``cuda.Stream``) order work as CUDA's do, and the double makes missing
+  synchronization visible: an asynchronous copy (``asnumpy(..., blocking=False)``,
+  ``set(..., stream=s)``) is only queued on its stream and happens when that stream
+  is synchronized, or when a kernel runs with that stream current (``with s:``), since
+  a kernel follows what was queued before it on its stream. Code that reads a
+  host buffer before synchronizing the copy into it reads stale bytes, and a kernel
+  that runs on another stream than the copy it needs computes on stale data; both
+  show as wrong results. Streams behave as non-blocking ones (no implicit
+  synchronization with the default stream). ``cuda.alloc_pinned_memory`` gives host
+  memory that counts as pinned, and ``pageable_async_copies`` counts asynchronous
+  copies from or to any other host memory (CUDA makes those synchronous).
 
 Results are computed by numpy, so they are bit for bit what the host path computes;
 what the double checks is that the code keeps to device operations and explicit
@@ -28,13 +39,87 @@ copies, which is what makes it correct on cupy.
 
 from __future__ import annotations
 
+import threading
 import types
+import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy
 
-__all__ = ["DeviceArray", "StrictDevice"]
+__all__ = ["DeviceArray", "DeviceEvent", "DeviceStream", "StrictDevice"]
+
+
+#: DLPack's device type of CUDA memory.
+_DLPACK_CUDA = 2
+
+
+class _Pinned(bytearray):
+    """Host memory the stand-in device counts as page-locked."""
+
+
+class DeviceEvent:
+    """A point in a stream's queue (``DeviceStream.record``)."""
+
+    def __init__(self, stream: DeviceStream, position: int) -> None:
+        self._stream = stream
+        self._position = position
+
+    def synchronize(self) -> None:
+        """Wait until the stream got this far (and no further)."""
+        self._stream._run_until(self._position)
+
+    @property
+    def done(self) -> bool:
+        return self._stream._ran >= self._position
+
+
+class DeviceStream:
+    """A stream of the stand-in device: queued copies, run in order when synchronized
+    or when a kernel runs with this stream current (see the module docstring)."""
+
+    def __init__(self, device: StrictDevice, non_blocking: bool = False) -> None:
+        self._device = device
+        self._queue: list[Callable[[], None]] = []
+        self._ran = 0  # how many queued copies have happened
+        self._lock = threading.Lock()
+        self.non_blocking = non_blocking
+        device._all_streams.add(self)
+
+    def enqueue(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            self._queue.append(work)
+
+    def synchronize(self) -> None:
+        """Run everything queued, in order."""
+        self._run_until(None)
+
+    def _run_until(self, position: int | None) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or position is not None and self._ran >= position:
+                    return
+                work = self._queue.pop(0)
+                self._ran += 1
+            work()
+
+    def record(self) -> DeviceEvent:
+        """An event that completes once what is queued now has happened."""
+        with self._lock:
+            return DeviceEvent(self, self._ran + len(self._queue))
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def __enter__(self) -> DeviceStream:
+        self._device._streams().append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        popped = self._device._streams().pop()
+        assert popped is self, "streams must be left in the order they were entered"
 
 
 class DeviceArray:
@@ -100,6 +185,13 @@ class DeviceArray:
     def __len__(self) -> int:
         return len(self._host)
 
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_DLPACK_CUDA, 0)
+
+    def __dlpack__(self, stream: Any = None) -> DeviceArray:
+        """The stand-in's capsule: the array itself, which only its device imports."""
+        return self
+
     def __repr__(self) -> str:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype})"
 
@@ -107,6 +199,8 @@ class DeviceArray:
         attribute = getattr(self._host, name)
         if isinstance(attribute, numpy.ndarray):  # .T, .real, .base: views, on the device
             return self._device._lift(attribute)
+        if attribute is None:  # .base of an array that owns its memory
+            return None
         if not callable(attribute):  # .ctypes, .__array_interface__: host addresses
             raise AttributeError(f"DeviceArray has no attribute {name!r}")
         return self._device._wrap(attribute, name)
@@ -115,26 +209,36 @@ class DeviceArray:
         return self._device._lift(self._host[self._device._lower(index, "an index")])
 
     def __setitem__(self, index: Any, value: Any) -> None:
+        self._device._kernel()
         self._host[self._device._lower(index, "an index")] = self._device._lower(
             value, "a value assigned to a device array"
         )
 
     # --- crossings (explicit, counted) -------------------------------------------------
 
-    def get(self, stream: Any = None, out: numpy.ndarray | None = None) -> numpy.ndarray:
+    def get(
+        self, stream: Any = None, out: numpy.ndarray | None = None, blocking: bool = True
+    ) -> numpy.ndarray:
         """Copy to host memory (``out`` if given)."""
-        return self._device.asnumpy(self, stream=stream, out=out)
+        return self._device.asnumpy(self, stream=stream, out=out, blocking=blocking)
 
     def set(self, host: numpy.ndarray, stream: Any = None) -> None:
-        """Copy ``host`` (same shape and dtype) into this array."""
+        """Copy ``host`` (same shape and dtype) into this array; queued on ``stream``
+        if one is given (asynchronous), else done now."""
         if not isinstance(host, numpy.ndarray) or host.shape != self.shape or host.dtype != self.dtype:
             raise ValueError("set() needs a host array of the same shape and dtype")
         self._device.to_device_bytes += host.nbytes
-        self._host[...] = host
+        target = self._host
+
+        def copy() -> None:
+            target[...] = host
+
+        self._device._copy(copy, stream, blocking=stream is None, host=host)
 
     def _scalar(self) -> Any:
         if self._host.size != 1:
             raise TypeError("only a one-element device array converts to a Python scalar")
+        self._device._kernel()
         self._device.to_host_bytes += self._host.nbytes
         return self._host.reshape(()).item()
 
@@ -171,6 +275,7 @@ class DeviceArray:
 def _operator(name: str) -> Callable[..., Any]:
     def apply(self: DeviceArray, *others: Any) -> Any:
         device = self._device
+        device._kernel()
         lowered = [device._lower(other, "an operand") for other in others]
         return device._lift(getattr(self._host, name)(*lowered))
 
@@ -201,6 +306,15 @@ class StrictDevice:
         self.ndarray = DeviceArray
         self.to_device_bytes = 0
         self.to_host_bytes = 0
+        self.pageable_async_copies = 0
+        self._local = threading.local()
+        self._all_streams: weakref.WeakSet[DeviceStream] = weakref.WeakSet()
+        self._null = DeviceStream(self)
+        self.cuda = types.SimpleNamespace(
+            Stream=partial(DeviceStream, self),
+            alloc_pinned_memory=_Pinned,
+            get_current_stream=self.current_stream,
+        )
         self.lib = types.SimpleNamespace(
             stride_tricks=types.SimpleNamespace(
                 as_strided=self._wrap(numpy.lib.stride_tricks.as_strided, "as_strided")
@@ -218,20 +332,82 @@ class StrictDevice:
         self.to_device_bytes += host.nbytes
         return DeviceArray(self, host)
 
-    def asnumpy(self, array: Any, stream: Any = None, out: numpy.ndarray | None = None) -> numpy.ndarray:
-        """A host copy of a device array (into ``out`` if given), counted."""
+    def asnumpy(
+        self, array: Any, stream: Any = None, out: numpy.ndarray | None = None,
+        blocking: bool = True,
+    ) -> numpy.ndarray:
+        """A host copy of a device array (into ``out`` if given), counted; with
+        ``blocking=False`` only queued on ``stream`` (or the current one): ``out``
+        holds it once that stream is synchronized."""
         if not isinstance(array, DeviceArray):
             raise TypeError(f"asnumpy() needs a device array, got {type(array).__name__}")
         self.to_host_bytes += array.nbytes
         if out is None:
+            if not blocking:
+                raise ValueError("an asynchronous copy needs out=")
+            self._kernel(stream)
             return array._host.copy()
-        out[...] = array._host
+        if out.shape != array.shape or out.dtype != array.dtype:
+            raise ValueError("out= must have the device array's shape and dtype")
+        source = array._host
+
+        def copy() -> None:
+            out[...] = source
+
+        self._copy(copy, stream, blocking=blocking, host=out)
         return out
 
+    # --- streams -----------------------------------------------------------------------
+
+    def _streams(self) -> list[DeviceStream]:
+        stack: list[DeviceStream] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def current_stream(self) -> DeviceStream:
+        """The stream entered last in this thread, else the default one."""
+        stack = self._streams()
+        return stack[-1] if stack else self._null
+
+    def synchronize(self) -> None:
+        """Wait for every stream (``cupy.cuda.Device().synchronize()``)."""
+        for stream in list(self._all_streams):
+            stream.synchronize()
+
+    def _kernel(self, stream: Any = None) -> None:
+        """A kernel is about to run on ``stream`` (the current one): what was queued on
+        that stream before it happens first."""
+        (stream or self.current_stream()).synchronize()
+
+    def _copy(
+        self, copy: Callable[[], None], stream: Any, *, blocking: bool, host: numpy.ndarray
+    ) -> None:
+        stream = stream or self.current_stream()
+        if blocking:
+            stream.synchronize()
+            copy()
+            return
+        if not _pinned(host):
+            self.pageable_async_copies += 1
+        stream.enqueue(copy)
+
     def from_dlpack(self, obj: Any) -> DeviceArray:
-        if isinstance(obj, DeviceArray):
+        """Import a DLPack exporter of this device's memory (a device array, or an
+        object whose ``__dlpack__`` hands one over, as a CUDA tensor's would)."""
+        if not isinstance(obj, DeviceArray):
+            device_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
+            obj = obj.__dlpack__() if int(device_type) == _DLPACK_CUDA else None
+        if isinstance(obj, DeviceArray) and obj._device is self:
             return obj
         raise TypeError("the stand-in device imports only its own arrays")
+
+    def empty(self, shape: Any, dtype: Any = float) -> DeviceArray:
+        """Uninitialised device memory: filled with a pattern (bytes 0xA5), so reading
+        what was never written shows."""
+        host = numpy.empty(shape, dtype=dtype)
+        host.view(numpy.uint8)[...] = 0xA5
+        return DeviceArray(self, host)
 
     # --- everything else: numpy's, on device arrays ------------------------------------
 
@@ -243,6 +419,7 @@ class StrictDevice:
 
     def _wrap(self, function: Callable[..., Any], name: str) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
+            self._kernel()
             lowered_args = [self._lower(a, f"an argument of {name}()") for a in args]
             lowered_kwargs = {k: self._lower(v, f"{k}= of {name}()") for k, v in kwargs.items()}
             return self._lift(function(*lowered_args, **lowered_kwargs))
@@ -277,3 +454,13 @@ class StrictDevice:
         if isinstance(value, list):
             return [self._lift(item) for item in value]
         return value
+
+
+def _pinned(array: numpy.ndarray) -> bool:
+    """Whether ``array`` views memory from ``cuda.alloc_pinned_memory``."""
+    base: Any = array
+    while isinstance(base, numpy.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # numpy.frombuffer's
+        base = base.obj
+    return isinstance(base, _Pinned)

@@ -9,7 +9,8 @@ import pytest
 import trio
 
 from pccl_trio._types import ReduceOp
-from pccl_trio.peer._allreduce import AllReduceAttempt, BufferPool
+from pccl_trio.peer._allreduce import AllReduceAttempt
+from pccl_trio.peer._staging import BufferPool, HostStaging
 
 
 class _Reader:
@@ -30,8 +31,10 @@ async def test_a_failed_backup_leaves_no_writer_behind() -> None:
     forever for that writer when it settles."""
     with trio.fail_after(10):
         data = np.arange(12, dtype=np.float32)
-        attempt = AllReduceAttempt(xp=np, send=data, result=data, op=ReduceOp.SUM, tag=0,
-                                   ring=(1, 2, 3), rank=0, slice_bytes=64, buffers=_NoMemory())
+        staging = HostStaging()
+        staging.pool = _NoMemory()
+        attempt = AllReduceAttempt(staging=staging, send=data, result=data, op=ReduceOp.SUM,
+                                   tag=0, ring=(1, 2, 3), rank=0, slice_bytes=64)
         attempt.seq = 1
         # The all-gather segment carrying this rank's own chunk: its first write.
         segment = next(s for s in attempt.schedule.recv if not s.reduce and s.chunk == 0)

@@ -1,0 +1,382 @@
+"""All-reduce and shared state on GPU buffers: on ``StrictDevice`` (a strict stand-in
+for cupy) everywhere, and on cupy with a real GPU where there is one.
+
+The double keeps device arrays apart from host memory and runs an asynchronous copy
+only when its stream is synchronized (or a kernel runs on that stream), so on a machine
+without a GPU these tests check the GPU path's logic: every byte staged through pinned
+host memory, kernels on the device, no read of a copy that was not waited for. It also
+counts what crosses between host and device, which the tests check where they run on
+it. Peers mix device and host buffers in one ring: the wire carries the same bytes
+either way, so every peer must end with the host path's bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+
+import pccl_trio as pccl
+from pccl_trio.peer._staging import _DeviceSender
+from pccl_trio.testing import StrictDevice
+
+from .conftest import Cluster, form_run, joined, run_all, started, sync_all
+from .test_shared_state import kill_during_fetch
+
+#: Small slices: many per segment, so each sender stages several in a row.
+SLICES = 256
+OPS = [pccl.ReduceOp.SUM, pccl.ReduceOp.AVG, pccl.ReduceOp.PROD, pccl.ReduceOp.MAX,
+       pccl.ReduceOp.MIN]
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8]
+
+
+@pytest.fixture(params=["memory", "tcp"])
+def network_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _gpu() -> Any:
+    """cupy, if it is installed and sees a GPU; else None."""
+    try:
+        import cupy  # type: ignore[import-not-found,unused-ignore]
+
+        return cupy if cupy.cuda.runtime.getDeviceCount() > 0 else None
+    except Exception:  # not installed, or no driver or device
+        return None
+
+
+@pytest.fixture(params=["strict", "cuda"])
+def device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """The array module of GPU buffers: the stand-in device, installed as ``cupy`` so
+    its arrays are GPU buffers; or cupy itself on a machine with a GPU."""
+    if request.param == "cuda":
+        cupy = _gpu()
+        if cupy is None:
+            pytest.skip("needs cupy and a CUDA GPU")
+        yield cupy
+        return
+    device = StrictDevice()
+    monkeypatch.setitem(sys.modules, "cupy", device)
+    yield device
+
+
+def counted(device: Any) -> bool:
+    """Whether ``device`` counts its crossings (the stand-in does, cupy does not)."""
+    return isinstance(device, StrictDevice)
+
+
+def values(dtype: Any, count: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if np.dtype(dtype).kind in "iu":
+        return rng.integers(0, 7, count).astype(dtype)
+    return rng.normal(0, 3, count).astype(dtype)
+
+
+async def run(cluster: Cluster, world: int, device: Any = None) -> list[pccl.Communicator]:
+    """A run of ``world`` peers; with small slices, except on a real GPU (whose tests
+    use the default slices, as users do)."""
+    if device is None or counted(device):
+        cluster.config = dataclasses.replace(cluster.config, slice_bytes=SLICES)
+    return await form_run([], [cluster.communicator(f"p{i}") for i in range(world)])
+
+
+def sizes(device: Any) -> tuple[int, ...]:
+    """Element counts to reduce: one, and a few slices on the stand-in; on a GPU also
+    many default slices per chunk, and a count no world size divides."""
+    return (1, 1000) if counted(device) else (1, 1000, (24 << 20) + 7)
+
+
+class CudaTensor:
+    """A stand-in for a CUDA tensor of another library: it exports the device's memory
+    through DLPack only."""
+
+    def __init__(self, array: Any) -> None:
+        self._array = array
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._array.__dlpack_device__()  # type: ignore[no-any-return]
+
+    def __dlpack__(self, stream: Any = None) -> Any:
+        return self._array.__dlpack__(stream=stream)
+
+
+def via_dlpack(device: Any, array: Any) -> Any:
+    """``array`` (device memory) as a CUDA tensor of another library: a torch CUDA
+    tensor on a GPU where torch has CUDA, else a bare DLPack exporter."""
+    if not counted(device):
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return torch.from_dlpack(array)  # the same memory
+        except ImportError:
+            pass
+    return CudaTensor(array)
+
+
+def host(device: Any, array: Any) -> np.ndarray:
+    return array if isinstance(array, np.ndarray) else device.asnumpy(array)
+
+
+@pytest.mark.parametrize("via", ["array", "dlpack"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+async def test_device_buffers_reduce_to_the_host_paths_bits(
+    cluster: Cluster, clock: object, device: Any, dtype: Any, via: str
+) -> None:
+    """Every op, in place and into a separate result, device peers beside a host one:
+    the result equals the all-reduce of the same inputs on host buffers, bit for bit.
+    The device buffers are the array module's arrays, or CUDA tensors of another
+    library (torch's on a GPU) that reach it through DLPack."""
+    wrap = (lambda a: a) if via == "array" else partial(via_dlpack, device)
+    with trio.fail_after(300):
+        comms = await run(cluster, 3, device)
+        for op in OPS:
+            for count in sizes(device):
+                inputs = [values(dtype, count, seed) for seed in range(3)]
+                reference = [x.copy() for x in inputs]
+                await run_all(comms, lambda i, c, r=reference, o=op: c.all_reduce(r[i], op=o))
+                # Peers 0 and 1 on the device (0 in place, 1 into a result), 2 on the host.
+                sends = [device.asarray(inputs[0]), device.asarray(inputs[1]), inputs[2].copy()]
+                recvs = [None, device.empty(count, dtype=dtype), None]
+                passed = [wrap(sends[0]), wrap(sends[1]), sends[2]]
+                results_in = [None, wrap(recvs[1]), None]
+                copies = device.pageable_async_copies if counted(device) else 0
+                infos = await run_all(
+                    comms,
+                    lambda i, c, s=passed, r=results_in, o=op: c.all_reduce(s[i], r[i], op=o),
+                )
+                assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+                results = [host(device, recvs[i] if recvs[i] is not None else sends[i])
+                           for i in range(3)]
+                for result in results:
+                    assert result.tobytes() == reference[0].tobytes(), (op, count)
+                # The separate result left its input alone.
+                assert device.asnumpy(sends[1]).tobytes() == inputs[1].tobytes()
+                if counted(device):  # staged through pinned memory
+                    assert device.pageable_async_copies == copies
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_dlpack_tensors_on_the_device_reduce_in_place(
+    cluster: Cluster, clock: object, device: Any
+) -> None:
+    """Tensors that reach the device's array module through DLPack (as torch CUDA
+    tensors reach cupy's) are reduced in their own memory."""
+    with trio.fail_after(120):
+        comms = await run(cluster, 3, device)
+        inputs = [values(np.float32, 3000, seed) for seed in range(3)]
+        reference = [x.copy() for x in inputs]
+        await run_all(comms, lambda i, c: c.all_reduce(reference[i]))
+        arrays = [device.asarray(x) for x in inputs]
+        await run_all(comms, lambda i, c: c.all_reduce(via_dlpack(device, arrays[i])))
+        for array in arrays:
+            assert device.asnumpy(array).tobytes() == reference[0].tobytes()
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_only_each_slice_sent_crosses_to_the_host(
+    cluster: Cluster, clock: object, device: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unquantized, what crosses device-to-host is what the peer sends, once; what
+    crosses host-to-device is what it receives, once; and senders stage the next
+    slice while they send one."""
+    hits: list[bool] = []
+    real_host = _DeviceSender.host
+
+    def host(self: _DeviceSender, data: Any, key: object = None) -> memoryview:
+        hits.append(key is not None and self._ahead == key)
+        return real_host(self, data, key)
+
+    monkeypatch.setattr(_DeviceSender, "host", host)
+    if not counted(device):
+        pytest.skip("counts what the stand-in device copies")
+    with trio.fail_after(120):
+        comms = await run(cluster, 3)
+        arrays = [device.asarray(values(np.float32, 10_000, seed)) for seed in range(3)]
+        before_host, before_device = device.to_host_bytes, device.to_device_bytes
+        infos = await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
+        sent = sum(info.tx_bytes for info in infos)  # type: ignore[attr-defined]
+        received = sum(info.rx_bytes for info in infos)  # type: ignore[attr-defined]
+        assert device.to_host_bytes - before_host == sent
+        assert device.to_device_bytes - before_device == received
+        assert any(hits), "no slice was staged ahead of its send"
+        for comm in comms:
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("op", [pccl.ReduceOp.SUM, pccl.ReduceOp.AVG])
+async def test_quantized_on_the_device_matches_the_host_and_moves_only_codes(
+    cluster: Cluster, clock: object, device: Any, op: pccl.ReduceOp
+) -> None:
+    """uint8 min-max quantization encoded and decoded on the device: the host path's
+    bits on every peer, and a quarter of float32's bytes (plus each block's range)
+    crossing to the host."""
+    with trio.fail_after(120):
+        comms = await run(cluster, 3)
+        quantization = pccl.QuantizationOptions(
+            quantized_datatype=pccl.DataType.UINT8,
+            algorithm=pccl.QuantizationAlgorithm.MIN_MAX,
+        )
+        count = 20_000
+        inputs = [values(np.float32, count, seed) for seed in range(3)]
+        reference = [x.copy() for x in inputs]
+        await run_all(comms, lambda i, c: c.all_reduce(reference[i], op=op, quantization=quantization))
+        arrays = [device.asarray(inputs[0]), device.asarray(inputs[1]), inputs[2].copy()]
+        before = device.to_host_bytes if counted(device) else 0
+        await run_all(comms, lambda i, c: c.all_reduce(arrays[i], op=op, quantization=quantization))
+        crossed = device.to_host_bytes - before if counted(device) else 0
+        for array in arrays:
+            assert host(device, array).tobytes() == reference[0].tobytes()
+        if counted(device):
+            # Each device peer encodes a third of its values per reduce step and its
+            # own chunk once: one code byte per value, plus each block's min and max
+            # read back; the float32 values never cross.
+            codes = 2 * count
+            assert codes <= crossed < 1.15 * codes, crossed
+        for comm in comms:
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("victim", [0, 2], ids=["kill-rank0", "kill-rank2"])
+async def test_kill_mid_all_reduce_restores_device_buffers(
+    cluster: Cluster, clock: object, device: Any, victim: int
+) -> None:
+    """A peer dies mid-operation: the same verdict everywhere; an abort leaves every
+    survivor's device buffer holding its input, bit for bit; the retry is exact."""
+    with trio.fail_after(120):
+        cluster.config = dataclasses.replace(cluster.config, slice_bytes=4096)
+        comms = await form_run([], [cluster.communicator(f"p{i}", 0, 2) for i in range(4)])
+        count = 200_000
+        data = [np.arange(count, dtype=np.float32) + i for i in range(4)]
+        arrays = [device.asarray(d) for d in data]
+        tensors = [via_dlpack(device, a) if i % 2 else a for i, a in enumerate(arrays)]
+        survivors = [c for i, c in enumerate(comms) if i != victim]
+        results: list[object] = []
+
+        async def survivors_run() -> None:
+            results.extend(await run_all(
+                survivors, lambda i, c: c.all_reduce(tensors[comms.index(c)])))
+
+        async def victim_run() -> None:
+            with pytest.raises(pccl.PCCLError):
+                await comms[victim].all_reduce(tensors[victim])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivors_run)
+            nursery.start_soon(victim_run)
+            await started(survivors[0], 0)
+            await cluster.kill(f"p{victim}", comms[victim])
+        assert len({type(r) for r in results}) == 1, results
+        if isinstance(results[0], pccl.CollectiveAborted):
+            for comm in survivors:
+                i = comms.index(comm)
+                assert device.asnumpy(arrays[i]).tobytes() == data[i].tobytes()
+            infos = await run_all(survivors, lambda i, c: c.all_reduce(tensors[comms.index(c)]))
+            assert all(isinstance(i, pccl.ReduceInfo) for i in infos), infos
+            want = sum(d for i, d in enumerate(data) if i != victim)
+        else:
+            want = sum(data)
+        for comm in survivors:
+            assert device.asnumpy(arrays[comms.index(comm)]).tobytes() == want.tobytes()
+        for comm in survivors:
+            await comm.aclose()
+
+
+# --- shared state on the device ------------------------------------------------------------
+
+
+def device_state(device: Any, seed: int, *, zero: bool = False,
+                 on_device: bool = True) -> pccl.SharedState:
+    """Weights and optimizer moments (several of the sync's pieces), a step counter,
+    and a tensor that may differ; on the device unless ``on_device`` is False."""
+    rng = np.random.default_rng(seed)
+    tensors = {
+        "weights": rng.standard_normal(300_000).astype(np.float32),
+        "moments": rng.standard_normal(70_000).astype(np.float64),
+        "steps": np.arange(5, dtype=np.int64),
+        "rng": rng.integers(0, 2**32, 4, dtype=np.uint32),
+    }
+    if zero:
+        tensors = {k: np.zeros_like(v) for k, v in tensors.items()}
+    place = device.asarray if on_device else (lambda a: a)
+    return pccl.SharedState(
+        [pccl.TensorInfo(name, place(array), allow_content_inequality=name == "rng")
+         for name, array in tensors.items()],
+        revision=0,
+    )
+
+
+def contents(device: Any, state: pccl.SharedState) -> list[bytes]:
+    return [host(device, t.data).tobytes() for t in state.tensors if not t.allow_content_inequality]
+
+
+async def test_a_joiner_syncs_device_tensors_from_device_and_host_peers(
+    cluster: Cluster, clock: object, device: Any
+) -> None:
+    """Founders on the device and on the host; a joiner whose state is on the device
+    receives it into its own device tensors, hashed on the device to the host's
+    values; a diverged device tensor is fetched again, alone."""
+    with trio.fail_after(120):
+        founders = await form_run([], [cluster.communicator(f"f{i}") for i in range(2)])
+        states = [device_state(device, 1), device_state(device, 1, on_device=False)]
+        infos = await sync_all(founders, states)
+        # Equal content hashes the same on device and host: nothing moved.
+        assert [(i.tx_bytes, i.rx_bytes) for i in infos] == [(0, 0), (0, 0)]  # type: ignore[union-attr]
+        comms = await form_run(founders, [cluster.communicator("joiner")])
+        joiner = device_state(device, 99, zero=True)
+        buffers = [t.data for t in joiner.tensors]
+        states.append(joiner)
+        for state in states[:2]:
+            state.revision += 1
+        infos = await sync_all(comms, states)
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        assert contents(device, joiner) == contents(device, states[1])
+        assert [t.data for t in joiner.tensors] == buffers  # received in place
+        assert joiner.revision == 1
+        # A device peer's weights diverge: only they are fetched again.
+        weights = states[0].tensors[0].data
+        weights[7:9] = device.asarray(np.float32([5.0, 6.0]))
+        for state in states:
+            state.revision += 1
+        infos = await sync_all(comms, states)
+        assert infos[0].rx_bytes == weights.nbytes  # type: ignore[union-attr]
+        assert contents(device, states[0]) == contents(device, states[1])
+        assert not counted(device) or device.pageable_async_copies == 0
+        for comm in comms:
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("survivor", [True, False], ids=["one-dies", "all-die"])
+async def test_distributors_dying_mid_transfer_leave_device_state_whole(
+    cluster: Cluster, clock: object, device: Any, monkeypatch: pytest.MonkeyPatch,
+    nursery: trio.Nursery, survivor: bool,
+) -> None:
+    """A device joiner fetching from two device founders: if one dies mid-transfer it
+    finishes from the other, exactly; if both die, its device tensors hold their old
+    bytes again (copies still in flight to the device land before the restore)."""
+    with trio.fail_after(120):
+        states = [device_state(device, 1), device_state(device, 1)]
+        comms = await joined(cluster, states)
+        fresh = device_state(device, 7)
+        before = contents(device, fresh)
+        victims = {"f0": comms[0]} if survivor else {"f0": comms[0], "f1": comms[1]}
+        kill_during_fetch(monkeypatch, cluster, victims, nursery, after_pieces=3)
+        results = await sync_all(comms, [*states, fresh])
+        if survivor:
+            assert isinstance(results[2], pccl.SharedStateSyncInfo), results
+            assert contents(device, fresh) == contents(device, states[1])
+            assert fresh.revision == 1
+        else:
+            assert isinstance(results[2], pccl.SharedStateSyncFailed), results
+            assert contents(device, fresh) == before
+            assert fresh.revision == 0
+        for comm in comms[1 if survivor else 2:]:
+            await comm.aclose()
