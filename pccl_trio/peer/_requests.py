@@ -24,6 +24,7 @@ from .._core.messages import CollectiveInitiate
 from .._errors import InvalidArgument
 from .._types import DataType, DistributionHint, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from ..ops import Array, ArrayModule, as_array, check_quantization, from_numpy_dtype
+from ._staging import staging_for
 
 __all__ = ["ReduceOptions", "ReduceRequest", "check_reduce_arguments", "check_reduce_options"]
 
@@ -142,6 +143,8 @@ class ReduceOptions:
             InvalidArgument: which buffer is wrong, and how.
         """
         xp, send_array = as_array(send, name=name)
+        if xp is not np:
+            staging_for(xp).caller_ready()
         quantization = self.quantization
         if quantization is not None:
             check_quantization(

@@ -186,6 +186,8 @@ def prepare_state(state: object) -> list[Tensor]:
                 f"{info.allow_content_inequality!r}"
             )
         xp, array = as_array(info.data, name=f"shared-state tensor {name!r}")
+        if xp is not numpy:
+            staging_for(xp).caller_ready()
         tensors.append(
             Tensor(
                 key=name, xp=xp, array=array, raw=array.view(numpy.uint8),

@@ -11,7 +11,8 @@ and every received slice host-to-device before the device reduces it
 its staging for the bytes to send (``Sender.host``), for a received payload on the
 buffers' side (``to_device``), and does its kernels inside ``working()``.
 
-Streams. Every thread that reduces (a connection's reader) works on a stream of its
+Streams. The caller's own queued work on its buffers is waited for when it hands them
+over (``caller_ready``). Every thread that reduces (a connection's reader) works on a stream of its
 own: the host-to-device copy, the backup of what will be overwritten and the
 reduction kernels are queued on it in that order, and ``working()`` ends by
 synchronizing it, so a slice is marked received only once its result is in device
@@ -138,6 +139,10 @@ class HostStaging:
         """A host uint8 buffer to receive into (pinned for a device)."""
         return np.empty(nbytes, dtype=np.uint8)
 
+    def caller_ready(self) -> None:
+        """The caller's queued work on its buffers is done (called in the caller's
+        thread when it hands them over; nothing to wait for on the host)."""
+
     def to_device(self, payload: Any) -> Any:
         """A received payload (host uint8) where the buffers live."""
         return payload
@@ -250,6 +255,13 @@ class DeviceStaging(HostStaging):
 
     def host_empty(self, nbytes: int) -> Any:
         return np.frombuffer(self.xp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+
+    def caller_ready(self) -> None:
+        # The staging streams do not wait for the caller's stream (non-blocking ones
+        # do not even wait for the default stream): wait for it here, so no copy reads
+        # a buffer that a kernel the caller queued is still writing. (A torch tensor
+        # imported through DLPack made cupy's current stream wait for torch's.)
+        self.xp.cuda.get_current_stream().synchronize()
 
     def _scratch(self, nbytes: int) -> Any:
         """Room for ``nbytes`` on the device, this thread's own, reused by its next

@@ -51,6 +51,13 @@ import numpy
 __all__ = ["DeviceArray", "DeviceEvent", "DeviceStream", "StrictDevice"]
 
 
+#: Calls that only make views or allocate: no kernel, so they do not order the
+#: current stream's queued copies before them.
+_METADATA_ONLY = frozenset({
+    "view", "reshape", "ravel", "squeeze", "transpose", "swapaxes", "expand_dims",
+    "as_strided", "shares_memory", "may_share_memory", "empty", "empty_like",
+    "result_type", "can_cast", "iinfo", "finfo", "dtype",
+})
 #: DLPack's device type of CUDA memory.
 _DLPACK_CUDA = 2
 
@@ -118,8 +125,9 @@ class DeviceStream:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        popped = self._device._streams().pop()
-        assert popped is self, "streams must be left in the order they were entered"
+        # Tasks of one thread may interleave their ``with`` blocks: leave this one.
+        stack = self._device._streams()
+        del stack[len(stack) - 1 - stack[::-1].index(self)]
 
 
 class DeviceArray:
@@ -418,8 +426,11 @@ class StrictDevice:
         return self._wrap(attribute, name)
 
     def _wrap(self, function: Callable[..., Any], name: str) -> Callable[..., Any]:
+        touches_data = name not in _METADATA_ONLY
+
         def call(*args: Any, **kwargs: Any) -> Any:
-            self._kernel()
+            if touches_data:
+                self._kernel()
             lowered_args = [self._lower(a, f"an argument of {name}()") for a in args]
             lowered_kwargs = {k: self._lower(v, f"{k}= of {name}()") for k, v in kwargs.items()}
             return self._lift(function(*lowered_args, **lowered_kwargs))
