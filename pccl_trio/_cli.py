@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import functools
 import logging
-import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -15,8 +14,9 @@ from collections.abc import AsyncIterator, Sequence
 import trio
 
 from ._bench import parse_size
-from ._config import SECRET_ENVIRONMENT, Config
+from ._config import SECRET_ENVIRONMENT, Config, read_run_secret
 from ._identity import IdentityError, load_allowlist, load_identity, public_hex
+from ._logging import FORMATS, configure
 from .master import serve_master
 from .transport import (
     TcpNetwork,
@@ -49,6 +49,20 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
         choices=["TRACE", "DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"],
         type=str.upper,
         help="log verbosity on stderr (default INFO)",
+    )
+    parser.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (port 0 picks a free "
+        "port); needs pip install 'pccl_trio[observability]'. They are not authenticated: "
+        "bind them where only your scraper reaches",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="text",
+        choices=FORMATS,
+        help="text lines, or one JSON object per line with each run event's kind and "
+        "fields (for log collectors); default text",
     )
     parser.add_argument(
         "--secret-file",
@@ -150,32 +164,27 @@ def _master_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _read_secret(path: str | None) -> str | bytes | None:
-    """The run secret from ``path`` (surrounding whitespace dropped) or, without one,
-    from the environment; None if neither names one."""
-    if path is None:
-        return os.environ.get(SECRET_ENVIRONMENT) or None
-    try:
-        with open(path, "rb") as file:
-            secret = file.read().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read the run secret from {path}: {exc.strerror}") from None
-    if not secret:
-        raise ValueError(f"the secret file {path} is empty")
-    return secret
-
-
 class _AdvertiseFailed(Exception):
     """The master could not be advertised (the message says why)."""
 
 
-async def _run_master(host: str, port: int, config: Config, advertise: str | None) -> None:
+async def _run_master(
+    host: str, port: int, config: Config, advertise: str | None,
+    metrics: tuple[str, int] | None = None,
+) -> None:
     # Bind before anything else so "address in use" surfaces as a plain OSError.
     listener = await TcpNetwork().listen(host, port)
     bound_host, bound_port = listener_address(listener)
+
+    def metrics_started(address: tuple[str, int]) -> None:
+        print(f"pccl-trio master metrics on http://{format_address(*address)}/metrics", flush=True)
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(functools.partial(serve_master, [listener], config=config))
+            await nursery.start(functools.partial(
+                serve_master, [listener], config=config, metrics=metrics,
+                metrics_started=metrics_started,
+            ))
             print(f"pccl-trio master listening on {format_address(bound_host, bound_port)}",
                   flush=True)
             failure = await _advertise_until_signal(advertise, host, bound_port, config, signals)
@@ -213,13 +222,14 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
     args = parser.parse_args(argv)
     try:
         host, port = parse_address(args.listen)
+        metrics = None if args.metrics is None else parse_address(args.metrics)
         config = Config(
             heartbeat_interval=args.heartbeat_interval,
             liveness_timeout=args.liveness_timeout,
             topology_solve_seconds=args.topology_solve_seconds,
             topology_search_seconds=args.topology_search_seconds,
             topology_reference_bytes=args.topology_reference_size,
-            run_secret=_read_secret(args.secret_file),
+            run_secret=read_run_secret(args.secret_file),
             insecure=args.insecure,
             content_digest=args.content_digest,
             stall_timeout=args.stall_timeout,
@@ -251,9 +261,7 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
         except ValueError as exc:
             parser.error(str(exc))
     level = {"TRACE": "DEBUG", "WARN": "WARNING"}.get(args.log_level, args.log_level)
-    logging.basicConfig(
-        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure(level, args.log_format)
     try:
         host = listen_host(
             host, secured=config.secret is not None, insecure=config.insecure, who="the master"
@@ -261,7 +269,7 @@ def master_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio master
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        trio.run(_run_master, host, port, config, args.advertise)
+        trio.run(_run_master, host, port, config, args.advertise, metrics)
     except _AdvertiseFailed as exc:
         print(f"pccl-trio master: {exc}", file=sys.stderr)
         return 1
@@ -291,11 +299,14 @@ def identity_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio iden
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     from ._bench import bench_main
+    from ._status import status_main
 
-    commands = {"master": master_main, "identity": identity_main, "bench": bench_main}
+    commands = {"master": master_main, "identity": identity_main, "bench": bench_main,
+                "status": status_main}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: pccl-trio {master,identity,bench} [options]\n\n"
+        print("usage: pccl-trio {master,status,identity,bench} [options]\n\n"
               "commands:\n  master   run the master of a run (see pccl-trio master --help)\n"
+              "  status   show a running master's view of its run (see pccl-trio status --help)\n"
               "  identity print this node's public identity key, creating the key file\n"
               "  bench    all-reduce benchmark with local peers (see pccl-trio bench --help)",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)

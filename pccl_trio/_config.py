@@ -280,3 +280,18 @@ class Config:
                 "Config.shared_state_grace must be a positive number of seconds, got "
                 f"{self.shared_state_grace!r}"
             )
+
+
+def read_run_secret(path: str | None) -> str | bytes | None:
+    """The run secret from ``path`` (surrounding whitespace dropped) or, without one,
+    from the environment; None if neither names one."""
+    if path is None:
+        return os.environ.get(SECRET_ENVIRONMENT) or None
+    try:
+        with open(path, "rb") as file:
+            secret = file.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the run secret from {path}: {exc.strerror}") from None
+    if not secret:
+        raise ValueError(f"the secret file {path} is empty")
+    return secret

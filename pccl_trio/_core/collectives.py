@@ -41,12 +41,12 @@ from .messages import (
     bounded,
 )
 from .peers import FREE_STATES, VOTES, Call, Peer, PeerPhase, PeerState, PeerTable, find_blocker
+from .report import RunKind
 from .rounds import RingBook
 from .stalls import Waiting
 
 __all__ = ["Collectives"]
 
-log = logging.getLogger("pccl_trio.master")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -226,7 +226,12 @@ class Collectives:
             return
         collective.aborted = True
         collective.reason = reason = bounded(reason)
-        log.info("collective tag %d attempt %d aborted: %s", collective.tag, collective.seq, reason)
+        self._table.report(
+            RunKind.ABORTED,
+            f"collective tag {collective.tag} attempt {collective.seq} of peer group "
+            f"{collective.group} aborted: {reason}",
+            group=collective.group, tag=collective.tag, seq=collective.seq, reason=reason,
+        )
         for peer_id in sorted(collective.participants - collective.completed):
             self._table.send(
                 self._table.peers[peer_id],
@@ -238,6 +243,14 @@ class Collectives:
         reason = bounded(reason)  # it may list every peer, or quote what one sent
         del self._running[(collective.group, collective.tag)]
         voters = collective.participants if collective.seq else set(collective.descriptors)
+        self._table.report(
+            RunKind.COMPLETED,
+            f"collective tag {collective.tag} attempt {collective.seq} of peer group "
+            f"{collective.group}: {outcome.name}{f' ({reason})' if reason else ''}",
+            level=logging.DEBUG, group=collective.group, tag=collective.tag,
+            seq=collective.seq, outcome=outcome.name.lower(), peers=len(voters),
+            seconds=self._table.now - collective.since, reason=reason,
+        )
         for peer_id in sorted(voters):
             peer = self._table.peers.get(peer_id)
             if peer is None:

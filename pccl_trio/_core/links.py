@@ -18,7 +18,6 @@ the links leave the master: flat in a ``TopologyOptimized`` report, as matrices 
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 
@@ -27,11 +26,12 @@ import numpy
 from .bandwidth import BandwidthStore, link_matrices, ring_cost
 from .events import TopologyView
 from .messages import MATRIX_LIMIT, TopologyOptimized
+from .peers import PeerTable
+from .report import RunKind
 from .rounds import RingBook
 
 __all__ = ["Links"]
 
-log = logging.getLogger("pccl_trio.master")
 
 
 class Links:
@@ -80,18 +80,20 @@ class Links:
         return 2 * (len(ring) - 1) * bottleneck
 
     def report(
-        self, number: int, group: int, members: Sequence[int], ring: Sequence[int], optimal: bool
+        self, table: PeerTable, number: int, group: int, members: Sequence[int],
+        ring: Sequence[int], optimal: bool,
     ) -> TopologyOptimized:
-        """Log and build the group's report of optimization ``number`` (the matrices
-        left out beyond ``MATRIX_LIMIT`` members)."""
+        """Report (``table.report``) and build the group's report of optimization
+        ``number`` (the matrices left out beyond ``MATRIX_LIMIT`` members)."""
         predicted = self.predicted(group, members, ring)
-        log.info(
-            "optimization %d, peer group %d: ring %s, predicted %s for %d MiB%s; links "
-            "(Mbit/s, sender by row):\n%s",
-            number, group, list(ring),
-            f"{predicted:.3f} s" if math.isfinite(predicted) else "unknown",
-            self._reference_bytes >> 20, " (optimal)" if optimal else "",
-            _format_links(members, self._known(group)),
+        table.report(
+            RunKind.OPTIMIZED,
+            f"optimization {number}, peer group {group}: ring {list(ring)}, predicted "
+            f"{f'{predicted:.3f} s' if math.isfinite(predicted) else 'unknown'} for "
+            f"{self._reference_bytes >> 20} MiB{' (optimal)' if optimal else ''}; links "
+            f"(Mbit/s, sender by row):\n{_format_links(members, self._known(group))}",
+            number=number, group=group, ring=tuple(ring), optimal=optimal,
+            predicted_seconds=predicted, reference_bytes=self._reference_bytes,
         )
         bandwidth: list[float] = []
         latency: list[float] = []
@@ -131,8 +133,7 @@ class Links:
 def _format_links(members: Sequence[int], store: BandwidthStore) -> str:
     """A table of the measured rates (Mbit/s) among ``members``: ``-`` unknown, ``x``
     unreachable."""
-    width = max(7, *(len(str(p)) + 1 for p in members))
-    lines = [" " * width + "".join(f"{p:>{width}}" for p in members)]
+    rows = []
     for a in members:
         cells = []
         for b in members:
@@ -143,5 +144,10 @@ def _format_links(members: Sequence[int], store: BandwidthStore) -> str:
                 cells.append(f"{found.bandwidth * 8e-6:.1f}")
             else:
                 cells.append("x" if store.unreachable(a, b) else "-")
-        lines.append(f"{a:>{width}}" + "".join(f"{c:>{width}}" for c in cells))
+        rows.append(cells)
+    # Every column as wide as its widest entry, plus two spaces: never run together.
+    width = 2 + max(len(text) for text in [*map(str, members), *(c for r in rows for c in r)])
+    lines = [" " * width + "".join(f"{p:>{width}}" for p in members)]
+    lines += [f"{a:>{width}}" + "".join(f"{c:>{width}}" for c in cells)
+              for a, cells in zip(members, rows, strict=True)]
     return "\n".join(lines)

@@ -57,6 +57,7 @@ sends the heartbeats due.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import TypeVar, cast
@@ -78,6 +79,7 @@ from .events import (
     Tick,
     TopologyView,
 )
+from .identity import fingerprint
 from .messages import (
     C2M,
     CollectiveComplete,
@@ -107,8 +109,10 @@ from .peers import (
     transition,
 )
 from .recovery import Recovery
+from .report import KickCause, RunEvent
 from .rounds import PendingVote, RingBook, Rounds
 from .stalls import Stalls
+from .status import MAX_PEERS, GroupStatus, PeerStatus, RunCount, StatusReply, StatusRequest, WaitStatus
 from .syncs import Syncs
 
 __all__ = [
@@ -149,6 +153,11 @@ def _route(kind: type[_M], handler: Callable[[Peer, _M], None]) -> tuple[type[Me
 def _registered_twice(peer: Peer, message: Register) -> None:
     """A peer registers once per connection."""
     raise RemoteProtocolError("Register on a connection already registered")
+
+
+def _observers_only(peer: Peer, message: StatusRequest) -> None:
+    """A member asks the master nothing outside its calls."""
+    raise RemoteProtocolError("StatusRequest is for observers, not registered peers")
 
 
 class MasterCore:
@@ -240,6 +249,7 @@ class MasterCore:
         # Every message a registered peer may send, and the part that handles it.
         self._routes: Mapping[type[Message], _Handler] = dict([
             _route(Register, _registered_twice),
+            _route(StatusRequest, _observers_only),
             _route(VoteEstablish, self._rounds.on_vote),
             _route(P2PEstablished, self._rounds.on_established),
             _route(VotePeersPending, self._pending.on_vote),
@@ -252,6 +262,11 @@ class MasterCore:
         ])
 
     # --- public surface ------------------------------------------------------------
+
+    def take_reports(self) -> list[RunEvent]:
+        """What happened in the run while handling the last event (``report``), in
+        order; each was logged already."""
+        return self._table.take_reports()
 
     def handle(self, event: Event, now: float) -> list[Action]:
         """Process one event at time ``now``; return the actions to carry out, in order."""
@@ -272,7 +287,9 @@ class MasterCore:
             case ConnectionBroken(conn=conn_id, reason=reason):
                 if conn_id in self._table.conns:
                     self._stalls.changed()
-                    self._table.kick(self._table.conns[conn_id], f"malformed input: {reason}")
+                    self._table.kick(
+                        self._table.conns[conn_id], f"malformed input: {reason}", KickCause.PROTOCOL
+                    )
                     self._reevaluate()
             case ConnectionClosed(conn=conn_id):
                 if conn_id in self._table.conns:
@@ -300,6 +317,54 @@ class MasterCore:
         """When a held pending-peers answer is due (never while members come back: no
         vote is decided then)."""
         return math.inf if self._recovery.holding else self._pending.deadline()
+
+    def status(self) -> StatusReply:
+        """The run now, read-only (``status``: the observers' snapshot)."""
+        table, now = self._table, self._table.now
+        accepted: dict[int, list[int]] = {}
+        for peer in table.accepted():
+            accepted.setdefault(peer.peer_group, []).append(peer.peer_id)
+        groups = []
+        for group, members in sorted(accepted.items()):
+            view = self._optimizer.topology(group)
+            revision = self._syncs.expected(group)
+            groups.append(GroupStatus(
+                group=group, world=len(members), ring=view.ring,
+                stale=group in self._book.stale_groups,
+                predicted_seconds=view.predicted_seconds
+                if math.isfinite(view.predicted_seconds) else -1.0,
+                has_revision=revision is not None, revision=revision or 0,
+            ))
+        peers = [
+            PeerStatus(
+                peer_id=p.peer_id, group=p.peer_group, host=p.host, port=p.port,
+                phase=p.phase.name.lower(), state=p.state.name.lower(),
+                silent_seconds=max(0.0, now - table.conns[p.conn].last_heard),
+                identity=fingerprint(p.identity) if p.identity else "",
+            )
+            for p in list(table.peers.values())[:MAX_PEERS]
+        ]
+        waiting = [
+            WaitStatus(
+                call=w.call, where=w.where, seconds=max(0.0, now - w.since),
+                missing=tuple(p.peer_id for p in w.missing()),
+            )
+            for w in self._stalls.waiting()
+        ]
+        kicks = [
+            dataclasses.replace(kick, seconds_ago=max(0.0, now - kick.seconds_ago))
+            for kick in table.kicks
+        ]
+        return StatusReply(
+            uptime_seconds=0.0 if math.isnan(table.started) else now - table.started,
+            reference_bytes=self._optimizer.reference_bytes,
+            peers_total=len(table.peers), peers=tuple(peers), groups=tuple(groups),
+            waiting=tuple(waiting), kicks=tuple(kicks),
+            counts=tuple(
+                RunCount(event=event, label=label, count=count, total=total)
+                for (event, label), (count, total) in sorted(table.counts.items())
+            ),
+        )
 
     def peers(self) -> list[PeerView]:
         """Every registered peer, by id."""
@@ -329,16 +394,27 @@ class MasterCore:
     def _on_message(self, conn: Conn, message: Message) -> None:
         """Route a message to its part; kick the peer if the message is illegal."""
         if message.DIRECTION != C2M:
-            self._table.kick(conn, f"{type(message).__name__} is not a message a peer may send")
+            self._table.kick(
+                conn, f"{type(message).__name__} is not a message a peer may send",
+                KickCause.PROTOCOL,
+            )
             return
         peer = conn.peer
         if peer is None:
-            if isinstance(message, Register) and message.rejoin:
+            if isinstance(message, StatusRequest):
+                # An observer: one snapshot, then the connection ends.
+                refusal = self._table.observer_refusal(conn)
+                if refusal:
+                    self._table.kick(conn, refusal, KickCause.REFUSED)
+                    return
+                self._table.actions.append(Send(conn=conn.conn, message=self.status()))
+                self._table.drop(conn, "status sent")
+            elif isinstance(message, Register) and message.rejoin:
                 self._recovery.on_register(conn, message)
             elif isinstance(message, Register):
                 self._table.register(conn, message)
             else:
-                self._table.kick(conn, f"{type(message).__name__} before Register")
+                self._table.kick(conn, f"{type(message).__name__} before Register", KickCause.PROTOCOL)
             return
         handler = self._routes.get(type(message))
         if handler is None:  # pragma: no cover - every C2M kind has a route
@@ -346,7 +422,7 @@ class MasterCore:
         try:
             handler(peer, message)
         except RemoteProtocolError as exc:
-            self._table.kick(conn, f"illegal {type(message).__name__}: {exc}")
+            self._table.kick(conn, f"illegal {type(message).__name__}: {exc}", KickCause.PROTOCOL)
 
     # --- time ----------------------------------------------------------------------
 

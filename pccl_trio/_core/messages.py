@@ -55,6 +55,7 @@ from .records import (
     message,
     message_kinds,
 )
+from .status import StatusReply, StatusRequest
 
 __all__ = [
     "BenchmarkRequest",
@@ -98,6 +99,8 @@ __all__ = [
     "SharedStateRequest",
     "SharedStateResponse",
     "SharedStateVote",
+    "StatusReply",
+    "StatusRequest",
     "SyncStrategy",
     "TensorSpan",
     "TopologyOptimized",

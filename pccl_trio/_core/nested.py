@@ -45,6 +45,8 @@ DTYPE_NAMES = (
     "UINT8", "INT8", "UINT16", "INT16", "UINT32", "INT32", "UINT64", "INT64",
     "FLOAT16", "BFLOAT16", "FLOAT", "DOUBLE",
 )
+#: Bytes of one element of each dtype, by its value (``DTYPE_NAMES``' order).
+DTYPE_SIZES = (1, 1, 2, 2, 4, 4, 8, 8, 2, 2, 4, 8)
 #: Bytes of a shared-state content digest (BLAKE2b-256).
 DIGEST_SIZE = 32
 #: Longest shared-state key, in characters.

@@ -66,12 +66,12 @@ from .peers import (
     groups,
     out_of_order,
 )
+from .report import KickCause, RunKind
 from .rounds import RingBook
 from .stalls import Waiting, run_vote
 
 __all__ = ["KEEP_MARGIN", "Optimizer"]
 
-log = logging.getLogger("pccl_trio.master")
 
 #: A solved ring replaces the installed one only if predicted faster by this fraction:
 #: rings within measurement noise of each other are not worth re-connecting for.
@@ -149,6 +149,7 @@ class Optimizer:
         self._solve_seconds = solve_seconds
         self._search_seconds = search_seconds
         self._links = Links(book, reference_bytes=reference_bytes)
+        self.reference_bytes = reference_bytes
         self._current: _Optimization | None = None
         self._next_optimization = 1
         self._next_job = 1
@@ -190,16 +191,22 @@ class Optimizer:
         store = self._links.store(peer.peer_group)
         if message.error:
             store.mark_unreachable(message.sender, peer.peer_id)
-            log.warning(
-                "optimization %d: link %d -> %d could not be measured: %s",
-                current.number, message.sender, peer.peer_id, message.error,
+            self._table.report(
+                RunKind.LINK_FAILED,
+                f"optimization {current.number}: link {message.sender} -> {peer.peer_id} could "
+                f"not be measured: {message.error}",
+                level=logging.WARNING, number=current.number, sender=message.sender,
+                receiver=peer.peer_id, group=peer.peer_group, reason=message.error,
             )
         else:
             store.record(message.sender, peer.peer_id, message.bandwidth, message.latency)
-            log.debug(
-                "optimization %d: link %d -> %d: %.1f Mbit/s, %.3f ms",
-                current.number, message.sender, peer.peer_id, message.bandwidth * 8e-6,
-                message.latency * 1e3,
+            self._table.report(
+                RunKind.LINK_MEASURED,
+                f"optimization {current.number}: link {message.sender} -> {peer.peer_id}: "
+                f"{message.bandwidth * 8e-6:.1f} Mbit/s, {message.latency * 1e3:.3f} ms",
+                level=logging.DEBUG, number=current.number, sender=message.sender,
+                receiver=peer.peer_id, group=peer.peer_group,
+                bytes_per_second=message.bandwidth, latency_seconds=message.latency,
             )
 
     def on_solved(self, event: SolveFinished) -> None:
@@ -228,10 +235,13 @@ class Optimizer:
                 members=frozenset(members), ring=order, cost=search.cost, peers=search.peers
             )
             scale = 2 * (len(order) - 1)
-            log.info(
-                "peer group %d: the background search found a ring %s predicted %.3f s "
-                "(installed: %.3f s); the next update_topology installs it",
-                search.group, list(order), scale * found[0], scale * before[0],
+            self._table.report(
+                RunKind.OPTIMIZED,
+                f"peer group {search.group}: the background search found a ring {list(order)} "
+                f"predicted {scale * found[0]:.3f} s (installed: {scale * before[0]:.3f} s); "
+                "the next update_topology installs it",
+                group=search.group, ring=tuple(order), predicted_seconds=scale * found[0],
+                installed_seconds=scale * before[0], background=True,
             )
 
     # --- consensus -------------------------------------------------------------------
@@ -313,9 +323,11 @@ class Optimizer:
             steps=steps,
         )
         self._current = current
-        log.info(
-            "optimization %d: measuring %d links in %d steps",
-            current.number, sum(map(len, steps)), len(steps),
+        self._table.report(
+            RunKind.OPTIMIZING,
+            f"optimization {current.number}: measuring {sum(map(len, steps))} links in "
+            f"{len(steps)} steps",
+            number=current.number, links=sum(map(len, steps)), steps=len(steps),
         )
         for peer in voters:
             peer.apply(PeerEvent.OPTIMIZE_START)
@@ -395,8 +407,10 @@ class Optimizer:
                 # Not clearly faster (measurement noise): keep the connections we have.
                 optimal = optimal and old <= new
                 ring = kept
-            self._book.rings[group] = ring
-            reports[group] = self._links.report(current.number, group, members, ring, optimal)
+            self._book.install(self._table, group, ring, f"optimization {current.number}")
+            reports[group] = self._links.report(
+                self._table, current.number, group, members, ring, optimal
+            )
             if not proven and len(members) >= 3 and self._search_seconds > 0:
                 searches.append((group, members, ring))
         for peer in participants:
@@ -434,14 +448,20 @@ class Optimizer:
     def _solution(self, job: _Job, event: SolveFinished) -> tuple[int, ...]:
         """The job's ring in peer ids, or () if it failed."""
         if event.error or not event.order:
-            log.warning(
-                "peer group %d: the ring search failed (%s); keeping the installed ring",
-                job.group, event.error or "no ring",
+            self._table.report(
+                RunKind.SEARCH_FAILED,
+                f"peer group {job.group}: the ring search failed ({event.error or 'no ring'}); "
+                "keeping the installed ring",
+                level=logging.WARNING, group=job.group, reason=event.error or "no ring",
             )
             return ()
         if sorted(event.order) != list(range(len(job.peers))):
-            log.error("peer group %d: the ring search returned %s, not a ring of %d peers",
-                      job.group, list(event.order), len(job.peers))
+            self._table.report(
+                RunKind.SEARCH_FAILED,
+                f"peer group {job.group}: the ring search returned {list(event.order)}, not a "
+                f"ring of {len(job.peers)} peers",
+                level=logging.ERROR, group=job.group, reason="not a ring",
+            )
             return ()
         return tuple(job.peers[i] for i in event.order)
 
@@ -481,11 +501,7 @@ class Optimizer:
             before = ring_cost(cost, [index[p] for p in installed])[0]
             if not _clearly_faster(found, before):
                 return
-        log.info(
-            "peer group %d: installing the ring %s found by the background search",
-            group, list(candidate.ring),
-        )
-        self._book.rings[group] = list(candidate.ring)
+        self._book.install(self._table, group, candidate.ring, "found by the background search")
 
     def topology(self, peer_group: int) -> TopologyView:
         """The links measured among ``peer_group``'s accepted peers and its ring."""
@@ -535,5 +551,6 @@ class Optimizer:
             self._table.kick_peer(
                 self._table.peers[receiver],
                 f"did not report its link measurement within {self._round_timeout}s",
+                KickCause.LATE,
             )
         return True

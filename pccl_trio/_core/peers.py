@@ -28,11 +28,13 @@ break, kick, silence) goes through :meth:`PeerTable.drop`, which tells the maste
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
 import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from .errors import LocalProtocolError, RemoteProtocolError
 from .events import Action, Close, Send
@@ -47,7 +49,9 @@ from .messages import (
     Welcome,
     bounded,
 )
+from .report import KickCause, RunEvent, RunKind
 from .shared_state import Ballot
+from .status import MAX_KICKS, KickStatus
 
 __all__ = [
     "BLOCKED_BY",
@@ -73,7 +77,6 @@ __all__ = [
     "transition",
 ]
 
-log = logging.getLogger("pccl_trio.master")
 
 # --- states and transitions --------------------------------------------------------
 
@@ -410,18 +413,47 @@ class PeerTable:
         self.known_ids: set[int] = set()
         self.now = -math.inf
         self.actions: list[Action] = []
+        self.reports: list[RunEvent] = []
+        # Every report ever made, counted by kind and label, and the latest kicks
+        # (``status``).
+        self.counts: dict[tuple[str, str], tuple[int, int]] = {}
+        self.kicks: collections.deque[KickStatus] = collections.deque(maxlen=MAX_KICKS)
+        self.started = math.nan  # the time of the first event
 
     # --- time and the outbox ---------------------------------------------------------
 
     def begin(self, now: float) -> None:
         """Start handling an event at ``now`` (the clock never goes back)."""
         self.now = max(self.now, now)
+        if math.isnan(self.started):
+            self.started = self.now
         self.actions = []
+        self.reports = []
 
     def take_actions(self) -> list[Action]:
         """The actions since ``begin``, in order."""
         actions, self.actions = self.actions, []
         return actions
+
+    def take_reports(self) -> list[RunEvent]:
+        """What happened in the run since ``begin``, in order (``report``)."""
+        reports, self.reports = self.reports, []
+        return reports
+
+    def report(self, kind: RunKind, text: str, *, level: int = logging.INFO, **fields: Any) -> None:
+        """Record and log one run event (see ``report``)."""
+        event = RunEvent(kind=kind, text=text, level=level, fields=fields)
+        event.emit()
+        self.reports.append(event)
+        label = fields.get("outcome", fields.get("cause", fields.get("call", "")))
+        key = (kind.value, str(label.value if isinstance(label, enum.Enum) else label))
+        count, total = self.counts.get(key, (0, 0))
+        self.counts[key] = (count + 1, total + int(fields.get("planned_bytes", 0)))
+        if kind is RunKind.KICKED:
+            self.kicks.append(KickStatus(
+                peer_id=fields.get("peer") or 0, cause=key[1], reason=fields.get("reason", ""),
+                seconds_ago=self.now,  # the time of the kick, until ``status`` ages it
+            ))
 
     def send(self, peer: Peer, message: Message) -> None:
         """Queue ``message`` to ``peer`` (which makes its link no longer quiet)."""
@@ -464,7 +496,7 @@ class PeerTable:
         welcome it, or kick the connection if it cannot take part."""
         refusal = self.refusal(conn, message)
         if refusal:
-            self.kick(conn, refusal)
+            self.kick(conn, refusal, KickCause.REFUSED)
             return
         self.admit(conn, message, self._next_peer_id, PeerPhase.REGISTERED)
 
@@ -486,10 +518,14 @@ class PeerTable:
         self.known_ids.add(peer_id)
         conn.peer = peer
         self.peers[peer.peer_id] = peer
-        log.info(
-            "peer %d %s from %s (group %d, p2p port %d, identity %s)",
-            peer.peer_id, "registered" if phase is PeerPhase.REGISTERED else "came back",
-            host, peer.peer_group, peer.port, fingerprint(peer.identity),
+        joined = phase is PeerPhase.REGISTERED
+        self.report(
+            RunKind.JOINED if joined else RunKind.RETURNED,
+            f"peer {peer.peer_id} {'registered' if joined else 'came back'} from {host} "
+            f"(group {peer.peer_group}, p2p port {peer.port}, identity "
+            f"{fingerprint(peer.identity)})",
+            peer=peer.peer_id, group=peer.peer_group, host=host, port=peer.port,
+            identity=fingerprint(peer.identity),
         )
         self.send(
             peer,
@@ -505,6 +541,11 @@ class PeerTable:
     def reserve_ids(self, highest: int) -> None:
         """Ids up to ``highest`` are taken: new peers get higher ones."""
         self._next_peer_id = max(self._next_peer_id, highest + 1)
+
+    def observer_refusal(self, conn: Conn) -> str:
+        """Why a connection may not see the run's status (empty: it may): an observer
+        passes the same identity check as a peer."""
+        return self._identity_refusal(conn.identity)
 
     def _identity_refusal(self, identity: bytes) -> str:
         """Why a connection that proved ``identity`` may not register (empty: it may)."""
@@ -555,19 +596,22 @@ class PeerTable:
 
     # --- removal ---------------------------------------------------------------------
 
-    def kick(self, conn: Conn, reason: str) -> None:
+    def kick(self, conn: Conn, reason: str, cause: KickCause) -> None:
         """Tell the peer why, close its connection, and remove it from the run."""
         reason = bounded(reason)
-        log.warning(
-            "kicking %s: %s",
-            f"peer {conn.peer.peer_id}" if conn.peer else f"connection {conn.conn}", reason,
+        peer = conn.peer
+        self.report(
+            RunKind.KICKED,
+            f"kicking {f'peer {peer.peer_id}' if peer else f'connection {conn.conn}'}: {reason}",
+            level=logging.WARNING, peer=peer.peer_id if peer else None,
+            group=peer.peer_group if peer else None, cause=cause, reason=reason,
         )
         self.actions.append(Send(conn=conn.conn, message=Kick(reason=reason)))
         self.drop(conn, reason)
 
-    def kick_peer(self, peer: Peer, reason: str) -> None:
+    def kick_peer(self, peer: Peer, reason: str, cause: KickCause) -> None:
         """``kick`` the connection of ``peer``."""
-        self.kick(self.conns[peer.conn], reason)
+        self.kick(self.conns[peer.conn], reason, cause)
 
     def drop(self, conn: Conn, reason: str) -> None:
         """Forget a connection and its peer, then tell the master (``on_leave``);
@@ -578,7 +622,10 @@ class PeerTable:
         if peer is None:
             return
         del self.peers[peer.peer_id]
-        log.info("peer %d left: %s", peer.peer_id, reason)
+        self.report(
+            RunKind.LEFT, f"peer {peer.peer_id} left: {reason}",
+            peer=peer.peer_id, group=peer.peer_group, reason=reason,
+        )
         self._on_leave(peer, reason)
 
     # --- liveness --------------------------------------------------------------------
@@ -603,6 +650,7 @@ class PeerTable:
                 conn,
                 f"no message for {self.now - conn.last_heard:.2f}s "
                 f"(liveness timeout {self._liveness_timeout}s)",
+                KickCause.LIVENESS,
             )
         return bool(silent)
 

@@ -51,11 +51,11 @@ from collections.abc import Callable
 from .identity import fingerprint
 from .messages import Register
 from .peers import Conn, PeerPhase, PeerTable
+from .report import KickCause, RunKind
 from .rounds import RingBook
 
 __all__ = ["Recovery"]
 
-log = logging.getLogger("pccl_trio.master")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -132,7 +132,7 @@ class Recovery:
             or self._identity_refusal(message.rejoin, conn.identity)
         )
         if refusal:
-            table.kick(conn, refusal)
+            table.kick(conn, refusal, KickCause.REFUSED)
             return False
         peer_id, group_id = message.rejoin, message.peer_group
         holder = table.peers.get(peer_id)
@@ -141,11 +141,15 @@ class Recovery:
                 holder,
                 f"peer id {peer_id} belongs to a member of the run that came back after the "
                 "master restarted; connect again to get an id of your own",
+                KickCause.IDENTITY,
             )
         group = self._groups.get(group_id)
         if group is None:
             group = self._groups[group_id] = _Group(deadline=table.now + self._window)
-            log.info("peer group %d is coming back to this master", group_id)
+            table.report(
+                RunKind.RECOVERY, f"peer group {group_id} is coming back to this master",
+                group=group_id, phase="returning",
+            )
         group.back.add(peer_id)
         if message.successor:
             group.link(peer_id, message.successor)
@@ -203,6 +207,7 @@ class Recovery:
                 f"peer {by}, a ring neighbour of peer {peer_id}, names node identity "
                 f"{fingerprint(identity)} for it; this connection proved "
                 f"{fingerprint(present.identity)}",
+                KickCause.IDENTITY,
             )
             self._table.known_ids.discard(peer_id)  # the id is still its owner's to claim
 
@@ -233,17 +238,23 @@ class Recovery:
             self._expect_revision(group_id, group.next_revision)
         present = sorted(p for p in group.back if p in self._table.peers)
         if complete and ring is not None:
-            self._book.rings[group_id] = ring
+            self._book.install(self._table, group_id, ring, "the group came back")
             self._book.stale_groups.discard(group_id)
-            log.info("peer group %d is back: ring %s", group_id, ring)
+            self._table.report(
+                RunKind.RECOVERY, f"peer group {group_id} is back: ring {ring}",
+                group=group_id, phase="back", ring=tuple(ring),
+            )
             return True
         missing = sorted((set(group.successor) | set(group.successor.values())) - group.back)
         self._table.known_ids.update(missing)  # gone: they cannot come back
-        self._book.rings[group_id] = present
+        self._book.install(self._table, group_id, present, "the group came back in part")
         self._book.stale_groups.add(group_id)
-        log.warning(
-            "peer group %d came back without %s%s; its ring must be re-established",
-            group_id, missing or "none", " (its members' reports disagree)" if group.contradicted else "",
+        disagree = " (its members' reports disagree)" if group.contradicted else ""
+        self._table.report(
+            RunKind.RECOVERY,
+            f"peer group {group_id} came back without {missing or 'none'}{disagree}; its "
+            "ring must be re-established",
+            level=logging.WARNING, group=group_id, phase="partial", missing=tuple(missing),
         )
         return True
 

@@ -72,12 +72,12 @@ from .peers import (
     find_blocker,
     out_of_order,
 )
+from .report import KickCause, RunKind
 from .ring import find_ring, neighbours
 from .stalls import Waiting, run_vote
 
 __all__ = ["PendingVote", "RingBook", "Rounds"]
 
-log = logging.getLogger("pccl_trio.master")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -92,6 +92,18 @@ class RingBook:
     # Groups whose ring lost a member or failed to connect since its last successful
     # round: their collectives cannot run until they re-establish.
     stale_groups: set[int] = dataclasses.field(default_factory=set)
+
+    def install(self, table: PeerTable, group: int, ring: Sequence[int], why: str) -> None:
+        """Make ``ring`` the group's ring, reporting it if it changed (``why``: what
+        installed it)."""
+        ring = list(ring)
+        previous = self.rings.get(group)
+        self.rings[group] = ring
+        if previous != ring:
+            table.report(
+                RunKind.RING, f"peer group {group}: ring {ring} ({why})",
+                group=group, ring=tuple(ring), previous=tuple(previous or ()), why=why,
+            )
 
     def forget_edges(self, peer_id: int) -> None:
         """``peer_id`` left: its unreachable links no longer constrain any ring."""
@@ -189,7 +201,11 @@ class Rounds:
         for other in failed:
             if other in self._table.peers and other != peer.peer_id:
                 self._book.unreachable.add((peer.peer_id, other))
-        log.warning("round %d: peer %d could not reach %s", number, peer.peer_id, list(failed))
+        self._table.report(
+            RunKind.UNREACHABLE, f"round {number}: peer {peer.peer_id} could not reach {list(failed)}",
+            level=logging.WARNING, round=number, peer=peer.peer_id, group=peer.peer_group,
+            unreachable=tuple(failed),
+        )
 
     # --- consensus -------------------------------------------------------------------
 
@@ -222,6 +238,7 @@ class Rounds:
                 unplaceable,
                 "no ring can include this peer: it could not reach, or be reached by, "
                 "enough peers (check firewalls and the address it advertises)",
+                KickCause.UNREACHABLE,
             )
         current = _Round(
             number=self._next_round,
@@ -231,9 +248,11 @@ class Rounds:
         )
         self._next_round += 1
         self._current = current
-        log.info(
-            "round %d: establishing rings %s (accepting new peers: %s)",
-            current.number, rings, accept_new,
+        self._table.report(
+            RunKind.ROUND_STARTED,
+            f"round {current.number}: establishing rings {rings} (accepting new peers: "
+            f"{accept_new})",
+            level=logging.DEBUG, round=current.number, rings=rings, accept_new=accept_new,
         )
         worlds = _world_sizes(participants)
         for peer in participants:
@@ -335,7 +354,10 @@ class Rounds:
         for group, ring in current.rings.items():
             present = [p for p in ring if p in current.participants]
             if present:
-                self._book.rings[group] = present
+                self._book.install(
+                    self._table, group, present,
+                    f"round {current.number} {'succeeded' if success else 'failed'}",
+                )
                 touched.append(group)
         worlds = _world_sizes(members)
         if success:
@@ -355,9 +377,13 @@ class Rounds:
                     world=worlds[peer.peer_group],
                 ),
             )
-        log.info(
-            "round %d %s: %d peers in %d groups",
-            current.number, "succeeded" if success else "failed", len(members), len(worlds),
+        self._table.report(
+            RunKind.ROUND,
+            f"round {current.number} {'succeeded' if success else 'failed'}: {len(members)} "
+            f"peers in {len(worlds)} groups",
+            level=logging.INFO if success else logging.WARNING, round=current.number,
+            outcome="succeeded" if success else "failed", peers=len(members),
+            groups=len(worlds),
         )
         return True
 
@@ -391,6 +417,7 @@ class Rounds:
                 peer,
                 f"did not report on its p2p connections within {self._round_timeout}s "
                 f"of round {current.number}'s start",
+                KickCause.LATE,
             )
         return bool(late)
 

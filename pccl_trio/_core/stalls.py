@@ -38,10 +38,10 @@ from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 
 from .peers import Call, Peer, PeerTable, pending_calls
 from .records import bounded
+from .report import RunKind
 
 __all__ = ["Stalls", "Waiting", "run_vote"]
 
-log = logging.getLogger("pccl_trio.master")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +121,10 @@ class Stalls:
             self._cache = waiting, deadline
         return self._cache
 
+    def waiting(self) -> list[Waiting]:
+        """Every vote waiting for members now."""
+        return list(self._waiting()[0])
+
     def deadline(self) -> float:
         """When the first waiting vote times out (``inf``: none waits)."""
         return self._waiting()[1]
@@ -146,16 +150,24 @@ class Stalls:
             key = (waiting.key, waiting.since)
             count = self._warned.get(key, 0)
             if age >= self._warning * 2**count:
-                log.warning("%s", bounded(
-                    f"{waiting.call} of {waiting.where} has waited {age:.0f}s for "
-                    f"{self._who(waiting)}; it fails after {self._timeout:g}s"
-                ))
+                self._table.report(
+                    RunKind.STALLED,
+                    bounded(
+                        f"{waiting.call} of {waiting.where} has waited {age:.0f}s for "
+                        f"{self._who(waiting)}; it fails after {self._timeout:g}s"
+                    ),
+                    level=logging.WARNING, call=waiting.call, where=waiting.where,
+                    seconds=age, missing=tuple(p.peer_id for p in waiting.missing()),
+                )
                 while age >= self._warning * 2**count:
                     count += 1
             warned[key] = count
         self._warned = {key: count for key, count in warned.items() if count}
         for waiting, reason in due:
-            log.warning("refused: %s", reason)
+            self._table.report(
+                RunKind.REFUSED, f"refused: {reason}", level=logging.WARNING,
+                call=waiting.call, where=waiting.where, reason=reason,
+            )
             waiting.fail(reason)
         if due:
             self.changed()

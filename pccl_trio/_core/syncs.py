@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from .errors import RemoteProtocolError
 from .messages import (
@@ -41,6 +41,7 @@ from .messages import (
     SharedStateVote,
     bounded,
 )
+from .nested import DTYPE_SIZES
 from .peers import (
     Call,
     Peer,
@@ -52,12 +53,12 @@ from .peers import (
     find_blocker,
     out_of_order,
 )
-from .shared_state import Ballot, elect, tensor_spans
+from .report import KickCause, RunKind
+from .shared_state import Ballot, Election, elect, tensor_spans
 from .stalls import Waiting
 
 __all__ = ["Syncs", "check_digests"]
 
-log = logging.getLogger("pccl_trio.master")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -66,7 +67,21 @@ class _Sync:
 
     number: int
     members: set[int]
+    started: float
+    planned_bytes: int  # what its fetchers were told to fetch
     done: set[int] = dataclasses.field(default_factory=set)
+
+
+def _planned_bytes(election: Election, ballots: Mapping[int, Ballot]) -> int:
+    """The bytes a sync's fetchers must fetch, by the distributors' entries."""
+    if not election.distributors:
+        return 0
+    sizes = {
+        entry.key: entry.count * DTYPE_SIZES[entry.dtype]
+        for entry in ballots[election.distributors[0]].entries
+        if 0 <= entry.dtype < len(DTYPE_SIZES)
+    }
+    return sum(sizes.get(f.key, 0) for fetches in election.fetches.values() for f in fetches)
 
 
 def check_digests(vote: SharedStateVote, *, required: bool) -> None:
@@ -105,6 +120,10 @@ class Syncs:
         """Peer group ``group`` expects ``revision`` next (its members said so)."""
         self._expected_revision[group] = max(self._expected_revision.get(group, 0), revision)
 
+    def expected(self, group: int) -> int | None:
+        """The revision peer group ``group``'s next sync expects (None: not known)."""
+        return self._expected_revision.get(group)
+
     def continue_above(self, number: int) -> None:
         """Number what comes next above ``number`` (a master that took over a run)."""
         self._next_sync = max(self._next_sync, number + 1)
@@ -122,6 +141,7 @@ class Syncs:
                 f"shared-state revision {message.revision} skips ahead of revision "
                 f"{expected}, the next one of peer group {peer.peer_group}: each sync must "
                 "advance the revision by at most one",
+                KickCause.SHARED_STATE,
             )
             return
         peer.ballot = Ballot(
@@ -137,9 +157,12 @@ class Syncs:
         peer.apply(PeerEvent.REPORT_SYNCED)
         sync.done.add(peer.peer_id)
         if not message.success:
-            log.warning(
-                "sync %d: peer %d could not fetch the shared state: %s",
-                number, peer.peer_id, message.reason,
+            self._table.report(
+                RunKind.SYNC_FAILED,
+                f"sync {number}: peer {peer.peer_id} could not fetch the shared state: "
+                f"{message.reason}",
+                level=logging.WARNING, sync=number, peer=peer.peer_id, group=peer.peer_group,
+                reason=message.reason,
             )
 
     def advance(self) -> None:
@@ -152,7 +175,12 @@ class Syncs:
                     peer = self._table.peers[peer_id]
                     peer.apply(PeerEvent.SYNC_COMPLETE)
                     self._table.send(peer, SharedStateComplete(sync=sync.number))
-                log.info("sync %d of peer group %d complete", sync.number, group)
+                self._table.report(
+                    RunKind.SYNCED, f"sync {sync.number} of peer group {group} complete",
+                    level=logging.DEBUG, sync=sync.number, group=group,
+                    peers=len(sync.members), seconds=self._table.now - sync.started,
+                    planned_bytes=sync.planned_bytes,
+                )
         groups: dict[int, list[Peer]] = {}
         for peer in self._table.accepted():
             groups.setdefault(peer.peer_group, []).append(peer)
@@ -231,7 +259,7 @@ class Syncs:
         ballots = {p.peer_id: p.ballot for p in voters if p.ballot is not None}
         election = elect(ballots, self._expected_revision.get(group))
         for peer_id, reason in sorted(election.kicks.items()):
-            self._table.kick_peer(self._table.peers[peer_id], reason)
+            self._table.kick_peer(self._table.peers[peer_id], reason, KickCause.SHARED_STATE)
         remaining = [p for p in voters if p.peer_id in election.fetches]
         if not remaining:
             return
@@ -245,11 +273,20 @@ class Syncs:
         number = self._next_sync
         self._next_sync += 1
         self._expected_revision[group] = election.revision + 1
-        self._running[group] = _Sync(number=number, members={p.peer_id for p in remaining})
-        log.info(
-            "sync %d of peer group %d: revision %d, distributors %s, fetching %s",
-            number, group, election.revision, list(election.distributors),
-            {p: len(f) for p, f in election.fetches.items() if f},
+        planned = _planned_bytes(election, ballots)
+        self._running[group] = _Sync(
+            number=number, members={p.peer_id for p in remaining}, started=self._table.now,
+            planned_bytes=planned,
+        )
+        self._table.report(
+            RunKind.SYNC_STARTED,
+            f"sync {number} of peer group {group}: revision {election.revision}, distributors "
+            f"{list(election.distributors)}, fetching "
+            f"{ {p: len(f) for p, f in election.fetches.items() if f} }",
+            level=logging.DEBUG, sync=number, group=group, revision=election.revision,
+            planned_bytes=planned,
+            distributors=tuple(election.distributors),
+            fetchers=tuple(p for p, f in election.fetches.items() if f),
         )
         position = {key: index for index, key in enumerate(election.keys)}
         fetchers = tuple(

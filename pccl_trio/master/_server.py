@@ -32,7 +32,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import trio
@@ -56,7 +56,15 @@ from .._core.master import (
     SolveFinished,
     Tick,
 )
-from .._core.messages import C2M, Heartbeat, Register, body_limits, bounded, message_kinds
+from .._core.messages import (
+    C2M,
+    Heartbeat,
+    Register,
+    StatusRequest,
+    body_limits,
+    bounded,
+    message_kinds,
+)
 from .._core.wire import Admission, encode_control
 from ..transport import (
     Credential,
@@ -64,12 +72,14 @@ from ..transport import (
     TcpNetwork,
     advertise_master,
     check_advertise,
+    format_address,
     listen_host,
     listener_address,
     remote_host,
     secure_server,
     threads_allowed,
 )
+from ._metrics import serve_metrics
 
 __all__ = ["serve_master", "serve_master_tcp"]
 
@@ -161,9 +171,10 @@ class _MasterServer:
         self.ready: list[Event] = []  # results of inline searches, for the core
         self.fresh = 0  # connections that have not sent a frame yet
         self.decoding = trio.CapacityLimiter(1)  # large bodies, one at a time
-        # What a connection may send: a small Register first, then peer kinds.
+        # What a connection may send: a small Register (or an observer's StatusRequest)
+        # first, then peer kinds.
         limit = config.max_control_frame
-        self.first_kinds = body_limits([Register], limit)
+        self.first_kinds = body_limits([Register, StatusRequest], limit)
         self.peer_kinds = body_limits(
             [c for c in message_kinds().values() if c.DIRECTION == C2M], limit
         )
@@ -387,6 +398,8 @@ async def serve_master(
     *,
     config: Config | None = None,
     first_peer_id: int = 1,
+    metrics: tuple[str, int] | None = None,
+    metrics_started: Callable[[tuple[str, int]], None] | None = None,
     task_status: trio.TaskStatus[list[tuple[str, int]]] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Run a master on ``listeners`` until cancelled.
@@ -396,10 +409,19 @@ async def serve_master(
         config: timers and limits; the master's liveness timers are imposed on peers.
         first_peer_id: the id of the first peer to register (masters elected among
             peers start at a random one, so that two never give out the same ids).
+        metrics: serve Prometheus metrics over HTTP on this ``(host, port)`` (needs
+            the ``observability`` extra; port 0: any free port).
+        metrics_started: called with the metrics' bound address once they are served.
         task_status: started with the listeners' ``(host, port)`` addresses.
     """
     server = _MasterServer(config or Config(), first_peer_id=first_peer_id)
-    async with trio.open_nursery() as nursery:
+    async with contextlib.AsyncExitStack() as stack:
+        if metrics is not None:
+            bound = await stack.enter_async_context(serve_metrics(*metrics, server.core.status))
+            log.info("serving metrics on http://%s/metrics", format_address(*bound))
+            if metrics_started is not None:
+                metrics_started(bound)
+        nursery = await stack.enter_async_context(trio.open_nursery())
         server.nursery = nursery
         server.threads = threads_allowed()
         for listener in listeners:

@@ -74,6 +74,7 @@ from .._core.messages import (
     Kick,
     Message,
     Register,
+    StatusReply,
     Welcome,
     body_limits,
     message_kinds,
@@ -280,7 +281,9 @@ class MasterSession:
                 )
         limit = self._config.max_control_frame
         # What a master may send: Welcome or Kick first, then its kinds and heartbeats.
-        from_master = [c for c in message_kinds().values() if c.DIRECTION == M2C]
+        from_master = [
+            c for c in message_kinds().values() if c.DIRECTION == M2C and c is not StatusReply
+        ]
         return FramedStream(
             stream, max_control_frame=limit,
             admission=Admission(

@@ -41,6 +41,8 @@ from pccl_trio._core.messages import (
     SharedStateRequest,
     SharedStateResponse,
     SharedStateVote,
+    StatusReply,
+    StatusRequest,
     TensorSpan,
     TopologyOptimized,
     VoteEstablish,
@@ -50,6 +52,7 @@ from pccl_trio._core.messages import (
     WorldSizes,
     encode_message,
 )
+from pccl_trio._core.status import GroupStatus, KickStatus, PeerStatus, RunCount, WaitStatus
 
 #: Deterministic and free of wall-clock judgements: the same examples on every run,
 #: no example database, no per-example deadline, no "too slow" health check.
@@ -149,6 +152,23 @@ SAMPLES: dict[type[Message], Message] = {
         predicted_seconds=0.75,
         reference_bytes=64 << 20,
         optimal=True,
+    ),
+    StatusRequest: StatusRequest(),
+    StatusReply: StatusReply(
+        uptime_seconds=12.5,
+        reference_bytes=64 << 20,
+        peers_total=3,
+        peers=(
+            PeerStatus(peer_id=4, group=1, host="10.0.0.4", port=48149, phase="accepted",
+                       state="vote_sync", silent_seconds=0.25, identity="ab12cd34"),
+        ),
+        groups=(
+            GroupStatus(group=1, world=2, ring=(4, 9), stale=True, predicted_seconds=0.5,
+                        has_revision=True, revision=7),
+        ),
+        waiting=(WaitStatus(call="sync", where="peer group 1", seconds=3.5, missing=(9,)),),
+        kicks=(KickStatus(peer_id=5, cause="liveness", reason="silent", seconds_ago=2.0),),
+        counts=(RunCount(event="synced", label="", count=2, total=4096),),
     ),
 }
 

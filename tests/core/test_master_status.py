@@ -1,0 +1,120 @@
+"""What the master reports of the run: run events (one log record each, with fields),
+their counts, and the read-only snapshot an observer gets with ``StatusRequest``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from pccl_trio._core.master import Send
+from pccl_trio._core.messages import CollectiveVerdict, Outcome, StatusReply, StatusRequest
+from pccl_trio._core.report import KickCause, RunEvent, RunKind
+from pccl_trio._logging import JsonFormatter
+
+from .master_harness import LIVENESS_TIMEOUT, MasterHarness
+from .scenarios import accepted, started
+
+
+def counts(h: MasterHarness) -> dict[tuple[str, str], int]:
+    return {(c.event, c.label): c.count for c in h.core.status().counts}
+
+
+def test_each_run_event_is_reported_once_with_its_fields() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    seq = started(h, 7, 1, 2, 3)
+    for conn in (1, 2, 3):
+        h.complete(conn, 7, seq)
+    reports: list[RunEvent] = []
+    h.close(3)  # peer 3 leaves: a collective running then would abort
+    reports += h.core.take_reports()
+    assert [r.kind for r in reports] == [RunKind.LEFT]
+    assert dict(reports[0].fields) == {"peer": 3, "group": 0, "reason": "connection closed"}
+    assert counts(h)[("completed", "success")] == 1
+    assert counts(h)[("joined", "")] == 3
+    assert counts(h)[("left", "")] == 1
+    assert counts(h)[("round", "succeeded")] >= 1
+
+
+def test_an_abort_and_a_kick_are_counted_with_their_reason_and_cause() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    seq = started(h, 7, 1, 2, 3)
+    h.complete(1, 7, seq)
+    # Peers 2 and 3 go silent; 1 keeps its heartbeats: the master kicks 2 and 3.
+    h.now = LIVENESS_TIMEOUT / 2
+    h.heartbeat(1)
+    h.now = LIVENESS_TIMEOUT + 0.5
+    h.heartbeat(1)
+    actions = h.tick()
+    reports = h.core.take_reports()
+    kicks = [r for r in reports if r.kind is RunKind.KICKED]
+    assert [(r.fields["peer"], r.fields["cause"]) for r in kicks] == [
+        (2, KickCause.LIVENESS), (3, KickCause.LIVENESS)
+    ]
+    assert any(r.kind is RunKind.ABORTED and r.fields["tag"] == 7 for r in reports)
+    verdicts = [a.message for a in actions if isinstance(a, Send)
+                and isinstance(a.message, CollectiveVerdict)]
+    assert [v.outcome for v in verdicts] == [Outcome.ABORTED]
+    status = h.core.status()
+    assert counts(h)[("kicked", "liveness")] == 2
+    assert counts(h)[("completed", "aborted")] == 1
+    assert [(k.peer_id, k.cause) for k in status.kicks] == [(2, "liveness"), (3, "liveness")]
+    assert "no message for" in status.kicks[0].reason
+    assert status.peers_total == 1
+
+
+def test_an_observer_gets_the_run_and_changes_nothing() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2)
+    h.initiate(1, 5)  # a vote waiting for peer 2
+    h.now = 12.0
+    h.heartbeat(1)
+    h.heartbeat(2)
+    before = [h.view(c) for c in (1, 2)]
+    h.open(9)
+    h.send(9, StatusRequest())
+    reply = h.last(9, StatusReply)
+    assert 9 in h.closed and 9 not in h.peer_ids  # answered, closed, never a member
+    assert [h.view(c) for c in (1, 2)] == before
+    assert [(p.peer_id, p.group, p.phase, p.port) for p in reply.peers] == [
+        (1, 0, "accepted", 10001), (2, 0, "accepted", 10002)
+    ]
+    assert reply.peers_total == 2
+    [group] = reply.groups
+    assert (group.group, group.world, sorted(group.ring), group.stale) == (0, 2, [1, 2], False)
+    assert group.predicted_seconds < 0  # no link measured yet
+    [waiting] = reply.waiting
+    assert waiting.missing == (2,) and waiting.seconds == pytest.approx(12.0)
+    # The vote goes on as if nobody had looked.
+    h.initiate(2, 5)
+    assert h.received(2, CollectiveVerdict) == []
+    assert h.core.status().waiting == ()
+
+
+def test_a_status_reply_round_trips_the_wire() -> None:
+    from pccl_trio._core.records import decode_message, encode_message
+
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    h.close(2)
+    reply = h.core.status()
+    assert decode_message(StatusReply.KIND, encode_message(reply)) == reply
+
+
+def test_run_events_are_one_json_line_each(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="pccl_trio.master.run")
+    h = MasterHarness()
+    accepted(h, 1, 2)
+    h.close(2)
+    records = [r for r in caplog.records if hasattr(r, "run_event")]
+    kinds = [r.run_event.kind for r in records]  # type: ignore[attr-defined]
+    assert kinds.count(RunKind.JOINED) == 2 and kinds[-1] is RunKind.LEFT
+    line = json.loads(JsonFormatter().format(records[-1]))
+    assert line["event"] == "left" and line["peer"] == 2 and line["level"] == "INFO"
+    assert line["message"] == "peer 2 left: connection closed"
+    rings = [json.loads(JsonFormatter().format(r)) for r in records
+             if r.run_event.kind is RunKind.RING]  # type: ignore[attr-defined]
+    assert [(r["ring"], r["previous"]) for r in rings] == [([1], []), ([1, 2], [1])]
