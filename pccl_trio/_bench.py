@@ -11,7 +11,9 @@ algbw = size / time; busbw = algbw * 2(W-1)/W (the NCCL-tests convention).
 the same session, alternating with pccl_trio, and prints the ratio. ``--protection``
 runs pccl_trio once per data protection listed (``none``: no run secret; ``mac``: a
 run secret, every frame authenticated; ``encrypt``: payloads encrypted too), alternating
-within each repeat, and prints each one's speed relative to the first. ``--device
+within each repeat, and prints each one's speed relative to the first. ``--metrics
+both`` runs each of those without and with metrics (the master serving Prometheus
+metrics, every peer recording its own), alternating, to show what they cost. ``--device
 cuda`` puts the buffers in GPU memory (cupy arrays; needs the ``gpu`` extra and a
 GPU), staged through pinned host memory; pass ``--gloo benchmarks/gloo_cuda.py`` to
 compare with Gloo all-reducing the same CUDA tensors.
@@ -60,7 +62,7 @@ def format_size(n: int) -> str:
 
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
-                  algorithm: str, protection: str, device: str) -> None:
+                  algorithm: str, protection: str, device: str, metrics: bool) -> None:
     import numpy as np
 
     import pccl_trio as pccl
@@ -79,10 +81,15 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
             algorithm=pccl.QuantizationAlgorithm[algorithm.upper()],
         )
     # The run secret, if any, comes from the environment the driver set.
+    registry = None
+    if metrics:
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
     config = pccl.Config(
         slice_bytes=slice_bytes, liveness_timeout=10.0, heartbeat_interval=1.0,
         data_protection="encrypt" if protection == "encrypt" else "mac",
-        insecure=protection == "none",
+        insecure=protection == "none", metrics=registry,
     )
     async with pccl.Communicator(master, 0, pool, config=config, p2p_host=host) as comm:
         while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
@@ -133,11 +140,12 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--algorithm", default="min_max")
     parser.add_argument("--protection", choices=PROTECTIONS, default="none")
     parser.add_argument("--device", choices=DEVICES, default="cpu")
+    parser.add_argument("--metrics", action="store_true")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
              args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm,
-             args.protection, args.device)
+             args.protection, args.device, args.metrics)
     return 0
 
 
@@ -161,7 +169,8 @@ class Placement:
 
 
 def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
-              placement: Placement = Placement(), protection: str = "none") -> dict[int, Any]:
+              placement: Placement = Placement(), protection: str = "none",
+              metrics: bool = False) -> dict[int, Any]:
     """One repeat: a master and ``world`` worker processes; the first worker's results.
 
     ``args`` needs iters, warmup, pool, slice_bytes, into_recv, timeout and
@@ -177,12 +186,16 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
     master = subprocess.Popen(
         [*placement.master_prefix, sys.executable, "-m", "pccl_trio.master",
          "--listen", placement.master_listen, *(["--insecure"] if protection == "none" else []),
-         "--log-level", "ERROR", "--liveness-timeout", "10", "--heartbeat-interval", "1"],
+         "--log-level", "ERROR", "--liveness-timeout", "10", "--heartbeat-interval", "1",
+         *(["--metrics", "127.0.0.1:0"] if metrics else [])],
         stdout=subprocess.PIPE, text=True, env=env,
     )
     try:
         assert master.stdout is not None
-        address = master.stdout.readline().split()[-1]
+        line = master.stdout.readline()
+        while line and "listening on" not in line:  # e.g. where its metrics are
+            line = master.stdout.readline()
+        address = line.split()[-1]
         workers = []
         for index in range(world):
             prefix, host = placement.worker(index)
@@ -194,6 +207,7 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
                  "--host", host, "--quantize", getattr(args, "quantize", "none"),
                  "--algorithm", getattr(args, "algorithm", "min_max"),
                  "--protection", protection, "--device", getattr(args, "device", "cpu"),
+                 *(["--metrics"] if metrics else []),
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
             ))
@@ -253,6 +267,9 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                              "(payloads encrypted too); default none")
     parser.add_argument("--device", choices=DEVICES, default="cpu",
                         help="where the buffers live: host memory, or GPU memory (cupy arrays)")
+    parser.add_argument("--metrics", choices=["off", "on", "both"], default="off",
+                        help="Prometheus metrics at the master and every peer; both: each run "
+                        "without and with them, alternating (needs the observability extra)")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     args = parser.parse_args(argv)
@@ -261,7 +278,15 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     protections = args.protection.split(",")
     if not protections or any(p not in PROTECTIONS for p in protections):
         parser.error(f"--protection takes a comma list of {', '.join(PROTECTIONS)}")
-    labels = {p: "pccl_trio" if p == "none" else f"pccl+{p}" for p in protections}
+    # What runs, alternating: (label, protection, metrics).
+    variants = [
+        ("pccl_trio" if p == "none" else f"pccl+{p}", p, False) for p in protections
+    ] if args.metrics != "on" else []
+    if args.metrics != "off":
+        variants += [
+            ("pccl+metrics" if p == "none" else f"pccl+{p}+met", p, True) for p in protections
+        ]
+    first = variants[0][0]
 
     quantized = "" if args.quantize == "none" else f" quantized {args.algorithm}->{args.quantize}"
     print(f"# all-reduce float32 SUM{quantized} {'into recv' if args.into_recv else 'in place'} "
@@ -269,21 +294,22 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
           f"iters={args.iters} warmup={args.warmup} "
           f"repeats={args.repeats} pool={args.pool or 'default'} (GB = 1e9 bytes)")
     header = f"{'W':>2} {'size':>9} {'library':>13} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
-    if args.gloo or len(protections) > 1:
-        header += f" {'vs ' + ('gloo' if args.gloo else protections[0]):>12}"
+    if args.gloo or len(variants) > 1:
+        header += f" {'vs ' + ('gloo' if args.gloo else first):>12}"
     print(header)
     print("-" * len(header))
     rows = []
     for world in worlds:
-        medians: dict[str, dict[int, list[float]]] = {p: {} for p in [*protections, "gloo"]}
+        medians: dict[str, dict[int, list[float]]] = {v[0]: {} for v in variants}
+        medians["gloo"] = {}
         for _ in range(args.repeats):
             # Alternate the runs so drift on a shared machine hits all alike.
-            for protection in protections:
-                result = _run_pccl(world, sizes, args, protection=protection)
+            for label, protection, metrics in variants:
+                result = _run_pccl(world, sizes, args, protection=protection, metrics=metrics)
                 for size in sizes:
                     if not result[size]["ok"]:
                         raise RuntimeError(f"wrong all-reduce result at W={world}, {size} bytes")
-                    medians[protection].setdefault(size, []).append(
+                    medians[label].setdefault(size, []).append(
                         statistics.median(result[size]["times"]))
             if args.gloo:
                 gloo = _run_gloo(args.gloo, world, sizes, args)
@@ -291,15 +317,16 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                     medians["gloo"].setdefault(size, []).append(statistics.median(gloo[size]["times"]))
         factor = 2 * (world - 1) / world
         for size in sizes:
-            anchor = statistics.median(medians["gloo" if args.gloo else protections[0]][size])
-            for protection in protections:
-                ours = statistics.median(medians[protection][size])
+            anchor = statistics.median(medians["gloo" if args.gloo else first][size])
+            for label, protection, metrics in variants:
+                ours = statistics.median(medians[label][size])
                 row = {"world": world, "size": size, "protection": protection,
-                       "pccl_trio_s": ours, "pccl_trio_busbw": size / ours * factor}
-                line = (f"{world:>2} {format_size(size):>9} {labels[protection]:>13} "
+                       "metrics": metrics, "pccl_trio_s": ours,
+                       "pccl_trio_busbw": size / ours * factor}
+                line = (f"{world:>2} {format_size(size):>9} {label:>13} "
                         f"{ours * 1e3:>10.2f} {size / ours / 1e9:>11.3f} "
                         f"{size / ours * factor / 1e9:>11.3f}")
-                if args.gloo or len(protections) > 1:
+                if args.gloo or len(variants) > 1:
                     line += f" {anchor / ours:>11.2f}x"
                 if args.gloo:
                     row.update(gloo_s=anchor, gloo_busbw=size / anchor * factor)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Literal
+from typing import Any, Literal
 
 from ._core.channel import check_secret
 from ._core.identity import IDENTITY_SIZE
@@ -138,6 +138,12 @@ class Config:
             candidates look for each other before the first election. Longer than the
             time candidates take to notice a lost master apart (a heartbeat interval,
             or the liveness timeout for a silent one) plus a connection.
+        metrics: (peers) Prometheus metrics of this peer's calls (all-reduces by
+            outcome with durations and bytes, restores, retries, syncs, master
+            reconnects; ``docs/observability.md``): None, off; a ``prometheus_client``
+            ``CollectorRegistry`` to register them in; or ``"HOST:PORT"`` to serve them
+            at ``http://HOST:PORT/metrics`` while connected (port 0: any free port).
+            Needs the ``observability`` extra.
     """
 
     heartbeat_interval: float = 0.5
@@ -168,6 +174,7 @@ class Config:
     content_digest: bool = False
     discovery_timeout: float = 10.0
     election_timeout: float = 2.0
+    metrics: Any = None
 
     @property
     def secret(self) -> bytes | None:
@@ -191,6 +198,7 @@ class Config:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"Config.{name} must be a positive number of seconds, got {value!r}")
+        check_metrics(self.metrics)
         if self.heartbeat_interval >= self.liveness_timeout:
             raise ValueError(
                 "Config.heartbeat_interval must be shorter than Config.liveness_timeout "
@@ -295,3 +303,21 @@ def read_run_secret(path: str | None) -> str | bytes | None:
     if not secret:
         raise ValueError(f"the secret file {path} is empty")
     return secret
+
+
+def check_metrics(metrics: Any) -> None:
+    """``Config.metrics`` is None, ``"HOST:PORT"`` or a registry.
+
+    Raises:
+        ValueError: it is none of them.
+    """
+    if metrics is None or callable(getattr(metrics, "register", None)):
+        return
+    if isinstance(metrics, str):
+        host, _, port = metrics.rpartition(":")
+        if host and port.isdigit() and int(port) <= 65535:
+            return
+    raise ValueError(
+        "Config.metrics must be None, 'HOST:PORT' (serve them there) or a prometheus_client "
+        f"CollectorRegistry (register them there), got {metrics!r}"
+    )

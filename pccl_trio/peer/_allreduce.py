@@ -54,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Protocol
@@ -158,6 +159,7 @@ class AllReduceAttempt:
         # collective fails as an invalid argument rather than a fault.
         self.invalid: str | None = None
         self.clamped = 0
+        self.restore_seconds = 0.0  # spent putting the input back (``restore``)
         self.tx_bytes = 0
         self.rx_bytes = 0
         # Trio tasks wait on the lot; worker threads on the condition, which shares
@@ -443,9 +445,12 @@ class AllReduceAttempt:
     def restore(self) -> None:
         """Put the caller's input back (in place); call only after ``settle``."""
         assert not self.live and not self._writers
+        started = time.perf_counter()
         with self.staging.working():
             for start, stop in self._backed_up:
                 self._result_bytes[start:stop] = self._backup[start:stop]
+        if self._backed_up:
+            self.restore_seconds += time.perf_counter() - started
         self._backed_up.clear()
 
     def release(self) -> None:

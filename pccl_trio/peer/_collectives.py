@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import trio
@@ -96,6 +97,19 @@ log = logging.getLogger("pccl_trio.peer")
 
 
 _CANCELLED = "the caller cancelled the all-reduce"
+
+
+def _outcome(error: BaseException | None) -> str:
+    """An all-reduce's outcome as the metrics name it."""
+    if error is None:
+        return "success"
+    if isinstance(error, _Blocked):
+        return "blocked"
+    if isinstance(error, CollectiveAborted):
+        return "aborted"
+    if isinstance(error, InvalidArgument):
+        return "rejected"
+    return "failed"
 
 
 class _Rejected(InvalidArgument):
@@ -162,6 +176,7 @@ class AllReduces:
         self._life = context.lifecycle
         self._session = context.session
         self._p2p = context.p2p
+        self._metrics = context.metrics
         self._receiver = receiver
         self._membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
@@ -283,6 +298,7 @@ class AllReduces:
             pending = await self._reduce_pass(requests, pending, max_in_flight, outcome)
             if pending:
                 log.info("peer %s: retrying %d all-reduces", self._session.peer_id, len(pending))
+                self._metrics.retries(len(pending))
         if outcome.rejected:
             raise _rejection(requests, members, outcome.rejected)
         return ReduceInfo(
@@ -375,6 +391,7 @@ class AllReduces:
     ) -> None:
         """The task behind a handle; every outcome ends up in ``result``. ``attempt``:
         made and registered at launch (None: made here)."""
+        started = time.perf_counter()
         try:
             info = await self._attempt(request, result, attempt)
         except MasterLost as exc:  # the input is restored (``_attempt``), the run goes on
@@ -397,6 +414,16 @@ class AllReduces:
                     None, InvalidUsage("the communicator was closed during the all-reduce")
                 )
             self.tags_in_flight.discard(request.tag)
+            self._observe(result, time.perf_counter() - started)
+
+    def _observe(self, result: ReduceResult, seconds: float) -> None:
+        """Tell the metrics how an all-reduce ended."""
+        info, error = result.info, result.error
+        attempt = result.attempt
+        self._metrics.all_reduce(
+            _outcome(error), seconds, info.tx_bytes if info else 0, info.rx_bytes if info else 0,
+            attempt.restore_seconds if attempt is not None else 0.0,
+        )
 
     def _prepare(self, request: ReduceRequest, result: ReduceResult) -> AllReduceAttempt:
         """Make the attempt on the ring as it is and register it with the receive path

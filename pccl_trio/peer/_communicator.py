@@ -96,6 +96,7 @@ from ._election import MAX_TARGETS, Elector, Finder, check_discover
 from ._fusion import Fusion
 from ._lifecycle import Call, Lifecycle, Status
 from ._membership import Membership
+from ._metrics import peer_metrics
 from ._optimize import TopologyOptimizer
 from ._p2p import P2PConnections
 from ._receiver import DataReceiver
@@ -208,6 +209,7 @@ class Communicator:
             credential = Credential.of(config)
         except ValueError as exc:  # an identity without a secret, an unusable key file
             raise InvalidArgument(str(exc)) from None
+        metrics, self._metrics_endpoint = peer_metrics(config.metrics)
         self._peer_group = peer_group
         self._p2p_host = p2p_host
         self._p2p_port = p2p_port
@@ -221,7 +223,7 @@ class Communicator:
         self._master_address = str(master_address)
         session = self._session = MasterSession(
             config=config, network=network, lifecycle=life, addresses=addresses,
-            credential=credential,
+            credential=credential, metrics=metrics,
         )
         p2p = self._p2p = P2PConnections(
             config=config, network=network, lifecycle=life, session=session,
@@ -229,7 +231,9 @@ class Communicator:
             pool_size=p2p_connection_pool_size or config.p2p_connection_pool_size,
         )
         receiver = self._receiver = DataReceiver(lifecycle=life, p2p=p2p)
-        context = PeerContext(config=config, lifecycle=life, session=session, p2p=p2p)
+        context = PeerContext(
+            config=config, lifecycle=life, session=session, p2p=p2p, metrics=metrics
+        )
         membership = self._membership = Membership(context, receiver=receiver)
         self._all_reduces = AllReduces(context, receiver=receiver, membership=membership)
         self._fusion = Fusion(self._all_reduces, bucket_bytes=config.bucket_bytes)
@@ -278,6 +282,12 @@ class Communicator:
     def peer_group(self) -> int:
         """The peer group this communicator joins."""
         return self._peer_group
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where this peer serves its metrics (``Config.metrics="HOST:PORT"``, once
+        connected); None otherwise."""
+        return self._metrics_endpoint.address
 
     @property
     def ring(self) -> tuple[int, ...]:
@@ -345,6 +355,7 @@ class Communicator:
         life.status = Status.CONNECTING
         try:
             with life.operation(Call.CONNECT):
+                self._metrics_endpoint.start()
                 await self._start_background()
                 if self._finder is not None:
                     assert life.nursery is not None
@@ -674,6 +685,7 @@ class Communicator:
         with trio.CancelScope(shield=True):
             await self._session.aclose()
             await self._p2p.aclose()
+            await self._metrics_endpoint.aclose()
 
     async def _shutdown(self) -> None:
         self._life.status = Status.CLOSED

@@ -49,6 +49,11 @@ class ReduceResult:
         """The ``ReduceInfo`` of a successful all-reduce (None otherwise, or not yet)."""
         return self._info
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why it failed (None: it succeeded, or has not ended)."""
+        return self._error
+
     def finish(self, info: ReduceInfo | None, error: BaseException | None) -> None:
         self._info, self._error = info, error
         self._done.set()

@@ -89,7 +89,8 @@ from ..transport import (
     keep_alive,
     secure_client,
 )
-from ._lifecycle import Lifecycle
+from ._lifecycle import Lifecycle, Status
+from ._metrics import NO_METRICS, NoMetrics
 
 __all__ = ["MasterLost", "MasterSession", "Standing"]
 
@@ -134,6 +135,7 @@ class MasterSession:
     def __init__(
         self, *, config: Config, network: Network, lifecycle: Lifecycle,
         addresses: Sequence[tuple[str, int]], credential: Credential | None,
+        metrics: NoMetrics = NO_METRICS,
     ) -> None:
         if not addresses:
             raise ValueError("a master session needs at least one address")
@@ -141,6 +143,7 @@ class MasterSession:
         self._network = network
         self._life = lifecycle
         self._credential = credential
+        self._metrics = metrics
         self._addresses = list(addresses)
         self._at = 0  # the address in use
         self.peer_id: int | None = None
@@ -271,6 +274,9 @@ class MasterSession:
                     f"handshake ({exc or 'timed out'}): it runs with another secret or "
                     "with none"
                 ) from exc
+            except BaseException:  # cancelled mid-handshake: leave no socket open
+                await trio.aclose_forcefully(stream)
+                raise
             expected = self._config.master_identities
             if expected is not None and channel.peer_identity not in expected:
                 await trio.aclose_forcefully(stream)
@@ -474,8 +480,8 @@ class MasterSession:
     def _lost(self, error: MasterConnectionError, epoch: int) -> None:
         """The link of ``epoch`` is lost: get the master back, or fail (see the module
         docstring)."""
-        if epoch != self._epoch or self._life.failure is not None:
-            return  # an older link, or the run is over anyway
+        if epoch != self._epoch or self._life.failure is not None or self._life.status is Status.CLOSED:
+            return  # an older link, or the run is over anyway (or this peer leaves it)
         grace = self._config.master_grace
         if not (self.member and grace > 0):
             self._life.fail(MasterConnectionError(
@@ -524,6 +530,7 @@ class MasterSession:
                 self._welcomed(outcome)
                 self._away = False
                 self._back_lot.unpark_all()
+                self._metrics.reconnected()
                 log.warning(
                     "peer %s: back with the master at %s after %.2fs",
                     self.peer_id, self.address, trio.current_time() - lost_at,
@@ -565,6 +572,11 @@ class MasterSession:
             if link is not None:
                 await link.aclose()
             return None
+        except BaseException:  # cancelled (the communicator closes): leave no socket open
+            if link is not None:
+                with trio.CancelScope(shield=True):
+                    await link.aclose()
+            raise
         if isinstance(reply, Kick):
             await link.aclose()
             return reply

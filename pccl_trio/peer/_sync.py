@@ -29,6 +29,7 @@ The data moves through the protocols of ``_shared_state`` (``request_pieces``,
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -74,6 +75,7 @@ class SharedStateSync:
         self._life = context.lifecycle
         self._session = context.session
         self._p2p = context.p2p
+        self._metrics = context.metrics
         self._membership = membership
         # What this peer offers during a sync, and the connections serving it (cut when
         # the sync ends).
@@ -91,6 +93,16 @@ class SharedStateSync:
 
     async def sync(self, state: Any, strategy: SharedStateSyncStrategy) -> SharedStateSyncInfo:
         """``Communicator.sync_shared_state`` once the communicator is idle."""
+        started = time.perf_counter()
+        try:
+            info = await self._sync(state, strategy)
+        except Exception:
+            self._metrics.sync("failed", time.perf_counter() - started, 0, 0)
+            raise
+        self._metrics.sync("success", time.perf_counter() - started, info.tx_bytes, info.rx_bytes)
+        return info
+
+    async def _sync(self, state: Any, strategy: SharedStateSyncStrategy) -> SharedStateSyncInfo:
         tensors = sharing.prepare_state(state)
         await self._membership.ensure_ring()  # see Membership.update_topology
         with self._life.operation(Call.SYNC_SHARED_STATE):

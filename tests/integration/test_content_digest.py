@@ -265,7 +265,9 @@ async def test_a_vote_that_breaks_the_digest_rule_gets_its_peer_kicked(
 def test_the_master_cli_flag_sets_the_config(flag: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     configs: list[pccl.Config] = []
 
-    async def run_master(host: str, port: int, config: pccl.Config, advertise: str | None) -> None:
+    async def run_master(
+        host: str, port: int, config: pccl.Config, advertise: str | None, metrics: object = None
+    ) -> None:
         configs.append(config)
 
     monkeypatch.setattr(_cli, "_run_master", run_master)

@@ -217,7 +217,8 @@ def test_busy_port_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "mode", [[], ["--into-recv"], ["--quantize", "uint8"]], ids=["in_place", "into_recv", "uint8"]
+    "mode", [[], ["--into-recv"], ["--quantize", "uint8"], ["--metrics", "both"]],
+    ids=["in_place", "into_recv", "uint8", "metrics"],
 )
 def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> None:
     """`pccl-trio bench` end to end at a tiny size: W peer processes, a verified result,
@@ -231,6 +232,12 @@ def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> N
     assert result.returncode == 0, result.stderr
     assert ("into recv" if "--into-recv" in mode else "in place") in result.stdout
     rows = json.loads(out.read_text())
+    if "--metrics" in mode:  # each size without, then with metrics
+        assert [(r["size"], r["metrics"]) for r in rows] == [
+            (4096, False), (4096, True), (12288, False), (12288, True)
+        ]
+        assert "pccl+metrics" in result.stdout
+        rows = rows[::2]
     assert [(r["world"], r["size"]) for r in rows] == [(2, 4096), (2, 12288)]
     assert all(r["pccl_trio_s"] > 0 and r["pccl_trio_busbw"] > 0 for r in rows)
 

@@ -132,7 +132,9 @@ def test_the_master_cli_refuses_advertisements_that_cannot_work(
 def test_the_master_cli_passes_the_run_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     runs: list[str | None] = []
 
-    async def run_master(host: str, port: int, config: pccl.Config, advertise: str | None) -> None:
+    async def run_master(
+        host: str, port: int, config: pccl.Config, advertise: str | None, metrics: object = None
+    ) -> None:
         runs.append(advertise)
 
     monkeypatch.setattr(_cli, "_run_master", run_master)

@@ -1,0 +1,208 @@
+"""A peer's Prometheus metrics (``Config(metrics=...)``): what its calls did and cost.
+
+Theory of operation
+-------------------
+``PeerMetrics`` holds ``prometheus_client`` counters and histograms in one registry and
+is told, by the parts that know, what each call ended with: an all-reduce's outcome,
+duration and bytes (``AllReduces``), the time spent restoring an aborted in-place
+input, the retries of ``all_reduce_multiple_with_retry``, a shared-state sync's
+outcome and bytes (``SharedStateSync``), and each time the master link was got back
+(``MasterSession``). An update is a few counter increments per call, nothing per
+slice or per message.
+
+``Config.metrics`` says where they go:
+
+- ``None`` (the default): nowhere; ``NO_METRICS`` takes every update and does nothing,
+  and ``prometheus-client`` is not imported.
+- a ``CollectorRegistry`` (``prometheus_client.REGISTRY`` for the process's default
+  one): the metrics are registered there, for an exporter the program already runs.
+- ``"HOST:PORT"``: the communicator serves them itself at ``http://HOST:PORT/metrics``
+  from when it connects until it closes (port 0: any free port;
+  ``Communicator.metrics_address`` says which).
+
+Communicators of one process that name the same registry share its metrics (they add
+up): metric names can be registered once per registry. Label values come from fixed
+sets (outcomes, directions); there is no label per peer, tag or tensor.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import trio
+
+from .._errors import InvalidArgument
+from ..transport import parse_address
+
+__all__ = [
+    "NO_METRICS", "OUTCOMES", "MetricsEndpoint", "NoMetrics", "PeerMetrics", "metrics_for",
+    "peer_metrics",
+]
+
+#: How a call ended, as the ``outcome`` label says it.
+OUTCOMES = ("success", "aborted", "rejected", "blocked", "failed")
+#: Seconds: from a fast loopback all-reduce to a slow transfer over a WAN.
+_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            30.0, 60.0, 300.0)
+
+
+class NoMetrics:
+    """Metrics switched off: every update is accepted and dropped."""
+
+    def all_reduce(self, outcome: str, seconds: float, sent: int, received: int,
+                   restore_seconds: float) -> None:
+        pass
+
+    def retries(self, count: int) -> None:
+        pass
+
+    def sync(self, outcome: str, seconds: float, sent: int, received: int) -> None:
+        pass
+
+    def reconnected(self) -> None:
+        pass
+
+
+NO_METRICS = NoMetrics()
+
+
+class PeerMetrics(NoMetrics):
+    """The metrics of the communicators that register into ``registry``."""
+
+    def __init__(self, registry: Any) -> None:
+        from prometheus_client import Counter, Histogram
+
+        self.all_reduces = Counter(
+            "pccl_peer_all_reduces", "All-reduces this peer finished, by outcome.",
+            ["outcome"], registry=registry,
+        )
+        self.all_reduce_seconds = Histogram(
+            "pccl_peer_all_reduce_seconds",
+            "Seconds from an all-reduce's call to its result (one attempt), by outcome.",
+            ["outcome"], buckets=_BUCKETS, registry=registry,
+        )
+        self.all_reduce_bytes = Counter(
+            "pccl_peer_all_reduce_bytes", "Payload bytes of successful all-reduces, by direction.",
+            ["direction"], registry=registry,
+        )
+        self.restore_seconds = Histogram(
+            "pccl_peer_restore_seconds",
+            "Seconds spent putting back an aborted all-reduce's in-place input.",
+            buckets=_BUCKETS, registry=registry,
+        )
+        self.all_reduce_retries = Counter(
+            "pccl_peer_all_reduce_retries",
+            "All-reduces all_reduce_multiple_with_retry ran again after an abort.",
+            registry=registry,
+        )
+        self.syncs = Counter(
+            "pccl_peer_shared_state_syncs", "Shared-state syncs this peer finished, by outcome.",
+            ["outcome"], registry=registry,
+        )
+        self.sync_seconds = Histogram(
+            "pccl_peer_shared_state_sync_seconds", "Seconds of a shared-state sync, by outcome.",
+            ["outcome"], buckets=_BUCKETS, registry=registry,
+        )
+        self.sync_bytes = Counter(
+            "pccl_peer_shared_state_bytes", "Shared-state bytes sent and received, by direction.",
+            ["direction"], registry=registry,
+        )
+        self.reconnects = Counter(
+            "pccl_peer_master_reconnects",
+            "Times this peer got its master back after losing the link.", registry=registry,
+        )
+        for outcome in OUTCOMES:  # every series exists from the start
+            self.all_reduces.labels(outcome)
+            self.syncs.labels(outcome)
+        for direction in ("sent", "received"):
+            self.all_reduce_bytes.labels(direction)
+            self.sync_bytes.labels(direction)
+
+    def all_reduce(self, outcome: str, seconds: float, sent: int, received: int,
+                   restore_seconds: float) -> None:
+        self.all_reduces.labels(outcome).inc()
+        self.all_reduce_seconds.labels(outcome).observe(seconds)
+        if sent or received:
+            self.all_reduce_bytes.labels("sent").inc(sent)
+            self.all_reduce_bytes.labels("received").inc(received)
+        if restore_seconds:
+            self.restore_seconds.observe(restore_seconds)
+
+    def retries(self, count: int) -> None:
+        self.all_reduce_retries.inc(count)
+
+    def sync(self, outcome: str, seconds: float, sent: int, received: int) -> None:
+        self.syncs.labels(outcome).inc()
+        self.sync_seconds.labels(outcome).observe(seconds)
+        self.sync_bytes.labels("sent").inc(sent)
+        self.sync_bytes.labels("received").inc(received)
+
+    def reconnected(self) -> None:
+        self.reconnects.inc()
+
+
+_BY_REGISTRY: weakref.WeakKeyDictionary[Any, PeerMetrics] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def metrics_for(registry: Any) -> PeerMetrics:
+    """The peer metrics registered in ``registry`` (made on first use)."""
+    with _LOCK:
+        metrics = _BY_REGISTRY.get(registry)
+        if metrics is None:
+            metrics = _BY_REGISTRY[registry] = PeerMetrics(registry)
+        return metrics
+
+
+class MetricsEndpoint:
+    """A communicator's own HTTP endpoint of its metrics (``Config.metrics="HOST:PORT"``);
+    without a ``registry``, none (it starts and closes nothing)."""
+
+    def __init__(self, host: str = "", port: int = 0, registry: Any = None) -> None:
+        self._host, self._port, self._registry = host, port, registry
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.address: tuple[str, int] | None = None
+
+    def start(self) -> None:
+        """Serve from now on (``address`` is then where).
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        if self._registry is None:
+            return
+        from prometheus_client import start_http_server
+
+        self._server, self._thread = start_http_server(self._port, self._host, self._registry)
+        self.address = self._server.server_address[:2]
+
+    async def aclose(self) -> None:
+        """Stop serving (the server's loop notices within half a second)."""
+        server, self._server = self._server, None
+        if server is not None:
+            await trio.to_thread.run_sync(server.shutdown)
+            server.server_close()
+
+
+def peer_metrics(setting: Any) -> tuple[NoMetrics, MetricsEndpoint]:
+    """The metrics ``Config.metrics`` asks for, and the endpoint that serves them.
+
+    Raises:
+        InvalidArgument: metrics are asked for but prometheus-client is not installed.
+    """
+    if setting is None:
+        return NO_METRICS, MetricsEndpoint()
+    try:
+        from prometheus_client import CollectorRegistry
+    except ImportError:
+        raise InvalidArgument(
+            "Config.metrics needs prometheus-client: pip install 'pccl_trio[observability]'"
+        ) from None
+    if isinstance(setting, str):
+        host, port = parse_address(setting)
+        registry = CollectorRegistry()
+        return PeerMetrics(registry), MetricsEndpoint(host, port, registry)
+    return metrics_for(setting), MetricsEndpoint()

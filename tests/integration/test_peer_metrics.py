@@ -1,0 +1,169 @@
+"""A peer's Prometheus metrics (``Config(metrics=...)``): every call counted by its
+outcome, bytes and durations, restores, retries, syncs and master reconnects; served
+over HTTP by the communicator itself with ``"HOST:PORT"``."""
+
+from __future__ import annotations
+
+import dataclasses
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+import pccl_trio as pccl
+
+from .conftest import TCP_CONFIG, Cluster, form_run, run_all, start_cluster, started, sync_all
+from .test_master_recovery import Masters, masters  # noqa: F401  (the fixture)
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    value = registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def peers(cluster: Cluster, count: int) -> tuple[list[pccl.Communicator], list[CollectorRegistry]]:
+    """``count`` communicators, each with its own registry."""
+    registries = [CollectorRegistry() for _ in range(count)]
+    comms = []
+    for i, registry in enumerate(registries):
+        cluster_config = cluster.config
+        cluster.config = dataclasses.replace(cluster_config, metrics=registry, slice_bytes=4096)
+        comms.append(cluster.communicator(f"p{i}", 0, 2))
+        cluster.config = cluster_config
+    return comms, registries
+
+
+async def test_all_reduces_aborts_and_syncs_are_counted(cluster: Cluster, clock: object) -> None:
+    with trio.fail_after(120):
+        comms, registries = peers(cluster, 4)
+        comms = await form_run([], comms)
+        data = [np.arange(100_000, dtype=np.float32) for _ in range(4)]
+        infos = []
+        for _ in range(2):
+            infos.append(await run_all(comms, lambda i, c: c.all_reduce(data[i])))
+        for i, registry in enumerate(registries):
+            assert sample(registry, "pccl_peer_all_reduces_total", outcome="success") == 2
+            assert sample(registry, "pccl_peer_all_reduce_seconds_count", outcome="success") == 2
+            sent = sum(step[i].tx_bytes for step in infos)  # type: ignore[attr-defined]
+            assert sample(registry, "pccl_peer_all_reduce_bytes_total", direction="sent") == sent
+            assert sample(registry, "pccl_peer_all_reduces_total", outcome="aborted") == 0
+
+        victim, survivors = comms[3], comms[:3]
+        results: list[object] = []
+
+        async def survivors_run() -> None:
+            results.extend(await run_all(survivors, lambda i, c: c.all_reduce(data[i])))
+
+        async def victim_run() -> None:
+            with pytest.raises(pccl.PCCLError):
+                await victim.all_reduce(data[3])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivors_run)
+            nursery.start_soon(victim_run)
+            await started(survivors[0], 0)
+            await cluster.kill("p3", victim)
+        aborted = isinstance(results[0], pccl.CollectiveAborted)
+        for registry in registries[:3]:
+            assert sample(registry, "pccl_peer_all_reduces_total", outcome="aborted") == aborted
+            assert sample(registry, "pccl_peer_all_reduces_total", outcome="success") == 3 - aborted
+            if aborted:  # in place: the input was put back
+                assert sample(registry, "pccl_peer_restore_seconds_count") == 1
+
+        states = [pccl.SharedState([pccl.TensorInfo("w", np.full(5000, float(i == 0), np.float32))])
+                  for i in range(3)]
+        for state in states[1:]:
+            state.tensors[0].data[:] = 0  # peers 1 and 2 agree: they are the popular state
+        sync_infos = await sync_all(survivors, states)
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in sync_infos), sync_infos
+        for registry, info in zip(registries, sync_infos, strict=False):
+            assert sample(registry, "pccl_peer_shared_state_syncs_total", outcome="success") == 1
+            assert sample(registry, "pccl_peer_shared_state_bytes_total", direction="received") == (
+                info.rx_bytes  # type: ignore[attr-defined]
+            )
+        assert sample(registries[0], "pccl_peer_shared_state_bytes_total", direction="received") == 20000
+        for comm in survivors:
+            await comm.aclose()
+
+
+async def test_retries_are_counted(cluster: Cluster, clock: object) -> None:
+    """all_reduce_multiple_with_retry runs an aborted all-reduce again: counted once."""
+    with trio.fail_after(120):
+        comms, registries = peers(cluster, 3)
+        comms = await form_run([], comms)
+        tensors = [[np.ones(50_000, dtype=np.float32)] for _ in range(3)]
+        victim = comms[2]
+        results: list[object] = []
+
+        async def survivors_run() -> None:
+            results.extend(await run_all(
+                comms[:2], lambda i, c: c.all_reduce_multiple_with_retry(tensors[i])
+            ))
+
+        async def victim_run() -> None:
+            with pytest.raises(pccl.PCCLError):
+                await victim.all_reduce_multiple_with_retry(tensors[2])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivors_run)
+            nursery.start_soon(victim_run)
+            await started(comms[0], 0)
+            await cluster.kill("p2", victim)
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        for registry in registries[:2]:
+            aborted = sample(registry, "pccl_peer_all_reduces_total", outcome="aborted")
+            assert sample(registry, "pccl_peer_all_reduce_retries_total") == aborted
+        for comm in comms[:2]:
+            await comm.aclose()
+
+
+@pytest.mark.parametrize("kind", ["memory"])
+async def test_master_reconnects_are_counted(masters: Masters, clock: object) -> None:  # noqa: F811
+    with trio.fail_after(120):
+        address, scope = await masters.start("master")
+        registries = [CollectorRegistry() for _ in range(2)]
+        masters.config = dataclasses.replace(masters.config, metrics=registries[0])
+        first = masters.communicator("p0", address)
+        masters.config = dataclasses.replace(masters.config, metrics=registries[1])
+        second = masters.communicator("p1", address)
+        comms = await form_run([], [first, second])
+        scope.cancel()
+        await trio.sleep(1.0)
+        await masters.start("master")
+        data = [np.ones(10, dtype=np.float32) for _ in range(2)]
+        infos = await run_all(comms, lambda i, c: c.all_reduce(data[i]))
+        assert all(isinstance(i, pccl.ReduceInfo) for i in infos), infos
+        for registry in registries:
+            assert sample(registry, "pccl_peer_master_reconnects_total") == 1
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_a_peer_serves_its_metrics_while_connected(nursery: trio.Nursery) -> None:
+    cluster = await start_cluster(nursery, "tcp", dataclasses.replace(TCP_CONFIG, metrics="127.0.0.1:0"))
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        addresses = [c.metrics_address for c in comms]
+        assert all(a is not None and a[1] > 0 for a in addresses)
+        assert addresses[0] != addresses[1]  # one endpoint (and registry) each
+        data = [np.ones(1000, dtype=np.float32) for _ in range(2)]
+        await run_all(comms, lambda i, c: c.all_reduce(data[i]))
+
+        def scrape(address: tuple[str, int]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=10) as r:
+                text = r.read().decode()
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for f in text_string_to_metric_families(text) for s in f.samples}
+
+        for address in addresses:
+            samples = await trio.to_thread.run_sync(scrape, address)
+            assert samples[("pccl_peer_all_reduces_total", (("outcome", "success"),))] == 1
+        for comm in comms:
+            await comm.aclose()
+        cluster.master_scope.cancel()
+        with pytest.raises(urllib.error.URLError):  # closed with the communicator
+            await trio.to_thread.run_sync(scrape, addresses[0])
