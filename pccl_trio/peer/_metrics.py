@@ -113,20 +113,27 @@ class PeerMetrics(NoMetrics):
             "pccl_peer_master_reconnects",
             "Times this peer got its master back after losing the link.", registry=registry,
         )
-        for outcome in OUTCOMES:  # every series exists from the start
-            self.all_reduces.labels(outcome)
+        # Every series exists from the start; an all-reduce's update finds its children
+        # here rather than by label.
+        self._all_reduce = {
+            o: (self.all_reduces.labels(o), self.all_reduce_seconds.labels(o)) for o in OUTCOMES
+        }
+        self._sent = self.all_reduce_bytes.labels("sent")
+        self._received = self.all_reduce_bytes.labels("received")
+        for outcome in OUTCOMES:
             self.syncs.labels(outcome)
         for direction in ("sent", "received"):
-            self.all_reduce_bytes.labels(direction)
             self.sync_bytes.labels(direction)
 
     def all_reduce(self, outcome: str, seconds: float, sent: int, received: int,
                    restore_seconds: float) -> None:
-        self.all_reduces.labels(outcome).inc()
-        self.all_reduce_seconds.labels(outcome).observe(seconds)
-        if sent or received:
-            self.all_reduce_bytes.labels("sent").inc(sent)
-            self.all_reduce_bytes.labels("received").inc(received)
+        count, duration = self._all_reduce[outcome]
+        count.inc()
+        duration.observe(seconds)
+        if sent:
+            self._sent.inc(sent)
+        if received:
+            self._received.inc(received)
         if restore_seconds:
             self.restore_seconds.observe(restore_seconds)
 
