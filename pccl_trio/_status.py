@@ -146,6 +146,13 @@ def render(reply: StatusReply, address: str) -> str:
             f"{', '.join(map(str, w.missing)) or 'none'}"
             for w in reply.waiting
         ]
+    if reply.collectives:
+        lines += ["", "all-reduces running:"]
+        lines += [
+            f"  tag {c.tag} (attempt {c.seq}) of peer group {c.group}, {_duration(c.seconds)}, "
+            f"not completed by peers {', '.join(map(str, c.incomplete)) or 'none'}"
+            for c in reply.collectives
+        ]
     if reply.kicks:
         lines += ["", "last kicks:"]
         lines += [

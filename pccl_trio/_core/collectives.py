@@ -44,6 +44,7 @@ from .peers import FREE_STATES, VOTES, Call, Peer, PeerPhase, PeerState, PeerTab
 from .report import RunKind
 from .rounds import RingBook
 from .stalls import Waiting
+from .status import CollectiveStatus
 
 __all__ = ["Collectives"]
 
@@ -58,6 +59,7 @@ class _Collective:
     descriptors: dict[int, CollectiveInitiate]  # peer id -> its initiate vote
     since: float  # when the first member voted
     seq: int = 0  # 0 until commenced
+    commenced: float = 0.0  # when it did
     participants: set[int] = dataclasses.field(default_factory=set)
     completed: set[int] = dataclasses.field(default_factory=set)
     aborted: bool = False
@@ -200,6 +202,17 @@ class Collectives:
                     fail=functools.partial(self._end, collective, Outcome.REJECTED),
                 )
 
+    def running(self) -> list[CollectiveStatus]:
+        """The attempts commenced and not ended, with who has not completed them."""
+        return [
+            CollectiveStatus(
+                group=c.group, tag=c.tag, seq=c.seq,
+                seconds=max(0.0, self._table.now - c.commenced),
+                incomplete=tuple(sorted(c.participants - c.completed)),
+            )
+            for c in self._running.values() if c.seq
+        ]
+
     def _missing(self, collective: _Collective) -> list[Peer]:
         """The members of the collective's group that have not voted for it."""
         return [
@@ -266,6 +279,7 @@ class Collectives:
     def _commence(self, collective: _Collective, members: Sequence[Peer]) -> None:
         """Start attempt ``seq`` of the collective on the group's installed ring."""
         collective.seq = self._next_seq
+        collective.commenced = self._table.now
         self._next_seq += 1
         collective.participants = {p.peer_id for p in members}
         ring = tuple(self._book.rings.get(collective.group, ()))

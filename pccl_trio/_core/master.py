@@ -359,7 +359,8 @@ class MasterCore:
             uptime_seconds=0.0 if math.isnan(table.started) else now - table.started,
             reference_bytes=self._optimizer.reference_bytes,
             peers_total=len(table.peers), peers=tuple(peers), groups=tuple(groups),
-            waiting=tuple(waiting), kicks=tuple(kicks),
+            waiting=tuple(waiting), collectives=tuple(self._collectives.running()),
+            kicks=tuple(kicks),
             counts=tuple(
                 RunCount(event=event, label=label, count=count, total=total)
                 for (event, label), (count, total) in sorted(table.counts.items())

@@ -40,7 +40,7 @@ from .peers import Call, Peer, PeerTable, pending_calls
 from .records import bounded
 from .report import RunKind
 
-__all__ = ["Stalls", "Waiting", "run_vote"]
+__all__ = ["Stalls", "Waiting", "call_name", "run_vote"]
 
 
 
@@ -66,6 +66,12 @@ class Waiting:
 
 
 Source = Callable[[], Iterable[Waiting]]
+
+
+def call_name(call: str) -> str:
+    """A waiting call's name without its arguments (``all_reduce(tag=3)``: ``all_reduce``),
+    a value from a small fixed set."""
+    return call.split("(", 1)[0]
 
 
 def run_vote(
@@ -156,7 +162,7 @@ class Stalls:
                         f"{waiting.call} of {waiting.where} has waited {age:.0f}s for "
                         f"{self._who(waiting)}; it fails after {self._timeout:g}s"
                     ),
-                    level=logging.WARNING, call=waiting.call, where=waiting.where,
+                    level=logging.WARNING, call=call_name(waiting.call), where=waiting.where,
                     seconds=age, missing=tuple(p.peer_id for p in waiting.missing()),
                 )
                 while age >= self._warning * 2**count:
@@ -166,7 +172,7 @@ class Stalls:
         for waiting, reason in due:
             self._table.report(
                 RunKind.REFUSED, f"refused: {reason}", level=logging.WARNING,
-                call=waiting.call, where=waiting.where, reason=reason,
+                call=call_name(waiting.call), where=waiting.where, reason=reason,
             )
             waiting.fail(reason)
         if due:

@@ -16,6 +16,8 @@ What a reply holds:
   the ring's predicted time for an all-reduce of ``reference_bytes`` (negative:
   unknown), the shared-state revision it expects next (``has_revision``);
 - every vote waiting for members: the call, where, for how long, who has not voted;
+- every all-reduce running (commenced): its group, tag and attempt, for how long, and
+  the participants that have not completed it (a slow or stuck peer);
 - the last kicks (``MAX_KICKS``): who, the cause, the reason, how long ago;
 - the run's counters: how many times each kind of run event happened, with its label
   (``RunCount``: ``completed``/``success``, ``kicked``/``liveness``, ...), the totals
@@ -31,6 +33,7 @@ from .records import C2M, M2C, Message, Record, message, record
 __all__ = [
     "MAX_KICKS",
     "MAX_PEERS",
+    "CollectiveStatus",
     "GroupStatus",
     "KickStatus",
     "PeerStatus",
@@ -82,6 +85,16 @@ class WaitStatus(Record):
 
 @record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveStatus(Record):
+    group: int
+    tag: int
+    seq: int
+    seconds: float  # since it commenced
+    incomplete: tuple[int, ...]  # participants that have not completed it
+
+
+@record
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class KickStatus(Record):
     peer_id: int  # 0: a connection that never registered
     cause: str
@@ -115,5 +128,6 @@ class StatusReply(Message):
     peers: tuple[PeerStatus, ...]
     groups: tuple[GroupStatus, ...]
     waiting: tuple[WaitStatus, ...]
+    collectives: tuple[CollectiveStatus, ...]
     kicks: tuple[KickStatus, ...]
     counts: tuple[RunCount, ...]

@@ -30,6 +30,7 @@ import trio
 
 from .._core.messages import Outcome
 from .._core.report import KickCause
+from .._core.stalls import call_name
 from .._core.status import StatusReply
 
 __all__ = ["COUNTERS", "MasterCollector", "import_prometheus", "serve_metrics"]
@@ -120,15 +121,25 @@ class MasterCollector:
                      "The shared-state revision a peer group's next sync expects.",
                      ["group"], [(k, g.revision) for k, g in zip(groups, status.groups, strict=True)
                                  if g.has_revision])
-        waiting: collections.Counter[tuple[str]] = collections.Counter((w.call,) for w in status.waiting)
+        # By the call's name: a label never carries a tag.
+        waiting: collections.Counter[tuple[str]] = collections.Counter(
+            (call_name(w.call),) for w in status.waiting
+        )
         oldest: dict[tuple[str], float] = {}
         for w in status.waiting:
-            oldest[(w.call,)] = max(oldest.get((w.call,), 0.0), w.seconds)
+            key = (call_name(w.call),)
+            oldest[key] = max(oldest.get(key, 0.0), w.seconds)
         yield _gauge(core, "pccl_master_votes_waiting", "Votes waiting for members, by call.",
                      ["call"], list(waiting.items()))
         yield _gauge(core, "pccl_master_vote_wait_seconds",
                      "How long the oldest vote of each call has waited for members.",
                      ["call"], list(oldest.items()))
+        running: collections.Counter[tuple[str]] = collections.Counter(
+            (str(c.group),) for c in status.collectives
+        )
+        yield _gauge(core, "pccl_master_collectives_running",
+                     "All-reduce attempts commenced and not ended, by peer group.",
+                     ["group"], [(k, running.get(k, 0)) for k in groups])
         counts: dict[str, list[tuple[tuple[str, ...], float]]] = collections.defaultdict(list)
         planned = 0
         for count in status.counts:

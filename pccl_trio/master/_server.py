@@ -358,6 +358,7 @@ class _MasterServer:
         return [Close(conn=conn_id, reason="internal error")]
 
     async def run_core(self) -> NoReturn:
+        self.feed(Tick())  # the core's clock starts now (its uptime)
         deadline = self.core.next_deadline()
         while True:
             event: Event

@@ -52,7 +52,7 @@ from pccl_trio._core.messages import (
     WorldSizes,
     encode_message,
 )
-from pccl_trio._core.status import GroupStatus, KickStatus, PeerStatus, RunCount, WaitStatus
+from pccl_trio._core.status import CollectiveStatus, GroupStatus, KickStatus, PeerStatus, RunCount, WaitStatus
 
 #: Deterministic and free of wall-clock judgements: the same examples on every run,
 #: no example database, no per-example deadline, no "too slow" health check.
@@ -167,6 +167,9 @@ SAMPLES: dict[type[Message], Message] = {
                         has_revision=True, revision=7),
         ),
         waiting=(WaitStatus(call="sync", where="peer group 1", seconds=3.5, missing=(9,)),),
+        collectives=(
+            CollectiveStatus(group=1, tag=3, seq=8, seconds=0.75, incomplete=(4,)),
+        ),
         kicks=(KickStatus(peer_id=5, cause="liveness", reason="silent", seconds_ago=2.0),),
         counts=(RunCount(event="synced", label="", count=2, total=4096),),
     ),

@@ -91,7 +91,13 @@ def test_an_observer_gets_the_run_and_changes_nothing() -> None:
     # The vote goes on as if nobody had looked.
     h.initiate(2, 5)
     assert h.received(2, CollectiveVerdict) == []
-    assert h.core.status().waiting == ()
+    status = h.core.status()
+    assert status.waiting == ()
+    # Running: peer 1 completed, peer 2 not yet.
+    h.now = 13.5
+    h.complete(1, 5)
+    [running] = h.core.status().collectives
+    assert (running.tag, running.incomplete, running.seconds) == (5, (2,), pytest.approx(1.5))
 
 
 def test_a_status_reply_round_trips_the_wire() -> None:
@@ -118,3 +124,36 @@ def test_run_events_are_one_json_line_each(caplog: pytest.LogCaptureFixture) -> 
     rings = [json.loads(JsonFormatter().format(r)) for r in records
              if r.run_event.kind is RunKind.RING]  # type: ignore[attr-defined]
     assert [(r["ring"], r["previous"]) for r in rings] == [([1], []), ([1, 2], [1])]
+
+
+def test_the_links_table_keeps_its_columns_apart() -> None:
+    from pccl_trio._core.bandwidth import BandwidthStore
+    from pccl_trio._core.links import _format_links
+
+    store = BandwidthStore()
+    store.record(1, 22, 1.25e9, 1e-4)  # 10000.0 Mbit/s: as wide as the old columns
+    store.record(22, 1, 3.0e5, 1e-4)
+    store.mark_unreachable(1, 333)
+    table = _format_links([1, 22, 333], store).splitlines()
+    rows = [line.split() for line in table]
+    assert rows[0] == ["1", "22", "333"]
+    assert rows[1] == ["1", "10000.0", "x"]
+    assert rows[2] == ["22", "2.4", "-"]
+    assert rows[3] == ["333", "-", "-"]
+    # Right-aligned in columns of equal width, two spaces at least between entries.
+    assert len({len(line) for line in table}) == 1
+    assert "  10000.0" in table[1]
+
+
+def test_metric_labels_never_carry_a_tag() -> None:
+    from pccl_trio.master._metrics import MasterCollector
+
+    h = MasterHarness(stall_warning=5.0)
+    accepted(h, 1, 2)
+    h.initiate(1, 41)
+    h.now = 6.0
+    h.tick()  # a stall warning for all_reduce(tag=41)
+    families = {f.name: f for f in MasterCollector(h.core.status).collect()}
+    labels = [s.labels for name in ("pccl_master_votes_waiting", "pccl_master_stall_warnings")
+              for s in families[name].samples]
+    assert labels and all(label == {"call": "all_reduce"} for label in labels), labels
