@@ -15,7 +15,9 @@ The parts, one module each; each owns its state, and all append to one outbox:
 - ``events``: what goes in and comes out (events, actions, ``TopologyView``).
 - ``peers``: peer phases and states, ``TRANSITIONS``, which vote blocks which call
   (``BLOCKED_BY``), and ``PeerTable``: connections, registration, liveness and
-  heartbeats, kicks and removal, the clock and the outbox.
+  heartbeats, kicks and removal, the clock, the outbox and the run's reports.
+- ``report``: the run events the parts report (logged once, counted); ``status``:
+  the read-only snapshot an observer gets (``MasterCore.status``).
 - ``rounds``: establishment rounds; the ``RingBook`` (installed rings, unreachable
   edges, stale groups) the other parts read; the pending-peers vote.
 - ``collectives``: all-reduces, from the initiate votes to the verdicts.

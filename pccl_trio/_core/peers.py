@@ -24,6 +24,10 @@ liveness (a connection silent for ``liveness_timeout`` is kicked; quiet links ge
 heartbeat every ``heartbeat_interval``) and removes peers: every removal (close,
 break, kick, silence) goes through :meth:`PeerTable.drop`, which tells the master
 (``on_leave``), so that every part forgets the peer and no survivor waits for it.
+
+It is also where the parts report what happens to the run (``report``, see
+``report``): each run event is logged once, kept for the shell until the next event,
+and counted by kind and label, with the latest kicks, for the run's status.
 """
 
 from __future__ import annotations
