@@ -312,3 +312,28 @@ async def joined(cluster: Cluster, states: list[pccl.SharedState]) -> list[pccl.
     for s in states:
         s.revision += 1
     return comms
+
+
+async def die_mid_all_reduce(
+    cluster: Cluster, comms: list[pccl.Communicator], victim: int, call: object
+) -> list[object]:
+    """Every peer makes ``call(i, comm)`` (an all-reduce of tag 0, or a call that starts
+    with one); peer ``victim`` (host ``p{victim}``) dies once the first survivor's
+    all-reduce is mid-operation. The survivors' results, in order (the victim's call
+    must fail)."""
+    survivors = [c for i, c in enumerate(comms) if i != victim]
+    results: list[object] = []
+
+    async def survivors_run() -> None:
+        results.extend(await run_all(survivors, lambda i, c: call(comms.index(c), c)))  # type: ignore[operator]
+
+    async def victim_run() -> None:
+        with pytest.raises(pccl.PCCLError):
+            await call(victim, comms[victim])  # type: ignore[operator]
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(survivors_run)
+        nursery.start_soon(victim_run)
+        await started(survivors[0], 0)
+        await cluster.kill(f"p{victim}", comms[victim])
+    return results

@@ -26,7 +26,7 @@ import pccl_trio as pccl
 from pccl_trio.peer._staging import _DeviceSender
 from pccl_trio.testing import StrictDevice
 
-from .conftest import Cluster, form_run, joined, run_all, started, sync_all
+from .conftest import Cluster, die_mid_all_reduce, form_run, joined, run_all, sync_all
 from .test_shared_state import kill_during_fetch
 
 #: Small slices: many per segment, so each sender stages several in a row.
@@ -259,21 +259,9 @@ async def test_kill_mid_all_reduce_restores_device_buffers(
         arrays = [device.asarray(d) for d in data]
         tensors = [via_dlpack(device, a) if i % 2 else a for i, a in enumerate(arrays)]
         survivors = [c for i, c in enumerate(comms) if i != victim]
-        results: list[object] = []
-
-        async def survivors_run() -> None:
-            results.extend(await run_all(
-                survivors, lambda i, c: c.all_reduce(tensors[comms.index(c)])))
-
-        async def victim_run() -> None:
-            with pytest.raises(pccl.PCCLError):
-                await comms[victim].all_reduce(tensors[victim])
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(survivors_run)
-            nursery.start_soon(victim_run)
-            await started(survivors[0], 0)
-            await cluster.kill(f"p{victim}", comms[victim])
+        results = await die_mid_all_reduce(
+            cluster, comms, victim, lambda i, c: c.all_reduce(tensors[i])
+        )
         assert len({type(r) for r in results}) == 1, results
         if isinstance(results[0], pccl.CollectiveAborted):
             for comm in survivors:

@@ -16,7 +16,7 @@ import pccl_trio as pccl
 from pccl_trio._status import fetch_status
 from pccl_trio.transport import TcpNetwork, format_address, listener_address
 
-from .conftest import TCP_CONFIG, Cluster, form_run, run_all, started
+from .conftest import TCP_CONFIG, Cluster, die_mid_all_reduce, form_run, run_all
 
 
 @pytest.fixture
@@ -92,21 +92,8 @@ async def test_counters_move_by_exactly_what_happened(
         assert value(reduced, "pccl_master_collective_aborts_total") == 0
 
         # A peer dies mid-all-reduce: the survivors' attempt is aborted, or it finished.
-        victim, survivors = comms[3], comms[:3]
-        results: list[object] = []
-
-        async def survivors_run() -> None:
-            results.extend(await run_all(survivors, lambda i, c: c.all_reduce(data[i])))
-
-        async def victim_run() -> None:
-            with pytest.raises(pccl.PCCLError):
-                await victim.all_reduce(data[3])
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(survivors_run)
-            nursery.start_soon(victim_run)
-            await started(survivors[0], 0)
-            await victim.aclose()
+        survivors = comms[:3]
+        results = await die_mid_all_reduce(cluster, comms, 3, lambda i, c: c.all_reduce(data[i]))
         aborted = isinstance(results[0], pccl.CollectiveAborted)
         after = await scrape(url)
         assert value(after, "pccl_master_peers_left_total") == 1

@@ -16,7 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pccl_trio as pccl
 
-from .conftest import TCP_CONFIG, Cluster, form_run, run_all, start_cluster, started, sync_all
+from .conftest import (
+    TCP_CONFIG,
+    Cluster,
+    die_mid_all_reduce,
+    form_run,
+    run_all,
+    start_cluster,
+    sync_all,
+)
 from .test_master_recovery import Masters, masters  # noqa: F401  (the fixture)
 
 
@@ -52,21 +60,8 @@ async def test_all_reduces_aborts_and_syncs_are_counted(cluster: Cluster, clock:
             assert sample(registry, "pccl_peer_all_reduce_bytes_total", direction="sent") == sent
             assert sample(registry, "pccl_peer_all_reduces_total", outcome="aborted") == 0
 
-        victim, survivors = comms[3], comms[:3]
-        results: list[object] = []
-
-        async def survivors_run() -> None:
-            results.extend(await run_all(survivors, lambda i, c: c.all_reduce(data[i])))
-
-        async def victim_run() -> None:
-            with pytest.raises(pccl.PCCLError):
-                await victim.all_reduce(data[3])
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(survivors_run)
-            nursery.start_soon(victim_run)
-            await started(survivors[0], 0)
-            await cluster.kill("p3", victim)
+        survivors = comms[:3]
+        results = await die_mid_all_reduce(cluster, comms, 3, lambda i, c: c.all_reduce(data[i]))
         aborted = isinstance(results[0], pccl.CollectiveAborted)
         for registry in registries[:3]:
             assert sample(registry, "pccl_peer_all_reduces_total", outcome="aborted") == aborted
@@ -96,23 +91,9 @@ async def test_retries_are_counted(cluster: Cluster, clock: object) -> None:
         comms, registries = peers(cluster, 3)
         comms = await form_run([], comms)
         tensors = [[np.ones(50_000, dtype=np.float32)] for _ in range(3)]
-        victim = comms[2]
-        results: list[object] = []
-
-        async def survivors_run() -> None:
-            results.extend(await run_all(
-                comms[:2], lambda i, c: c.all_reduce_multiple_with_retry(tensors[i])
-            ))
-
-        async def victim_run() -> None:
-            with pytest.raises(pccl.PCCLError):
-                await victim.all_reduce_multiple_with_retry(tensors[2])
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(survivors_run)
-            nursery.start_soon(victim_run)
-            await started(comms[0], 0)
-            await cluster.kill("p2", victim)
+        results = await die_mid_all_reduce(
+            cluster, comms, 2, lambda i, c: c.all_reduce_multiple_with_retry(tensors[i])
+        )
         assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
         for registry in registries[:2]:
             aborted = sample(registry, "pccl_peer_all_reduces_total", outcome="aborted")
