@@ -476,9 +476,12 @@ async def serve_master_tcp(
     *,
     config: Config | None = None,
     advertise: str | None = None,
+    metrics: tuple[str, int] | None = None,
+    metrics_started: Callable[[tuple[str, int]], None] | None = None,
     task_status: trio.TaskStatus[tuple[str, int]] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Run a master on TCP ``host:port`` until cancelled; started with the bound address.
+    ``metrics``, ``metrics_started``: as for ``serve_master``.
 
     Without a run secret in ``config`` (and not ``insecure``), a wildcard ``host``
     listens on loopback only.
@@ -508,7 +511,10 @@ async def serve_master_tcp(
             except BaseException:
                 await trio.aclose_forcefully(listener)
                 raise
-        await serve_master([listener], config=config, task_status=_StartedWith(task_status, address))
+        await serve_master(
+            [listener], config=config, metrics=metrics, metrics_started=metrics_started,
+            task_status=_StartedWith(task_status, address),
+        )
 
 
 class _StartedWith:
