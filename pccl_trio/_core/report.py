@@ -13,9 +13,11 @@ Each report is logged once, as it is made, on the ``pccl_trio.master.run`` logge
 text formatter prints the sentence, and ``JsonFormatter`` one JSON object per line with
 the kind and every field (``pccl-trio master --log-format json``). Routine events
 (a completed collective, a finished sync) are logged at DEBUG, so a run's INFO log
-holds what changed in it, not every step. The shell also takes the reports of each
-event the core handled (``MasterCore.take_reports``) and counts them in its metrics:
-the counters move by exactly what the log says happened.
+holds what changed in it, not every step. The core also counts every report by kind
+and label (with the latest kicks); the run's status and the master's metrics read
+those counts, so the counters move by exactly what the log says happened.
+``MasterCore.take_reports`` hands over the reports of the event just handled (for
+tests and tools that follow the run event by event).
 """
 
 from __future__ import annotations
