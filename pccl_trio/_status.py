@@ -28,6 +28,7 @@ import trio
 
 from ._config import SECRET_ENVIRONMENT, Config, read_run_secret
 from ._core.channel import HandshakeFailed, Purpose
+from ._core.errors import RemoteProtocolError
 from ._core.messages import Kick, StatusReply, StatusRequest, body_limits
 from ._core.status import RunCount
 from ._core.wire import Admission
@@ -78,6 +79,8 @@ async def fetch_status(host: str, port: int, config: Config | None = None) -> St
                 f"the master at {where} did not answer a status request ({exc or 'timed out'}); "
                 "without a run secret it closes connections that do not start with one"
             ) from exc
+        except RemoteProtocolError as exc:
+            raise MasterConnectionError(f"the master at {where} sent a bad status reply ({exc})") from exc
     if isinstance(reply, Kick):
         raise MasterConnectionError(f"the master at {where} refused: {reply.reason}")
     if not isinstance(reply, StatusReply):
@@ -104,8 +107,22 @@ def _count(counts: Sequence[RunCount], event: str, label: str | None = None) -> 
     return sum(c.count for c in counts if c.event == event and (label is None or c.label == label))
 
 
+def _printable(text: str) -> str:
+    """``text`` without control characters (hosts and reasons come from peers: they
+    must not drive the terminal)."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def render(reply: StatusReply, address: str) -> str:
     """A screen of text about the run (see the module docstring)."""
+    return _printable_lines(_render(reply, address))
+
+
+def _printable_lines(text: str) -> str:
+    return "\n".join(_printable(line) for line in text.split("\n"))
+
+
+def _render(reply: StatusReply, address: str) -> str:
     c = reply.counts
     lines = [
         f"pccl_trio run at {address}: up {_duration(reply.uptime_seconds)}, "
@@ -139,6 +156,8 @@ def render(reply: StatusReply, address: str) -> str:
         )
     if reply.peers_total > len(reply.peers):
         lines.append(f"... and {reply.peers_total - len(reply.peers)} more peers")
+    if reply.truncated:
+        lines.append("(the master cut some lists to fit its reply)")
     if reply.waiting:
         lines += ["", "waiting:"]
         lines += [

@@ -59,6 +59,7 @@ sends the heartbeats due.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -114,7 +115,18 @@ from .recovery import Recovery
 from .report import KickCause, RunEvent
 from .rounds import PendingVote, RingBook, Rounds
 from .stalls import Stalls
-from .status import MAX_PEERS, GroupStatus, PeerStatus, RunCount, StatusReply, StatusRequest, WaitStatus
+from .status import (
+    MAX_COLLECTIVES,
+    MAX_PEERS,
+    GroupStatus,
+    PeerStatus,
+    PeerTally,
+    RunCount,
+    StatusReply,
+    StatusRequest,
+    WaitStatus,
+    fit,
+)
 from .syncs import Syncs
 
 __all__ = [
@@ -320,9 +332,11 @@ class MasterCore:
         vote is decided then)."""
         return math.inf if self._recovery.holding else self._pending.deadline()
 
-    def status(self) -> StatusReply:
-        """The run now, read-only (``status``: the observers' snapshot)."""
-        table, now = self._table, self._table.now
+    def status(self, now: float | None = None) -> StatusReply:
+        """The run at ``now`` (default: the last event's time), read-only (``status``:
+        the observers' snapshot)."""
+        table = self._table
+        now = table.now if now is None else max(now, table.now)
         accepted: dict[int, list[int]] = {}
         for peer in table.accepted():
             accepted.setdefault(peer.peer_group, []).append(peer.peer_id)
@@ -357,17 +371,23 @@ class MasterCore:
             dataclasses.replace(kick, seconds_ago=max(0.0, now - kick.seconds_ago))
             for kick in table.kicks
         ]
-        return StatusReply(
+        tallies = collections.Counter((p.peer_group, p.phase.name.lower()) for p in table.peers.values())
+        return fit(StatusReply(
             uptime_seconds=0.0 if math.isnan(table.started) else now - table.started,
             reference_bytes=self._optimizer.reference_bytes,
-            peers_total=len(table.peers), peers=tuple(peers), groups=tuple(groups),
-            waiting=tuple(waiting), collectives=tuple(self._collectives.running()),
+            peers_total=len(table.peers),
+            tallies=tuple(
+                PeerTally(group=group, phase=phase, count=count)
+                for (group, phase), count in sorted(tallies.items())
+            ),
+            peers=tuple(peers), groups=tuple(groups), waiting=tuple(waiting),
+            collectives=tuple(self._collectives.running()[:MAX_COLLECTIVES]),
             kicks=tuple(kicks),
             counts=tuple(
                 RunCount(event=event, label=label, count=count, total=total)
                 for (event, label), (count, total) in sorted(table.counts.items())
             ),
-        )
+        ))
 
     def peers(self) -> list[PeerView]:
         """Every registered peer, by id."""

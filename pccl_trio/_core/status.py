@@ -10,6 +10,7 @@ the observer never becomes a member, takes part in no vote and changes nothing
 
 What a reply holds:
 
+- how many peers there are in each group and phase (``tallies``, all of them);
 - every peer (up to ``MAX_PEERS``, ``peers_total`` says how many there are): id,
   group, address, phase and state, seconds since the master last heard from it;
 - every peer group: world size, ring, whether the ring must be re-established first,
@@ -22,31 +23,45 @@ What a reply holds:
 - the run's counters: how many times each kind of run event happened, with its label
   (``RunCount``: ``completed``/``success``, ``kicked``/``liveness``, ...), the totals
   the master's Prometheus counters export.
+
+A reply must fit an observer's control frame whatever the run looks like (thousands of
+peers with long host names, many collectives in flight): ``fit`` halves its longest
+lists until its encoding is at most ``STATUS_BUDGET`` bytes, and says so
+(``truncated``); the tallies and counts are always whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .records import C2M, M2C, Message, Record, message, record
+from .records import C2M, M2C, Message, Record, encode_message, message, record
 
 __all__ = [
     "MAX_KICKS",
+    "MAX_COLLECTIVES",
     "MAX_PEERS",
+    "STATUS_BUDGET",
     "CollectiveStatus",
     "GroupStatus",
     "KickStatus",
     "PeerStatus",
+    "PeerTally",
     "RunCount",
     "StatusReply",
     "StatusRequest",
     "WaitStatus",
+    "fit",
 ]
 
 #: Peers listed in one reply (the rest are counted in ``peers_total``).
 MAX_PEERS = 1000
 #: Kicks remembered and listed, the latest last.
 MAX_KICKS = 16
+#: Running collectives listed.
+MAX_COLLECTIVES = 256
+#: The largest encoded reply: half the default control frame, so an observer with
+#: default limits always reads it.
+STATUS_BUDGET = 512 << 10
 
 
 @record
@@ -104,6 +119,14 @@ class KickStatus(Record):
 
 @record
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class PeerTally(Record):
+    group: int
+    phase: str
+    count: int
+
+
+@record
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunCount(Record):
     event: str  # a RunKind value
     label: str  # its outcome or cause, where it has one
@@ -125,9 +148,23 @@ class StatusReply(Message):
     uptime_seconds: float
     reference_bytes: int
     peers_total: int
+    tallies: tuple[PeerTally, ...]
     peers: tuple[PeerStatus, ...]
     groups: tuple[GroupStatus, ...]
     waiting: tuple[WaitStatus, ...]
     collectives: tuple[CollectiveStatus, ...]
     kicks: tuple[KickStatus, ...]
     counts: tuple[RunCount, ...]
+    truncated: bool = False  # some lists were cut to fit (``fit``)
+
+
+def fit(reply: StatusReply, budget: int = STATUS_BUDGET) -> StatusReply:
+    """``reply``, with its longest lists halved until it encodes in ``budget`` bytes."""
+    cuttable = ("peers", "groups", "waiting", "collectives", "kicks")
+    while len(encode_message(reply)) > budget:
+        name = max(cuttable, key=lambda n: len(getattr(reply, n)))
+        items = getattr(reply, name)
+        if not items:  # pragma: no cover - the whole lists fit any sane budget
+            break
+        reply = dataclasses.replace(reply, truncated=True, **{name: items[: len(items) // 2]})
+    return reply

@@ -99,11 +99,9 @@ class MasterCollector:
         core = self._prometheus.core
         yield _gauge(core, "pccl_master_uptime_seconds", "Seconds since the master started.",
                      [], [((), status.uptime_seconds)])
-        peers: collections.Counter[tuple[str, str]] = collections.Counter(
-            (str(p.group), p.phase) for p in status.peers
-        )
         yield _gauge(core, "pccl_master_peers", "Registered peers, by peer group and phase.",
-                     ["group", "phase"], list(peers.items()))
+                     ["group", "phase"],
+                     [((str(t.group), t.phase), t.count) for t in status.tallies])
         yield _gauge(core, "pccl_master_peer_groups", "Peer groups with accepted members.",
                      [], [((), len(status.groups))])
         groups = [(str(g.group),) for g in status.groups]

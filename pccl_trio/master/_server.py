@@ -418,7 +418,9 @@ async def serve_master(
     server = _MasterServer(config or Config(), first_peer_id=first_peer_id)
     async with contextlib.AsyncExitStack() as stack:
         if metrics is not None:
-            bound = await stack.enter_async_context(serve_metrics(*metrics, server.core.status))
+            bound = await stack.enter_async_context(serve_metrics(
+                *metrics, lambda: server.core.status(trio.current_time())
+            ))
             log.info("serving metrics on http://%s/metrics", format_address(*bound))
             if metrics_started is not None:
                 metrics_started(bound)

@@ -143,8 +143,6 @@ class ReduceOptions:
             InvalidArgument: which buffer is wrong, and how.
         """
         xp, send_array = as_array(send, name=name)
-        if xp is not np:
-            staging_for(xp).caller_ready()
         quantization = self.quantization
         if quantization is not None:
             check_quantization(
@@ -154,6 +152,8 @@ class ReduceOptions:
         result = send_array
         if recv is not None and recv is not send:
             result = self._recv(xp, send_array, recv)
+        if xp is not np:  # after every import: each may have queued a wait (DLPack)
+            staging_for(xp).caller_ready()
         return ReduceRequest(
             tag=tag, xp=xp, send=send_array, result=result, op=self.op,
             quantization=quantization, hint=self.hint,

@@ -52,7 +52,15 @@ from pccl_trio._core.messages import (
     WorldSizes,
     encode_message,
 )
-from pccl_trio._core.status import CollectiveStatus, GroupStatus, KickStatus, PeerStatus, RunCount, WaitStatus
+from pccl_trio._core.status import (
+    CollectiveStatus,
+    GroupStatus,
+    KickStatus,
+    PeerStatus,
+    PeerTally,
+    RunCount,
+    WaitStatus,
+)
 
 #: Deterministic and free of wall-clock judgements: the same examples on every run,
 #: no example database, no per-example deadline, no "too slow" health check.
@@ -158,6 +166,7 @@ SAMPLES: dict[type[Message], Message] = {
         uptime_seconds=12.5,
         reference_bytes=64 << 20,
         peers_total=3,
+        tallies=(PeerTally(group=1, phase="accepted", count=3),),
         peers=(
             PeerStatus(peer_id=4, group=1, host="10.0.0.4", port=48149, phase="accepted",
                        state="vote_sync", silent_seconds=0.25, identity="ab12cd34"),
@@ -172,6 +181,7 @@ SAMPLES: dict[type[Message], Message] = {
         ),
         kicks=(KickStatus(peer_id=5, cause="liveness", reason="silent", seconds_ago=2.0),),
         counts=(RunCount(event="synced", label="", count=2, total=4096),),
+        truncated=True,
     ),
 }
 

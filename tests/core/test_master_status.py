@@ -157,3 +157,57 @@ def test_metric_labels_never_carry_a_tag() -> None:
     labels = [s.labels for name in ("pccl_master_votes_waiting", "pccl_master_stall_warnings")
               for s in families[name].samples]
     assert labels and all(label == {"call": "all_reduce"} for label in labels), labels
+
+
+def test_a_reply_always_fits_an_observers_frame() -> None:
+    """Thousands of peers with the longest host names: the reply is cut to the budget,
+    says so, and still counts every peer."""
+    from pccl_trio._core.records import encode_message
+    from pccl_trio._core.status import STATUS_BUDGET, PeerStatus, PeerTally, fit
+
+    host = "\u4e16" * 253  # three bytes each in UTF-8
+    peers = tuple(
+        PeerStatus(peer_id=i + 1, group=0, host=host, port=1, phase="accepted", state="idle",
+                   silent_seconds=0.0, identity="")
+        for i in range(3000)
+    )
+    reply = StatusReply(
+        uptime_seconds=1.0, reference_bytes=1, peers_total=3000,
+        tallies=(PeerTally(group=0, phase="accepted", count=3000),), peers=peers, groups=(),
+        waiting=(), collectives=(), kicks=(), counts=(),
+    )
+    assert len(encode_message(reply)) > STATUS_BUDGET
+    cut = fit(reply)
+    assert len(encode_message(cut)) <= STATUS_BUDGET
+    assert cut.truncated and 0 < len(cut.peers) < 3000
+    assert cut.tallies == reply.tallies and cut.peers_total == 3000
+    assert fit(cut) == cut  # what fits is left alone
+
+
+def test_the_peers_gauge_counts_every_peer_and_the_clock_moves_between_events() -> None:
+    from pccl_trio.master._metrics import MasterCollector
+
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    h.now = 10.0
+    h.heartbeat(1)
+    later = h.core.status(now=25.0)
+    assert later.uptime_seconds == pytest.approx(25.0)
+    assert [p.silent_seconds for p in later.peers][0] == pytest.approx(15.0)
+    families = {f.name: f for f in MasterCollector(h.core.status).collect()}
+    [sample] = families["pccl_master_peers"].samples
+    assert (sample.labels, sample.value) == ({"group": "0", "phase": "accepted"}, 3)
+
+
+def test_the_screen_does_not_pass_control_characters_through() -> None:
+    from pccl_trio._core.status import PeerStatus
+    from pccl_trio._status import render
+
+    reply = StatusReply(
+        uptime_seconds=1.0, reference_bytes=1, peers_total=1, tallies=(),
+        peers=(PeerStatus(peer_id=1, group=0, host="evil\x1b[2J\x07", port=1, phase="accepted",
+                          state="idle", silent_seconds=0.0, identity=""),),
+        groups=(), waiting=(), collectives=(), kicks=(), counts=(),
+    )
+    screen = render(reply, "m:1")
+    assert "\x1b" not in screen and "\x07" not in screen and "evil?[2J?" in screen
