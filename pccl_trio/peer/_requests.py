@@ -153,7 +153,7 @@ class ReduceOptions:
         if recv is not None and recv is not send:
             result = self._recv(xp, send_array, recv)
         if xp is not np:  # after every import: each may have queued a wait (DLPack)
-            staging_for(xp).caller_ready()
+            staging_for(xp).wait_current_stream()
         return ReduceRequest(
             tag=tag, xp=xp, send=send_array, result=result, op=self.op,
             quantization=quantization, hint=self.hint,

@@ -187,7 +187,7 @@ def prepare_state(state: object) -> list[Tensor]:
             )
         xp, array = as_array(info.data, name=f"shared-state tensor {name!r}")
         if xp is not numpy:
-            staging_for(xp).caller_ready()
+            staging_for(xp).wait_current_stream()
         tensors.append(
             Tensor(
                 key=name, xp=xp, array=array, raw=array.view(numpy.uint8),
@@ -520,6 +520,9 @@ class Backup:
                 end = min(start + PIECE_BYTES, tensor.nbytes)
                 chunk = tensor.raw[start:end]
                 self._chunks.append((tensor, start, end, chunk.copy() if chunk.any() else None))
+        # On a GPU the copies are queued on this thread's stream, and fetched bytes
+        # land from other streams: the copies must be done first.
+        self._settle()
 
     def restore(self) -> None:
         for tensor, start, end, copy in self._chunks:
@@ -527,6 +530,11 @@ class Backup:
                 tensor.raw[start:end].fill(0)
             else:
                 tensor.xp.copyto(tensor.raw[start:end], copy)
+        self._settle()  # the user's next kernels may run on any stream
+
+    def _settle(self) -> None:
+        for xp in {id(t.xp): t.xp for t, *_ in self._chunks}.values():
+            staging_for(xp).wait_current_stream()
 
 
 def mismatched(

@@ -12,7 +12,7 @@ its staging for the bytes to send (``Sender.host``), for a received payload on t
 buffers' side (``to_device``), and does its kernels inside ``working()``.
 
 Streams. The caller's own queued work on its buffers is waited for when it hands them
-over (``caller_ready``). Every thread that reduces (a connection's reader) works on a stream of its
+over (``wait_current_stream``). Every thread that reduces (a connection's reader) works on a stream of its
 own: the host-to-device copy, the backup of what will be overwritten and the
 reduction kernels are queued on it in that order, and ``working()`` ends by
 synchronizing it, so a slice is marked received only once its result is in device
@@ -139,9 +139,10 @@ class HostStaging:
         """A host uint8 buffer to receive into (pinned for a device)."""
         return np.empty(nbytes, dtype=np.uint8)
 
-    def caller_ready(self) -> None:
-        """The caller's queued work on its buffers is done (called in the caller's
-        thread when it hands them over; nothing to wait for on the host)."""
+    def wait_current_stream(self) -> None:
+        """Wait for the work queued on this thread's current stream: the caller's, on
+        its buffers, when it hands them over; a backup's copies before fetched bytes
+        land over what they copy. Nothing to wait for on the host."""
 
     def to_device(self, payload: Any) -> Any:
         """A received payload (host uint8) where the buffers live."""
@@ -256,7 +257,7 @@ class DeviceStaging(HostStaging):
     def host_empty(self, nbytes: int) -> Any:
         return np.frombuffer(self.xp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
 
-    def caller_ready(self) -> None:
+    def wait_current_stream(self) -> None:
         # The staging streams do not wait for the caller's stream (non-blocking ones
         # do not even wait for the default stream): wait for it here, so no copy reads
         # a buffer that a kernel the caller queued is still writing. (A torch tensor
