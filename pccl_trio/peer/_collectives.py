@@ -89,7 +89,7 @@ from ._receiver import DataReceiver
 from ._requests import ReduceRequest
 from ._results import AsyncReduceHandle, ReduceResult
 from ._session import MasterLost
-from ._staging import staging_for
+from ._staging import gpu_of, staging_for
 
 __all__ = ["AllReduces"]
 
@@ -437,8 +437,9 @@ class AllReduces:
             codec = Codec(request.xp, request.result.dtype, request.quantization.algorithm,
                           request.quantization.quantized_datatype, request.hint)
         attempt = AllReduceAttempt(
-            staging=staging_for(request.xp), send=request.send, result=request.result,
-            op=request.op, tag=request.tag, ring=ring, rank=ring.index(self._session.peer_id),
+            staging=staging_for(request.xp, gpu_of(request.xp, request.result)),
+            send=request.send, result=request.result, op=request.op, tag=request.tag,
+            ring=ring, rank=ring.index(self._session.peer_id),
             slice_bytes=self._config.slice_bytes, codec=codec,
         )
         self._receiver.add(attempt)

@@ -24,7 +24,7 @@ from .._core.messages import CollectiveInitiate
 from .._errors import InvalidArgument
 from .._types import DataType, DistributionHint, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from ..ops import Array, ArrayModule, as_array, check_quantization, from_numpy_dtype
-from ._staging import staging_for
+from ._staging import gpu_of, staging_for
 
 __all__ = ["ReduceOptions", "ReduceRequest", "check_reduce_arguments", "check_reduce_options"]
 
@@ -153,7 +153,7 @@ class ReduceOptions:
         if recv is not None and recv is not send:
             result = self._recv(xp, send_array, recv)
         if xp is not np:  # after every import: each may have queued a wait (DLPack)
-            staging_for(xp).wait_current_stream()
+            staging_for(xp, gpu_of(xp, send_array)).wait_current_stream()
         return ReduceRequest(
             tag=tag, xp=xp, send=send_array, result=result, op=self.op,
             quantization=quantization, hint=self.hint,

@@ -65,7 +65,7 @@ from .._errors import InvalidArgument
 from .._types import SharedState, TensorInfo
 from ..ops import Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash
 from ._protocol import Protocol, ReceiveHeader, ReceiveMessage, ReceivePayload, Send, SendData
-from ._staging import Lander, staging_for
+from ._staging import HostStaging, Lander, gpu_of, staging_for
 
 __all__ = [
     "PIECE_BYTES",
@@ -104,6 +104,11 @@ class Tensor:
     def nbytes(self) -> int:
         return int(self.raw.size)
 
+    @property
+    def staging(self) -> HostStaging:
+        """How its bytes meet the sockets; ``staging.current()`` makes its GPU current."""
+        return staging_for(self.xp, gpu_of(self.xp, self.raw))
+
     def entry(self, content_hash: int, digest: bytes = b"") -> SharedStateEntry:
         return SharedStateEntry(
             key=self.key,
@@ -118,7 +123,8 @@ class Tensor:
         """simplehash of the bytes; 0 for a tensor whose content may differ."""
         if self.allow_content_inequality:
             return 0
-        return simplehash(self.xp, self.raw, threads=threads)
+        with self.staging.current():  # in a worker thread: the tensor's GPU there too
+            return simplehash(self.xp, self.raw, threads=threads)
 
     def content_digest(self) -> bytes:
         """BLAKE2b-256 of the bytes; empty for a tensor whose content may differ.
@@ -187,7 +193,7 @@ def prepare_state(state: object) -> list[Tensor]:
             )
         xp, array = as_array(info.data, name=f"shared-state tensor {name!r}")
         if xp is not numpy:
-            staging_for(xp).wait_current_stream()
+            staging_for(xp, gpu_of(xp, array)).wait_current_stream()
         tensors.append(
             Tensor(
                 key=name, xp=xp, array=array, raw=array.view(numpy.uint8),
@@ -300,7 +306,7 @@ def serve_requests(serving: Serving, request: SharedStateRequest) -> Protocol[No
             end = wanted.offset + wanted.nbytes
             # Staged like an all-reduce's slices: the next frame's copy to the host
             # overlaps this frame's send.
-            sender = staging_for(tensor.xp).sender(frame)
+            sender = tensor.staging.sender(frame)
             try:
                 for start in range(wanted.offset, end, frame):
                     nbytes = min(frame, end - start)
@@ -474,9 +480,10 @@ def _fetch_piece(fetcher: Fetcher, piece: Piece, landers: dict[int, Lander]) -> 
         if response.error:
             raise DistributorRefused(response.error)
         tensor = fetcher.tensors[piece.key]
-        lander = landers.get(id(tensor.xp))
+        staging = tensor.staging
+        lander = landers.get(id(staging))
         if lander is None:
-            lander = landers[id(tensor.xp)] = staging_for(tensor.xp).lander(fetcher.frame_bytes)
+            lander = landers[id(staging)] = staging.lander(fetcher.frame_bytes)
         while done < piece.nbytes:
             tag, seq, offset, nbytes = yield ReceiveHeader()
             if (tag, seq, offset) != (0, fetcher.sync, piece.offset + done) or not (
@@ -519,22 +526,25 @@ class Backup:
             for start in range(0, tensor.nbytes, PIECE_BYTES):
                 end = min(start + PIECE_BYTES, tensor.nbytes)
                 chunk = tensor.raw[start:end]
-                self._chunks.append((tensor, start, end, chunk.copy() if chunk.any() else None))
+                with tensor.staging.current():  # a worker thread: its GPU current there
+                    copy = chunk.copy() if chunk.any() else None
+                self._chunks.append((tensor, start, end, copy))
         # On a GPU the copies are queued on this thread's stream, and fetched bytes
         # land from other streams: the copies must be done first.
         self._settle()
 
     def restore(self) -> None:
         for tensor, start, end, copy in self._chunks:
-            if copy is None:
-                tensor.raw[start:end].fill(0)
-            else:
-                tensor.xp.copyto(tensor.raw[start:end], copy)
+            with tensor.staging.current():
+                if copy is None:
+                    tensor.raw[start:end].fill(0)
+                else:
+                    tensor.xp.copyto(tensor.raw[start:end], copy)
         self._settle()  # the user's next kernels may run on any stream
 
     def _settle(self) -> None:
-        for xp in {id(t.xp): t.xp for t, *_ in self._chunks}.values():
-            staging_for(xp).wait_current_stream()
+        for staging in {id(t.staging): t.staging for t, *_ in self._chunks}.values():
+            staging.wait_current_stream()
 
 
 def mismatched(

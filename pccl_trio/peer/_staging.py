@@ -26,6 +26,11 @@ next slice into the socket's buffer; the reader reads it when they are done.
 Quantized, the codec encodes on the device and only the codes are copied to the host
 (see ``_allreduce``); the copies here move whatever bytes they are handed.
 
+Several GPUs. A staging belongs to one GPU (``staging_for(xp, gpu)``, ``gpu_of``): its
+streams, scratch and backups are made on that GPU, and everything it runs, in whatever
+thread, runs with that GPU current (``working``, ``current``), since the readers and
+senders are threads that start on the first GPU and a process usually drives another.
+
 Pooled memory. ``BufferPool`` keeps freed buffers of one array module for reuse (a
 backup of an in-place input lives in the buffers' own memory, so restoring one on a
 GPU never crosses PCIe); pinned host memory is pooled the same way, since pinning
@@ -43,7 +48,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "BufferPool", "DeviceStaging", "HostStaging", "Lander", "Sender", "Staging", "staging_for",
+    "BufferPool", "DeviceStaging", "HostStaging", "Lander", "Sender", "Staging", "gpu_of",
+    "staging_for",
 ]
 
 
@@ -144,6 +150,10 @@ class HostStaging:
         its buffers, when it hands them over; a backup's copies before fetched bytes
         land over what they copy. Nothing to wait for on the host."""
 
+    def current(self) -> contextlib.AbstractContextManager[Any]:
+        """Make the buffers' GPU current in this thread (nothing on the host)."""
+        return _NOTHING
+
     def to_device(self, payload: Any) -> Any:
         """A received payload (host uint8) where the buffers live."""
         return payload
@@ -162,7 +172,8 @@ class _DeviceSender(Sender):
 
     def __init__(self, staging: DeviceStaging, slice_bytes: int) -> None:
         self._staging = staging
-        self._stream = staging.xp.cuda.Stream(non_blocking=True)
+        with staging.current():
+            self._stream = staging.xp.cuda.Stream(non_blocking=True)
         self._pinned = [staging.pinned.take(slice_bytes), staging.pinned.take(slice_bytes)]
         self._current = 0  # the buffer last handed out (being sent)
         self._ahead: object = None  # the key of what is being copied into the other one
@@ -187,8 +198,13 @@ class _DeviceSender(Sender):
             self._start(data, self._pinned[1 - self._current])
             self._ahead = key
 
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        with self._staging.current(), self._stream:
+            yield
+
     def working(self) -> contextlib.AbstractContextManager[None]:
-        return self._stream  # type: ignore[no-any-return]
+        return self._working()
 
     def close(self) -> None:
         self._stream.synchronize()
@@ -203,7 +219,8 @@ class _DeviceLander(Lander):
 
     def __init__(self, staging: DeviceStaging, frame_bytes: int) -> None:
         self._staging = staging
-        self._stream = staging.xp.cuda.Stream(non_blocking=True)
+        with staging.current():
+            self._stream = staging.xp.cuda.Stream(non_blocking=True)
         self._pinned = [staging.pinned.take(frame_bytes), staging.pinned.take(frame_bytes)]
         self._copies: list[Any] = [None, None]  # per buffer: the event of its last copy
         self._next = 0
@@ -233,11 +250,18 @@ class DeviceStaging(HostStaging):
 
     Args:
         xp: the buffers' array module (cupy, or a stand-in with its API).
+        gpu: the buffers' GPU.
     """
 
-    def __init__(self, xp: Any) -> None:
+    def __init__(self, xp: Any, gpu: int = 0) -> None:
         self.xp = xp
-        self.pool = BufferPool(lambda nbytes: xp.empty(nbytes, dtype=xp.uint8))
+        self._gpu = xp.cuda.Device(gpu)
+
+        def allocate(nbytes: int) -> Any:
+            with self._gpu:
+                return xp.empty(nbytes, dtype=xp.uint8)
+
+        self.pool = BufferPool(allocate)
         self.pinned = BufferPool(self.host_empty)
         self.host_pool = self.pinned
         self._local = threading.local()
@@ -245,7 +269,8 @@ class DeviceStaging(HostStaging):
     def _stream(self) -> Any:
         stream = getattr(self._local, "stream", None)
         if stream is None:
-            stream = self._local.stream = self.xp.cuda.Stream(non_blocking=True)
+            with self._gpu:
+                stream = self._local.stream = self.xp.cuda.Stream(non_blocking=True)
         return stream
 
     def sender(self, slice_bytes: int) -> Sender:
@@ -262,14 +287,19 @@ class DeviceStaging(HostStaging):
         # do not even wait for the default stream): wait for it here, so no copy reads
         # a buffer that a kernel the caller queued is still writing. (A torch tensor
         # imported through DLPack made cupy's current stream wait for torch's.)
-        self.xp.cuda.get_current_stream().synchronize()
+        with self._gpu:
+            self.xp.cuda.get_current_stream().synchronize()
+
+    def current(self) -> contextlib.AbstractContextManager[Any]:
+        return self._gpu  # type: ignore[no-any-return]
 
     def _scratch(self, nbytes: int) -> Any:
         """Room for ``nbytes`` on the device, this thread's own, reused by its next
         call."""
         buffer = getattr(self._local, "scratch", None)
         if buffer is None or buffer.size < nbytes:
-            buffer = self._local.scratch = self.xp.empty(max(nbytes, 1), dtype=self.xp.uint8)
+            with self._gpu:
+                buffer = self._local.scratch = self.xp.empty(max(nbytes, 1), dtype=self.xp.uint8)
         return buffer[:nbytes]
 
     def to_device(self, payload: Any) -> Any:
@@ -282,28 +312,37 @@ class DeviceStaging(HostStaging):
     @contextlib.contextmanager
     def _working(self) -> Iterator[None]:
         stream = self._stream()
-        try:
-            with stream:
-                yield
-        finally:
-            stream.synchronize()
+        with self._gpu:
+            try:
+                with stream:
+                    yield
+            finally:
+                stream.synchronize()
 
     def working(self) -> contextlib.AbstractContextManager[None]:
         return self._working()
 
 
 _HOST_STAGING = HostStaging()
-_DEVICE_STAGINGS: weakref.WeakKeyDictionary[Any, DeviceStaging] = weakref.WeakKeyDictionary()
+_DEVICE_STAGINGS: weakref.WeakKeyDictionary[Any, dict[int, DeviceStaging]] = (
+    weakref.WeakKeyDictionary()
+)
 _LOCK = threading.Lock()
 
 
-def staging_for(xp: Any) -> HostStaging:
-    """The staging of array module ``xp`` (one per module, so its pooled and pinned
-    memory is reused by every collective and sync)."""
+def gpu_of(xp: Any, array: Any) -> int:
+    """The GPU ``array`` lives on (0 for host memory)."""
+    return 0 if xp is np else int(array.device.id)
+
+
+def staging_for(xp: Any, gpu: int = 0) -> HostStaging:
+    """The staging of array module ``xp``'s buffers on GPU ``gpu`` (one each, so their
+    pooled and pinned memory is reused by every collective and sync)."""
     if xp is np:
         return _HOST_STAGING
     with _LOCK:
-        staging = _DEVICE_STAGINGS.get(xp)
+        stagings = _DEVICE_STAGINGS.setdefault(xp, {})
+        staging = stagings.get(gpu)
         if staging is None:
-            staging = _DEVICE_STAGINGS[xp] = DeviceStaging(xp)
+            staging = stagings[gpu] = DeviceStaging(xp, gpu)
         return staging

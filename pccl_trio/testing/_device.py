@@ -31,6 +31,12 @@ none of them:
   synchronization with the default stream). ``cuda.alloc_pinned_memory`` gives host
   memory that counts as pinned, and ``pageable_async_copies`` counts asynchronous
   copies from or to any other host memory (CUDA makes those synchronous).
+- Several GPUs: ``cuda.Device(i)`` makes GPU ``i`` current in this thread (GPU 0
+  until then), and arrays and streams belong to the GPU current when they were made
+  (``array.device``). A kernel on an array of another GPU than the current one, a
+  stream entered or used for a copy on another GPU than its own, are refused, as
+  CUDA refuses them; so code that works in worker threads must make the buffers'
+  GPU current there.
 
 Results are computed by numpy, so they are bit for bit what the host path computes;
 what the double checks is that the code keeps to device operations and explicit
@@ -88,6 +94,7 @@ class DeviceStream:
 
     def __init__(self, device: StrictDevice, non_blocking: bool = False) -> None:
         self._device = device
+        self.gpu = device.current_gpu()
         self._queue: list[Callable[[], None]] = []
         self._ran = 0  # how many queued copies have happened
         self._lock = threading.Lock()
@@ -121,6 +128,7 @@ class DeviceStream:
         return len(self._queue)
 
     def __enter__(self) -> DeviceStream:
+        self._device._check_gpu(self.gpu, "a stream entered")
         self._device._streams().append(self)
         return self
 
@@ -130,10 +138,37 @@ class DeviceStream:
         del stack[len(stack) - 1 - stack[::-1].index(self)]
 
 
+class _Gpu:
+    """``cuda.Device(i)``: GPU ``i``, made current in this thread by ``with``."""
+
+    def __init__(self, device: StrictDevice, id: int = 0) -> None:  # noqa: A002 (cupy's name)
+        self._device = device
+        self.id = id
+
+    def __enter__(self) -> _Gpu:
+        gpus = getattr(self._device._local, "gpus", None)
+        if gpus is None:
+            gpus = self._device._local.gpus = [0]
+        gpus.append(self.id)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._device._local.gpus.pop()
+
+    def synchronize(self) -> None:
+        self._device.synchronize()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Gpu) and other.id == self.id
+
+    def __hash__(self) -> int:
+        return hash(self.id)
+
+
 class DeviceArray:
     """An array in the stand-in device's memory (see the module docstring)."""
 
-    __slots__ = ("_device", "_host")
+    __slots__ = ("_device", "_gpu", "_host")
     #: numpy's ufuncs must not take it as an operand (nor its functions, below).
     __array_ufunc__ = None
 
@@ -142,9 +177,15 @@ class DeviceArray:
             "a numpy function was given a device array; call the device module's own"
         )
 
-    def __init__(self, device: StrictDevice, host: numpy.ndarray) -> None:
+    def __init__(self, device: StrictDevice, host: numpy.ndarray, gpu: int | None = None) -> None:
         self._device = device
         self._host = host
+        self._gpu = device.current_gpu() if gpu is None else gpu
+
+    @property
+    def device(self) -> _Gpu:
+        """The GPU this array lives on."""
+        return _Gpu(self._device, self._gpu)
 
     # --- what stays on the device ------------------------------------------------------
 
@@ -194,7 +235,7 @@ class DeviceArray:
         return len(self._host)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (_DLPACK_CUDA, 0)
+        return (_DLPACK_CUDA, self._gpu)
 
     def __dlpack__(self, stream: Any = None) -> DeviceArray:
         """The stand-in's capsule: the array itself, which only its device imports."""
@@ -206,20 +247,22 @@ class DeviceArray:
     def __getattr__(self, name: str) -> Any:
         attribute = getattr(self._host, name)
         if isinstance(attribute, numpy.ndarray):  # .T, .real, .base: views, on the device
-            return self._device._lift(attribute)
+            return self._device._lift(attribute, self._gpu)
         if attribute is None:  # .base of an array that owns its memory
             return None
         if not callable(attribute):  # .ctypes, .__array_interface__: host addresses
             raise AttributeError(f"DeviceArray has no attribute {name!r}")
-        return self._device._wrap(attribute, name)
+        return self._device._wrap(attribute, name, self)
 
     def __getitem__(self, index: Any) -> Any:
-        return self._device._lift(self._host[self._device._lower(index, "an index")])
+        return self._device._lift(self._host[self._device._lower(index, "an index")], self._gpu)
 
     def __setitem__(self, index: Any, value: Any) -> None:
-        self._device._kernel()
-        self._host[self._device._lower(index, "an index")] = self._device._lower(
-            value, "a value assigned to a device array"
+        device = self._device
+        device._kernel()
+        device._check_gpu(self._gpu, "a device array written")
+        self._host[device._lower(index, "an index")] = device._lower(
+            value, "a value assigned to a device array", kernel=True
         )
 
     # --- crossings (explicit, counted) -------------------------------------------------
@@ -241,7 +284,7 @@ class DeviceArray:
         def copy() -> None:
             target[...] = host
 
-        self._device._copy(copy, stream, blocking=stream is None, host=host)
+        self._device._copy(copy, stream, blocking=stream is None, host=host, gpu=self._gpu)
 
     def _scalar(self) -> Any:
         if self._host.size != 1:
@@ -284,7 +327,8 @@ def _operator(name: str) -> Callable[..., Any]:
     def apply(self: DeviceArray, *others: Any) -> Any:
         device = self._device
         device._kernel()
-        lowered = [device._lower(other, "an operand") for other in others]
+        device._check_gpu(self._gpu, "an operand")
+        lowered = [device._lower(other, "an operand", kernel=True) for other in others]
         return device._lift(getattr(self._host, name)(*lowered))
 
     apply.__name__ = name
@@ -317,8 +361,9 @@ class StrictDevice:
         self.pageable_async_copies = 0
         self._local = threading.local()
         self._all_streams: weakref.WeakSet[DeviceStream] = weakref.WeakSet()
-        self._null = DeviceStream(self)
+        self._nulls: dict[int, DeviceStream] = {}
         self.cuda = types.SimpleNamespace(
+            Device=partial(_Gpu, self),
             Stream=partial(DeviceStream, self),
             alloc_pinned_memory=_Pinned,
             get_current_stream=self.current_stream,
@@ -328,6 +373,21 @@ class StrictDevice:
                 as_strided=self._wrap(numpy.lib.stride_tricks.as_strided, "as_strided")
             )
         )
+
+    # --- GPUs -----------------------------------------------------------------------------
+
+    def current_gpu(self) -> int:
+        """The GPU current in this thread (``cuda.Device(i)``; 0 by default)."""
+        gpus: list[int] = getattr(self._local, "gpus", None) or [0]
+        return gpus[-1]
+
+    def _check_gpu(self, gpu: int, what: str) -> None:
+        current = self.current_gpu()
+        if gpu != current:
+            raise ValueError(
+                f"{what} belongs to GPU {gpu} while GPU {current} is current in this thread "
+                "(make it current with cuda.Device)"
+            )
 
     # --- crossings ----------------------------------------------------------------------
 
@@ -362,7 +422,7 @@ class StrictDevice:
         def copy() -> None:
             out[...] = source
 
-        self._copy(copy, stream, blocking=blocking, host=out)
+        self._copy(copy, stream, blocking=blocking, host=out, gpu=array._gpu)
         return out
 
     # --- streams -----------------------------------------------------------------------
@@ -374,9 +434,17 @@ class StrictDevice:
         return stack
 
     def current_stream(self) -> DeviceStream:
-        """The stream entered last in this thread, else the default one."""
-        stack = self._streams()
-        return stack[-1] if stack else self._null
+        """The stream entered last in this thread, else the current GPU's default one."""
+        gpu = self.current_gpu()
+        stack = [s for s in self._streams() if s.gpu == gpu]
+        return stack[-1] if stack else self._null(gpu)
+
+    def _null(self, gpu: int) -> DeviceStream:
+        """GPU ``gpu``'s default stream."""
+        if gpu not in self._nulls:
+            with _Gpu(self, gpu):
+                self._nulls[gpu] = DeviceStream(self)
+        return self._nulls[gpu]
 
     def synchronize(self) -> None:
         """Wait for every stream (``cupy.cuda.Device().synchronize()``)."""
@@ -389,9 +457,14 @@ class StrictDevice:
         (stream or self.current_stream()).synchronize()
 
     def _copy(
-        self, copy: Callable[[], None], stream: Any, *, blocking: bool, host: numpy.ndarray
+        self, copy: Callable[[], None], stream: Any, *, blocking: bool, host: numpy.ndarray,
+        gpu: int,
     ) -> None:
-        stream = stream or self.current_stream()
+        if stream is not None and stream.gpu != gpu:
+            raise ValueError(
+                f"a copy of an array of GPU {gpu} on a stream of GPU {stream.gpu}"
+            )
+        stream = stream or self._null(gpu)
         if blocking:
             stream.synchronize()
             copy()
@@ -425,24 +498,36 @@ class StrictDevice:
             return attribute  # dtypes, scalar types, constants
         return self._wrap(attribute, name)
 
-    def _wrap(self, function: Callable[..., Any], name: str) -> Callable[..., Any]:
+    def _wrap(
+        self, function: Callable[..., Any], name: str, owner: DeviceArray | None = None
+    ) -> Callable[..., Any]:
         touches_data = name not in _METADATA_ONLY
 
         def call(*args: Any, **kwargs: Any) -> Any:
             if touches_data:
                 self._kernel()
-            lowered_args = [self._lower(a, f"an argument of {name}()") for a in args]
-            lowered_kwargs = {k: self._lower(v, f"{k}= of {name}()") for k, v in kwargs.items()}
-            return self._lift(function(*lowered_args, **lowered_kwargs))
+                if owner is not None:
+                    self._check_gpu(owner._gpu, f"the array of {name}()")
+            lowered_args = [self._lower(a, f"an argument of {name}()", kernel=touches_data)
+                            for a in args]
+            lowered_kwargs = {k: self._lower(v, f"{k}= of {name}()", kernel=touches_data)
+                              for k, v in kwargs.items()}
+            result = function(*lowered_args, **lowered_kwargs)
+            # A view stays on its array's GPU; anything computed is on the current one.
+            views = [a for a in (owner, *args) if isinstance(a, DeviceArray)]
+            return self._lift(result, None if touches_data or not views else views[0]._gpu)
 
         call.__name__ = name
         return call
 
-    def _lower(self, value: Any, what: str) -> Any:
-        """A device array's private host array; host arrays refused."""
+    def _lower(self, value: Any, what: str, kernel: bool = False) -> Any:
+        """A device array's private host array; host arrays refused (and, for a
+        ``kernel``, arrays of another GPU than the current one)."""
         if isinstance(value, DeviceArray):
             if value._device is not self:
                 raise TypeError(f"{what} lives on another device")
+            if kernel:
+                self._check_gpu(value._gpu, what)
             return value._host
         if isinstance(value, numpy.ndarray):
             raise TypeError(
@@ -450,20 +535,21 @@ class StrictDevice:
                 "requires"
             )
         if isinstance(value, list | tuple):
-            return type(value)(self._lower(item, what) for item in value)
+            return type(value)(self._lower(item, what, kernel) for item in value)
         if isinstance(value, slice):
             return slice(*(self._lower(part, what) for part in (value.start, value.stop, value.step)))
         return value
 
-    def _lift(self, value: Any) -> Any:
+    def _lift(self, value: Any, gpu: int | None = None) -> Any:
+        """Device arrays of what numpy returned, on ``gpu`` (default: the current)."""
         if isinstance(value, numpy.ndarray):
-            return DeviceArray(self, value)
+            return DeviceArray(self, value, gpu)
         if isinstance(value, numpy.generic):
-            return DeviceArray(self, numpy.asarray(value))  # cupy reduces to 0-d arrays
+            return DeviceArray(self, numpy.asarray(value), gpu)  # cupy reduces to 0-d arrays
         if isinstance(value, tuple):
-            return tuple(self._lift(item) for item in value)
+            return tuple(self._lift(item, gpu) for item in value)
         if isinstance(value, list):
-            return [self._lift(item) for item in value]
+            return [self._lift(item, gpu) for item in value]
         return value
 
 

@@ -408,3 +408,46 @@ async def test_the_callers_queued_work_is_waited_for(
         assert [(i.tx_bytes, i.rx_bytes) for i in infos] == [(0, 0), (0, 0)], infos  # type: ignore[union-attr]
         for comm in comms:
             await comm.aclose()
+
+
+async def test_buffers_on_another_gpu_than_the_first(
+    cluster: Cluster, clock: object, device: Any
+) -> None:
+    """One process per GPU: each peer's buffers on its own GPU, which the threads that
+    stage and reduce them (created on GPU 0) must make current; the results are the
+    host path's, and a shared state syncs the same way."""
+    if counted(device):
+        gpus = [1, 2, 3]
+    else:
+        count = device.cuda.runtime.getDeviceCount()
+        if count < 2:
+            pytest.skip("needs two GPUs")
+        gpus = [i % count for i in range(1, 4)]
+    with trio.fail_after(120):
+        comms = await run(cluster, 3, device)
+        inputs = [values(np.float32, 5000, seed) for seed in range(3)]
+        reference = [x.copy() for x in inputs]
+        await run_all(comms, lambda i, c: c.all_reduce(reference[i]))
+        arrays = []
+        for gpu, x in zip(gpus, inputs, strict=True):
+            with device.cuda.Device(gpu):
+                arrays.append(device.asarray(x))
+        infos = await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
+        assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+        for array in arrays:
+            assert device.asnumpy(array).tobytes() == reference[0].tobytes()
+        quantization = pccl.QuantizationOptions(
+            quantized_datatype=pccl.DataType.UINT8, algorithm=pccl.QuantizationAlgorithm.MIN_MAX,
+        )
+        infos = await run_all(comms, lambda i, c: c.all_reduce(arrays[i], quantization=quantization))
+        assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+        states = []
+        for i, gpu in enumerate(gpus):
+            with device.cuda.Device(gpu):
+                data = device.asarray(np.full(70_000, 0.0 if i else 1.0, np.float32))
+            states.append(pccl.SharedState([pccl.TensorInfo("w", data)]))
+        infos = await sync_all(comms, states)
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        assert len({host(device, s.tensors[0].data).tobytes() for s in states}) == 1
+        for comm in comms:
+            await comm.aclose()
