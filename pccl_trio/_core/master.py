@@ -88,6 +88,7 @@ from .messages import (
     CollectiveComplete,
     CollectiveInitiate,
     Heartbeat,
+    Kick,
     LinkMeasured,
     Message,
     P2PEstablished,
@@ -427,8 +428,9 @@ class MasterCore:
             if isinstance(message, StatusRequest):
                 # An observer: one snapshot, then the connection ends.
                 refusal = self._table.observer_refusal(conn)
-                if refusal:
-                    self._table.kick(conn, refusal, KickCause.REFUSED)
+                if refusal:  # told why, but no kick of the run: it was never a peer
+                    self._table.actions.append(Send(conn=conn.conn, message=Kick(reason=refusal)))
+                    self._table.drop(conn, refusal)
                     return
                 self._table.actions.append(Send(conn=conn.conn, message=self.status()))
                 self._table.drop(conn, "status sent")

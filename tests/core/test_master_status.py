@@ -211,3 +211,25 @@ def test_the_screen_does_not_pass_control_characters_through() -> None:
     )
     screen = render(reply, "m:1")
     assert "\x1b" not in screen and "\x07" not in screen and "evil?[2J?" in screen
+
+
+def test_an_observer_without_an_allowed_identity_gets_nothing() -> None:
+    from pccl_trio._core.master import (
+        Close,
+        ConnectionOpened,
+        MasterCore,
+        MessageReceived,
+    )
+    from pccl_trio._core.messages import Kick
+
+    core = MasterCore(
+        heartbeat_interval=1.0, liveness_timeout=5.0, round_timeout=30.0, solve_seconds=1.0,
+        search_seconds=1.0, reference_bytes=1 << 20, stall_timeout=100.0, stall_warning=10.0,
+        allowed_identities=frozenset({bytes(32)}),
+    )
+    core.handle(ConnectionOpened(conn=1, host="10.0.0.9", identity=b""), 0.0)
+    actions = core.handle(MessageReceived(conn=1, message=StatusRequest()), 0.0)
+    sent = [a.message for a in actions if isinstance(a, Send)]
+    assert [type(m) for m in sent] == [Kick] and "identit" in sent[0].reason  # type: ignore[attr-defined]
+    assert any(isinstance(a, Close) for a in actions)
+    assert core.status().counts == ()  # an observer refused is not a kick of the run
