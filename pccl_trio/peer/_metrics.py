@@ -37,12 +37,14 @@ from .._errors import InvalidArgument
 from ..transport import parse_address
 
 __all__ = [
-    "NO_METRICS", "OUTCOMES", "MetricsEndpoint", "NoMetrics", "PeerMetrics", "metrics_for",
+    "NO_METRICS", "OUTCOMES", "SYNC_OUTCOMES", "MetricsEndpoint", "NoMetrics", "PeerMetrics", "metrics_for",
     "peer_metrics",
 ]
 
-#: How a call ended, as the ``outcome`` label says it.
+#: How an all-reduce ended, as the ``outcome`` label says it.
 OUTCOMES = ("success", "aborted", "rejected", "blocked", "failed")
+#: How a shared-state sync ended.
+SYNC_OUTCOMES = ("success", "rejected", "failed", "cancelled")
 #: Seconds: from a fast loopback all-reduce to a slow transfer over a WAN.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
             30.0, 60.0, 300.0)
@@ -106,7 +108,8 @@ class PeerMetrics(NoMetrics):
             ["outcome"], buckets=_BUCKETS, registry=registry,
         )
         self.sync_bytes = Counter(
-            "pccl_peer_shared_state_bytes", "Shared-state bytes sent and received, by direction.",
+            "pccl_peer_shared_state_bytes",
+            "Shared-state bytes of completed syncs, sent and received, by direction.",
             ["direction"], registry=registry,
         )
         self.reconnects = Counter(
@@ -120,7 +123,7 @@ class PeerMetrics(NoMetrics):
         }
         self._sent = self.all_reduce_bytes.labels("sent")
         self._received = self.all_reduce_bytes.labels("received")
-        for outcome in OUTCOMES:
+        for outcome in SYNC_OUTCOMES:
             self.syncs.labels(outcome)
         for direction in ("sent", "received"):
             self.sync_bytes.labels(direction)

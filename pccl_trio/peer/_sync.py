@@ -96,8 +96,12 @@ class SharedStateSync:
         started = time.perf_counter()
         try:
             info = await self._sync(state, strategy)
-        except Exception:
-            self._metrics.sync("failed", time.perf_counter() - started, 0, 0)
+        except BaseException as exc:
+            outcome = (
+                "rejected" if isinstance(exc, InvalidArgument)  # a bad state: it never ran
+                else "cancelled" if isinstance(exc, trio.Cancelled) else "failed"
+            )
+            self._metrics.sync(outcome, time.perf_counter() - started, 0, 0)
             raise
         self._metrics.sync("success", time.perf_counter() - started, info.tx_bytes, info.rx_bytes)
         return info

@@ -148,3 +148,22 @@ async def test_a_peer_serves_its_metrics_while_connected(nursery: trio.Nursery) 
         cluster.master_scope.cancel()
         with pytest.raises(urllib.error.URLError):  # closed with the communicator
             await trio.to_thread.run_sync(scrape, addresses[0])
+
+
+async def test_syncs_that_never_ran_or_were_cancelled_are_told_apart(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(120):
+        comms, registries = peers(cluster, 2)
+        comms = await form_run([], comms)
+        with pytest.raises(pccl.InvalidArgument):
+            await comms[0].sync_shared_state("not a shared state")  # type: ignore[arg-type]
+        state = pccl.SharedState([pccl.TensorInfo("w", np.zeros(10, np.float32))])
+        with trio.move_on_after(1.0):  # the other peer never syncs: give up waiting
+            await comms[0].sync_shared_state(state)
+        registry = registries[0]
+        assert sample(registry, "pccl_peer_shared_state_syncs_total", outcome="rejected") == 1
+        assert sample(registry, "pccl_peer_shared_state_syncs_total", outcome="cancelled") == 1
+        assert sample(registry, "pccl_peer_shared_state_syncs_total", outcome="success") == 0
+        for comm in comms:
+            await comm.aclose()
