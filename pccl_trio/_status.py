@@ -107,19 +107,11 @@ def _count(counts: Sequence[RunCount], event: str, label: str | None = None) -> 
     return sum(c.count for c in counts if c.event == event and (label is None or c.label == label))
 
 
-def _printable(text: str) -> str:
-    """``text`` without control characters (hosts and reasons come from peers: they
-    must not drive the terminal)."""
-    return "".join(c if c.isprintable() else "?" for c in text)
-
-
 def render(reply: StatusReply, address: str) -> str:
-    """A screen of text about the run (see the module docstring)."""
-    return _printable_lines(_render(reply, address))
-
-
-def _printable_lines(text: str) -> str:
-    return "\n".join(_printable(line) for line in text.split("\n"))
+    """A screen of text about the run (see the module docstring), without control
+    characters but its line breaks (hosts and reasons come from peers: they must not
+    drive the terminal)."""
+    return "".join(c if c.isprintable() or c == "\n" else "?" for c in _render(reply, address))
 
 
 def _render(reply: StatusReply, address: str) -> str:

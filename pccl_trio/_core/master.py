@@ -343,13 +343,12 @@ class MasterCore:
             accepted.setdefault(peer.peer_group, []).append(peer.peer_id)
         groups = []
         for group, members in sorted(accepted.items()):
-            view = self._optimizer.topology(group)
+            ring, predicted = self._optimizer.ring(group)
             revision = self._syncs.expected(group)
             groups.append(GroupStatus(
-                group=group, world=len(members), ring=view.ring,
+                group=group, world=len(members), ring=ring,
                 stale=group in self._book.stale_groups,
-                predicted_seconds=view.predicted_seconds
-                if math.isfinite(view.predicted_seconds) else -1.0,
+                predicted_seconds=predicted if math.isfinite(predicted) else -1.0,
                 has_revision=revision is not None, revision=revision or 0,
             ))
         peers = [

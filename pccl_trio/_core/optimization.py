@@ -505,11 +505,20 @@ class Optimizer:
 
     def topology(self, peer_group: int) -> TopologyView:
         """The links measured among ``peer_group``'s accepted peers and its ring."""
+        members, ring = self._members_and_ring(peer_group)
+        return self._links.view(peer_group, members, ring)
+
+    def ring(self, peer_group: int) -> tuple[tuple[int, ...], float]:
+        """``peer_group``'s ring among its accepted peers, and its predicted seconds for
+        the reference size (``inf``: some link of it unmeasured); no link matrices."""
+        members, ring = self._members_and_ring(peer_group)
+        return ring, self._links.predicted(peer_group, members, ring)
+
+    def _members_and_ring(self, peer_group: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         members = tuple(sorted(
             p.peer_id for p in self._table.accepted() if p.peer_group == peer_group
         ))
-        ring = tuple(p for p in self._book.rings.get(peer_group, ()) if p in members)
-        return self._links.view(peer_group, members, ring)
+        return members, tuple(p for p in self._book.rings.get(peer_group, ()) if p in members)
 
     # --- removal and time ------------------------------------------------------------
 

@@ -173,7 +173,6 @@ class MetricsEndpoint:
     def __init__(self, host: str = "", port: int = 0, registry: Any = None) -> None:
         self._host, self._port, self._registry = host, port, registry
         self._server: Any = None
-        self._thread: threading.Thread | None = None
         self.address: tuple[str, int] | None = None
 
     def start(self) -> None:
@@ -186,7 +185,8 @@ class MetricsEndpoint:
             return
         from prometheus_client import start_http_server
 
-        self._server, self._thread = start_http_server(self._port, self._host, self._registry)
+        # Its thread is a daemon that ends with the server's loop (``aclose``).
+        self._server, _thread = start_http_server(self._port, self._host, self._registry)
         self.address = self._server.server_address[:2]
 
     async def aclose(self) -> None:
