@@ -665,15 +665,15 @@ class AllReduceAttempt:
             self.codec is None and self.xp is np and len(links) == len(connections)
             and len(self._result_bytes) <= FORWARD_MAX_BYTES
         )
-        async with trio.open_nursery() as nursery:
-            if forward:
-                self._forward_from_here(links)
-                while (
-                    (self._progress.remaining or self._unsent) and not self._need_senders
-                    and self.failure is None and self.live
-                ):
-                    await self._lot.park()
-            if not forward or self._need_senders and self.failure is None and self.live:
+        if forward:
+            self._forward_from_here(links)
+            while (
+                (self._progress.remaining or self._unsent) and not self._need_senders
+                and self.failure is None and self.live
+            ):
+                await self._lot.park()
+        if not forward or self._need_senders and self.failure is None and self.live:
+            async with trio.open_nursery() as nursery:
                 for connection, slices in zip(
                     connections, self._plan(len(connections)), strict=True
                 ):

@@ -14,9 +14,11 @@ whatever happens). One call is one *attempt*:
 3. The vote (``CollectiveInitiate``) carries the call's descriptor; the master answers
    with ``CollectiveCommence`` once every peer of the group voted alike, or at once with
    a verdict (the peers disagree, a peer votes for something else, the ring is stale).
-4. Commenced, this peer sends its part (``AllReduceAttempt.send_all``) while watching
-   for the master's ``CollectiveAbort``; it reports ``CollectiveComplete`` and waits for
-   the verdict, which is the same on every peer.
+4. Commenced, this peer sends its part (``AllReduceAttempt.send_all``); the master's
+   ``CollectiveAbort``, the loss of the master and the end of the run stop it where it
+   is (routes and hooks of the session, run as each arrives: no task watches for them).
+   It reports ``CollectiveComplete`` and waits for the verdict, which is the same on
+   every peer.
 5. The attempt ends: no more writes, no more frames routed to it. On an aborted
    verdict the ring is marked stale at once, the input is restored, and the last
    attempt of a failed set re-establishes the ring (unless that was done since) so
@@ -180,6 +182,11 @@ class AllReduces:
         self._receiver = receiver
         self._membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
+        # The commenced attempts sending their part, by (tag, seq).
+        self._parts: dict[tuple[int, int], _Part] = {}
+        self._session.route(CollectiveAbort, self._on_abort)
+        self._session.on_away(self._on_master_lost)
+        self._life.on_failure(self._on_run_over)
 
     def check_idle(self, call: str) -> None:
         """Connected, with no all-reduce in flight (``call`` is the call asking)."""
@@ -598,47 +605,79 @@ class AllReduces:
 
     async def _run_ring(self, attempt: AllReduceAttempt) -> bool:
         """This peer's part of a commenced attempt, reported to the master with
-        ``CollectiveComplete``; True if it completed locally. A part that ends on its
-        own is reported at once, while the abort watcher still runs; if the master's
-        abort came first, it is reported aborted once the watcher is down."""
+        ``CollectiveComplete``; True if it completed locally. The master's abort stops
+        the part where it is (``_on_abort``), and it is reported aborted; the loss of
+        the master or the end of the run stop it too, and raise (no report: the master
+        that commenced it is gone).
+
+        Raises:
+            MasterLost: the master was lost while the part ran.
+            PCCLError: the run is over for this peer.
+        """
+        self._life.raise_if_failed()
         successor = attempt.successor
         connections = self._p2p.successor_connections(successor)
         if not connections:
             attempt.fail(f"no open connection to the next peer ({successor})")
-        master_error: PCCLError | None = None
-        report_error: PCCLError | None = None
-        ok = reported = False
-        async with trio.open_nursery() as nursery:
-
-            async def watch_for_abort() -> None:
-                nonlocal master_error
+        part = self._parts[attempt.tag, attempt.seq] = _Part(attempt)
+        if self._session.away:  # lost since the commence came
+            part.master_lost = True
+            part.stop()
+        ok = False
+        try:
+            with part.scope:
                 try:
-                    await self._session.wait_for(
-                        CollectiveAbort, lambda m: m.tag == attempt.tag and m.seq == attempt.seq
-                    )
-                except PCCLError as exc:
-                    master_error = exc
-                attempt.stop()  # aborted: no more writes, whatever is in flight
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watch_for_abort)
-            try:
-                await attempt.send_all(connections)
-                ok = True
-            except LocalFailure as exc:
-                log.info("peer %s: tag %d failed locally: %s", self._session.peer_id, attempt.tag, exc)
-            ok = ok and attempt.live
-            try:
-                await self._complete(attempt, ok)
-                reported = True
-            except PCCLError as exc:  # raised below, not grouped by the nursery
-                report_error = exc
-            nursery.cancel_scope.cancel()
-        if master_error is not None:
-            raise master_error
-        if report_error is not None:
-            raise report_error
-        if not reported:  # the master's abort stopped it
-            ok = False
-            await self._complete(attempt, ok)
+                    await attempt.send_all(connections)
+                    ok = True
+                except LocalFailure as exc:
+                    log.info("peer %s: tag %d failed locally: %s", self._session.peer_id,
+                             attempt.tag, exc)
+        finally:
+            del self._parts[attempt.tag, attempt.seq]
+        self._life.raise_if_failed()
+        if part.master_lost:
+            raise MasterLost(
+                f"lost the master at {self._session.address} during the all-reduce with "
+                f"tag {attempt.tag}"
+            )
+        ok = ok and attempt.live
+        await self._complete(attempt, ok)
         return ok
+
+    # --- what stops a part (called by the session, never blocking) --------------------------
+
+    def _on_abort(self, message: CollectiveAbort) -> None:
+        """The master aborted an attempt (a route of the session: applied as the abort
+        arrives). A part running stops where it is; an attempt commenced whose part has
+        not started yet is stopped, so its part fails at once; one that ended is told
+        by the verdict."""
+        part = self._parts.get((message.tag, message.seq))
+        if part is not None:
+            part.stop()
+            return
+        attempt = self._receiver.by_tag.get(message.tag)
+        if attempt is not None and attempt.seq == message.seq:
+            attempt.stop()
+
+    def _on_master_lost(self) -> None:
+        for part in self._parts.values():
+            part.master_lost = True
+            part.stop()
+
+    def _on_run_over(self) -> None:
+        for part in self._parts.values():
+            part.stop()
+
+
+class _Part:
+    """A commenced attempt's part while it runs: ``stop`` ends the attempt and
+    cancels the task sending it."""
+
+    def __init__(self, attempt: AllReduceAttempt) -> None:
+        self.attempt = attempt
+        self.scope = trio.CancelScope()
+        self.master_lost = False
+
+    def stop(self) -> None:
+        self.attempt.stop()  # no more writes, whatever is in flight
+        self.scope.cancel()

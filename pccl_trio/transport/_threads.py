@@ -16,12 +16,12 @@ reproducible (a keepalive is not needed there: the loop never really blocks).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
 import outcome
 import trio
-from trio.testing import MockClock
 
 __all__ = ["hash_threads", "run_in_thread", "run_off_loop", "threads_allowed"]
 
@@ -32,8 +32,14 @@ MAX_HASH_THREADS = 8
 
 
 def threads_allowed() -> bool:
-    """Whether work may leave the trio thread: only while the run keeps real time."""
-    return not isinstance(trio.lowlevel.current_clock(), MockClock)
+    """Whether work may leave the trio thread: only while the run keeps real time.
+
+    A virtual clock is a ``trio.testing.MockClock``, which exists only once
+    ``trio.testing`` was imported; this module does not import it (it would load pytest
+    into every process).
+    """
+    testing = sys.modules.get("trio.testing")
+    return testing is None or not isinstance(trio.lowlevel.current_clock(), testing.MockClock)
 
 
 def hash_threads() -> int:

@@ -475,3 +475,64 @@ async def test_a_replaced_connection_failing_late_aborts_nothing(
         assert all((x == 3).all() for x in arrays)
         for comm in (a, b):
             await comm.aclose()
+
+
+async def test_an_abort_that_arrives_before_the_part_starts_stops_it(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The master's abort may be read before the task of a commenced attempt runs (a
+    peer died just after the commence). That peer's part must end at once, not wait
+    for data its neighbours, aborted, never send; every peer gets the abort and its
+    input back. The victim is no neighbour of the late peer: no broken link tells it."""
+    from pccl_trio._core.messages import CollectiveAbort
+
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(4)])
+        late = comms[0]
+        by_id = {c.peer_id: c for c in comms}
+        ring = list(late.ring)
+        victim = by_id[ring[(ring.index(late.peer_id) + 2) % len(ring)]]
+        all_reduces = late._all_reduces  # type: ignore[attr-defined]
+        real_run_ring, real_on_abort = all_reduces._run_ring, all_reduces._on_abort
+        aborts_read: dict[int, trio.Event] = {}
+        held = 0
+
+        def on_abort(message: CollectiveAbort) -> None:
+            real_on_abort(message)
+            aborts_read.setdefault(message.seq, trio.Event()).set()
+
+        async def run_ring_late(attempt: object) -> object:
+            nonlocal held
+            if not held:  # the first part waits until the master's abort of it was read
+                await aborts_read.setdefault(attempt.seq, trio.Event()).wait()  # type: ignore[attr-defined]
+                held += 1
+            return await real_run_ring(attempt)
+
+        late._session.route(CollectiveAbort, on_abort)  # type: ignore[attr-defined]
+        monkeypatch.setattr(all_reduces, "_run_ring", run_ring_late)
+        data = [np.full(10_000, float(i + 1), dtype=np.float32) for i in range(4)]
+        arrays = [d.copy() for d in data]
+        results: dict[int, object] = {}
+
+        async def one(i: int) -> None:
+            try:
+                results[i] = await comms[i].all_reduce(arrays[i])
+            except pccl.PCCLError as exc:
+                results[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+            while (attempt := PeerSeam(late).attempt(0)) is None or not attempt.seq:
+                await trio.lowlevel.checkpoint()
+            await cluster.kill(f"p{comms.index(victim)}", victim)
+        assert held == 1
+        survivors = [i for i, c in enumerate(comms) if c is not victim]
+        assert all(isinstance(results[i], pccl.CollectiveAborted) for i in survivors), results
+        assert all(arrays[i].tobytes() == data[i].tobytes() for i in survivors)
+        # The ring was re-established: a retry runs on the three survivors.
+        infos = await run_all([comms[i] for i in survivors],
+                              lambda k, c: c.all_reduce(arrays[comms.index(c)]))
+        assert all(isinstance(i, pccl.ReduceInfo) and i.world_size == 3 for i in infos), infos
+        for comm in (comms[i] for i in survivors):
+            await comm.aclose()
