@@ -328,8 +328,12 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                         f"{size / ours * factor / 1e9:>11.3f}")
                 if args.gloo or len(variants) > 1:
                     line += f" {anchor / ours:>11.2f}x"
+                # Each repeat's median too: the spread between launches, and the ratio
+                # of the launches run side by side (they share the machine's moment).
+                row["pccl_trio_repeats_s"] = medians[label][size]
                 if args.gloo:
-                    row.update(gloo_s=anchor, gloo_busbw=size / anchor * factor)
+                    row.update(gloo_s=anchor, gloo_busbw=size / anchor * factor,
+                               gloo_repeats_s=medians["gloo"][size])
                 print(line)
                 rows.append(row)
             if args.gloo:

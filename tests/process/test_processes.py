@@ -240,6 +240,8 @@ def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> N
         rows = rows[::2]
     assert [(r["world"], r["size"]) for r in rows] == [(2, 4096), (2, 12288)]
     assert all(r["pccl_trio_s"] > 0 and r["pccl_trio_busbw"] > 0 for r in rows)
+    # One repeat: its median is the row's median.
+    assert all(r["pccl_trio_repeats_s"] == [r["pccl_trio_s"]] for r in rows)
 
 
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc (network namespaces)")
