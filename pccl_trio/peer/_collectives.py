@@ -620,7 +620,7 @@ class AllReduces:
         if not connections:
             attempt.fail(f"no open connection to the next peer ({successor})")
         part = self._parts[attempt.tag, attempt.seq] = _Part(attempt)
-        if self._session.away:  # lost since the commence came
+        if self._session.away:  # a commence a lost link's reader delivered late
             part.master_lost = True
             part.stop()
         ok = False
@@ -649,8 +649,9 @@ class AllReduces:
     def _on_abort(self, message: CollectiveAbort) -> None:
         """The master aborted an attempt (a route of the session: applied as the abort
         arrives). A part running stops where it is; an attempt commenced whose part has
-        not started yet is stopped, so its part fails at once; one that ended is told
-        by the verdict."""
+        not started yet is stopped, so its part fails at once. (An attempt whose part
+        ended is stopped too, harmlessly: the master aborts only peers that did not
+        complete, and the verdict after an abort is never a success.)"""
         part = self._parts.get((message.tag, message.seq))
         if part is not None:
             part.stop()
@@ -660,12 +661,12 @@ class AllReduces:
             attempt.stop()
 
     def _on_master_lost(self) -> None:
-        for part in self._parts.values():
+        for part in list(self._parts.values()):
             part.master_lost = True
             part.stop()
 
     def _on_run_over(self) -> None:
-        for part in self._parts.values():
+        for part in list(self._parts.values()):
             part.stop()
 
 
