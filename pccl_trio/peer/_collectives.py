@@ -182,8 +182,8 @@ class AllReduces:
         self._receiver = receiver
         self._membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
-        # The commenced attempts sending their part, by (tag, seq).
-        self._parts: dict[tuple[int, int], _Part] = {}
+        # The commenced attempts sending their part, by tag (one attempt per tag).
+        self._parts: dict[int, _Part] = {}
         self._session.route(CollectiveAbort, self._on_abort)
         self._session.on_away(self._on_master_lost)
         self._life.on_failure(self._on_run_over)
@@ -619,7 +619,7 @@ class AllReduces:
         connections = self._p2p.successor_connections(successor)
         if not connections:
             attempt.fail(f"no open connection to the next peer ({successor})")
-        part = self._parts[attempt.tag, attempt.seq] = _Part(attempt)
+        part = self._parts[attempt.tag] = _Part(attempt)
         if self._session.away:  # a commence a lost link's reader delivered late
             part.master_lost = True
             part.stop()
@@ -633,7 +633,7 @@ class AllReduces:
                     log.info("peer %s: tag %d failed locally: %s", self._session.peer_id,
                              attempt.tag, exc)
         finally:
-            del self._parts[attempt.tag, attempt.seq]
+            del self._parts[attempt.tag]
         self._life.raise_if_failed()
         if part.master_lost:
             raise MasterLost(
@@ -648,25 +648,29 @@ class AllReduces:
 
     def _on_abort(self, message: CollectiveAbort) -> None:
         """The master aborted an attempt (a route of the session: applied as the abort
-        arrives). A part running stops where it is; an attempt commenced whose part has
-        not started yet is stopped, so its part fails at once. (An attempt whose part
-        ended is stopped too, harmlessly: the master aborts only peers that did not
-        complete, and the verdict after an abort is never a success.)"""
-        part = self._parts.get((message.tag, message.seq))
+        arrives). The attempt is stopped, from its commence (registered with the
+        receiver) to its end: a part running stops where it is, one not started yet
+        fails at once. (An attempt whose part ended is stopped too, harmlessly: the
+        master aborts only peers that did not complete, and the verdict after an abort
+        is never a success.)"""
+        attempt = self._receiver.by_tag.get(message.tag)
+        if attempt is None or attempt.seq != message.seq:
+            return  # over already (its verdict tells), or an older attempt's abort
+        part = self._parts.get(message.tag)
         if part is not None:
             part.stop()
-            return
-        attempt = self._receiver.by_tag.get(message.tag)
-        if attempt is not None and attempt.seq == message.seq:
+        else:
             attempt.stop()
 
     def _on_master_lost(self) -> None:
-        for part in list(self._parts.values()):
-            part.master_lost = True
-            part.stop()
+        self._stop_parts(master_lost=True)
 
     def _on_run_over(self) -> None:
+        self._stop_parts(master_lost=False)
+
+    def _stop_parts(self, *, master_lost: bool) -> None:
         for part in list(self._parts.values()):
+            part.master_lost = part.master_lost or master_lost
             part.stop()
 
 
