@@ -92,7 +92,9 @@ def byte_view(xp: ArrayModule, array: Array) -> memoryview:
 
 def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
     """View a DLPack exporter as a numpy array (host memory) or a cupy array (GPU memory)."""
-    from_torch = type(obj).__module__.startswith("torch")
+    # A torch tensor, subclasses included (torch is imported if the caller made one).
+    torch = sys.modules.get("torch")
+    from_torch = torch is not None and isinstance(obj, torch.Tensor)
     if from_torch and getattr(obj, "requires_grad", False):
         # A model's parameter: its data, the same memory, written outside autograd as an
         # optimizer's step is (DLPack refuses a tensor that requires grad).

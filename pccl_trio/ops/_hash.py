@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy
 
 from ._buffers import Array, ArrayModule
+from ._crossings import CROSSINGS
 
 __all__ = ["simplehash"]
 
@@ -159,6 +160,7 @@ def simplehash(xp: ArrayModule, array: Array, *, threads: int = 1) -> int:
     tail = data[n_vec * 16 :]
     if xp is not numpy:  # the last few bytes, from the device
         tail = xp.asnumpy(tail)
+        CROSSINGS.to_host(tail.nbytes)
     tail_bytes = bytes(numpy.asarray(tail))
     for offset in range(0, len(tail_bytes) - len(tail_bytes) % 4, 4):
         h = _combine_int(h, int.from_bytes(tail_bytes[offset : offset + 4], "little"))

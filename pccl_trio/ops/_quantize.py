@@ -50,6 +50,7 @@ from .._core.errors import RemoteProtocolError
 from .._errors import InvalidArgument
 from .._types import DataType, DistributionHint, QuantizationAlgorithm, ReduceOp
 from ._buffers import Array, ArrayModule
+from ._crossings import CROSSINGS
 from ._dtypes import from_numpy_dtype, to_numpy_dtype
 from ._kernels import UFUNC_NAMES
 
@@ -180,6 +181,21 @@ class Codec:
             NonFiniteData: ``values`` holds NaN or inf, or spans more than float64 holds.
             ValueError: ``block`` has the wrong size.
         """
+        return self._encode(values, block)[0]
+
+    def encode_own(self, values: Array, block: numpy.ndarray) -> int:
+        """``encode``, then write into ``values`` what decoding ``block`` gives (what
+        every peer that receives the block will hold). On a GPU the codes are decoded
+        where they were made: they cross to the host once, and never back."""
+        clamped, codes = self._encode(values, block)
+        if values.size:
+            with numpy.errstate(all="ignore"):
+                self.xp.copyto(values, self._decoded(block, codes), casting="unsafe")
+        return clamped
+
+    def _encode(self, values: Array, block: numpy.ndarray) -> tuple[int, Array | None]:
+        """``encode``'s work; also the codes on the device (None for host buffers, or
+        when none were computed there)."""
         count = int(values.size)
         if block.size != self.block_bytes(count):
             raise ValueError(
@@ -189,7 +205,7 @@ class Codec:
         codes = block[META_BYTES:].view(self.code_dtype)
         if count == 0:
             meta[:] = 0.0
-            return 0
+            return 0, None
         with numpy.errstate(all="ignore"):
             lo, hi = float(values.min()), float(values.max())
             if not (math.isfinite(lo) and math.isfinite(hi)):
@@ -202,14 +218,14 @@ class Codec:
 
     def _encode_min_max(
         self, x: Array, lo: float, hi: float, meta: numpy.ndarray, codes: numpy.ndarray
-    ) -> int:
+    ) -> tuple[int, Array | None]:
         span = hi - lo
         if not math.isfinite(span):
             raise NonFiniteData(f"the values span {lo} .. {hi}, more than float64 can hold")
         if span == 0.0:
             meta[:] = (lo, 0.0)  # constant: decodes to lo exactly
             codes[:] = 0
-            return 0
+            return 0, None
         # The smallest step whose Q steps cover the span, so that max(x) maps to a code <= Q
         # (which matters when the step is so small that its rounding is a large part of it).
         step = _at_least(span / self.levels, span, self.levels, numpy.float64)
@@ -219,20 +235,20 @@ class Codec:
         c = compute.type
         t = self.xp.subtract(x, c(lo), dtype=compute)
         t /= c(step)
-        self._store_codes(t, codes)
+        on_device = self._store_codes(t, codes)
         meta[:] = (lo, step)
-        return 0
+        return 0, on_device
 
     def _encode_zero_point(
         self, x: Array, lo: float, hi: float, meta: numpy.ndarray, codes: numpy.ndarray
-    ) -> int:
+    ) -> tuple[int, Array | None]:
         xp = self.xp
         if lo == hi:
             # Constant: one code away from the zero point, with the value as the scale.
             scale, zero_point = (abs(lo), 0.0 if lo > 0 else 1.0) if lo else (1.0, 0.0)
             meta[:] = (scale, zero_point)
             codes[:] = int(zero_point) + (1 if lo > 0 else -1 if lo < 0 else 0)
-            return 0
+            return 0, None
         low, high = lo, hi
         if self.hint is DistributionHint.NORMAL:
             low, high = self._normal_range(x, lo, hi)
@@ -257,9 +273,9 @@ class Codec:
         clamped = 0
         if low > lo or high < hi:
             clamped = int(xp.count_nonzero(t < 0)) + int(xp.count_nonzero(t > self.levels))
-        self._store_codes(t, codes, rounded=True)
+        on_device = self._store_codes(t, codes, rounded=True)
         meta[:] = (scale, zero_point)
-        return clamped
+        return clamped, on_device
 
     def _normal_range(self, x: Array, lo: float, hi: float) -> tuple[float, float]:
         """``mean ± NORMAL_RANGE_SIGMAS * sigma`` of ``x`` within ``[lo, hi]``, computed on
@@ -309,22 +325,27 @@ class Codec:
             return _FLOAT32
         return _FLOAT64
 
-    def _store_codes(self, t: Array, codes: numpy.ndarray, *, rounded: bool = False) -> None:
-        """Round (unless done), clip to ``[0, Q]`` and narrow ``t`` into ``codes``."""
+    def _store_codes(self, t: Array, codes: numpy.ndarray, *, rounded: bool = False) -> Array | None:
+        """Round (unless done), clip to ``[0, Q]`` and narrow ``t`` into ``codes``; on a
+        GPU, return the codes as computed there."""
         xp = self.xp
         if not rounded:
             xp.rint(t, out=t)
         xp.clip(t, 0, self.levels, out=t)
         if xp is numpy:
             codes[:] = t  # exact: integral values in range
-        else:  # pragma: no cover - needs a GPU
-            codes[:] = xp.asnumpy(t.astype(self.code_dtype))
+            return None
+        on_device = t.astype(self.code_dtype)
+        codes[:] = xp.asnumpy(on_device)
+        CROSSINGS.to_host(codes.nbytes)
+        return on_device
 
     # --- decoding --------------------------------------------------------------------
 
-    def _decoded(self, block: numpy.ndarray) -> Array:
+    def _decoded(self, block: numpy.ndarray, on_device: Array | None = None) -> Array:
         """The block's values in its compute dtype (a new array), clipped to the buffer
-        dtype's finite range. Runs under ``numpy.errstate(all="ignore")``.
+        dtype's finite range; from ``on_device`` if given (the block's codes, already
+        where the buffers are). Runs under ``numpy.errstate(all="ignore")``.
 
         Raises:
             RemoteProtocolError: the metadata is not a valid encoding's.
@@ -332,8 +353,11 @@ class Codec:
         xp = self.xp
         first, second = (float(v) for v in block[:META_BYTES].view(_META))
         codes = block[META_BYTES:].view(self.code_dtype)
-        if xp is not numpy:  # pragma: no cover - needs a GPU
+        if on_device is not None:
+            codes = on_device
+        elif xp is not numpy:
             codes = xp.asarray(codes)
+            CROSSINGS.to_device(codes.nbytes)
         if self.algorithm is QuantizationAlgorithm.MIN_MAX:
             lo, step = first, second
             if not (math.isfinite(lo) and math.isfinite(step) and step >= 0.0):

@@ -394,8 +394,7 @@ class AllReduceAttempt:
         if self.op is ReduceOp.AVG:
             finalize_average(self.xp, target, self.schedule.world)
         own = self._block(self.schedule.world - 1, index)
-        clamped = codec.encode(target, own)
-        codec.decode(own, target)
+        clamped = codec.encode_own(target, own)
         if clamped:
             with self._lock:
                 self.clamped += clamped

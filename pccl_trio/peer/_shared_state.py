@@ -63,7 +63,7 @@ from .._core.messages import (
 from .._core.records import MAX_SEQUENCE, U64_MAX
 from .._errors import InvalidArgument
 from .._types import SharedState, TensorInfo
-from ..ops import Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash
+from ..ops import CROSSINGS, Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash
 from ._protocol import Protocol, ReceiveHeader, ReceiveMessage, ReceivePayload, Send, SendData
 from ._staging import HostStaging, Lander, gpu_of, staging_for
 
@@ -145,6 +145,7 @@ class Tensor:
         a GPU)."""
         if self.xp is numpy:
             return byte_view(numpy, self.raw)[offset : offset + nbytes]
+        CROSSINGS.to_host(nbytes)
         return memoryview(self.xp.asnumpy(self.raw[offset : offset + nbytes]))
 
 

@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from ..ops import CROSSINGS
+
 __all__ = [
     "BufferPool", "DeviceStaging", "HostStaging", "Lander", "Sender", "Staging", "gpu_of",
     "staging_for",
@@ -181,6 +183,7 @@ class _DeviceSender(Sender):
     def _start(self, data: Any, buffer: Any) -> Any:
         out = buffer[: data.size]
         self._staging.xp.asnumpy(data, stream=self._stream, out=out, blocking=False)
+        CROSSINGS.to_host(data.nbytes)
         return out
 
     def host(self, data: Any, key: object = None) -> memoryview:
@@ -234,6 +237,7 @@ class _DeviceLander(Lander):
 
     def landed(self, target: Any, room: memoryview) -> None:
         target.set(self._pinned[self._next][: target.size], stream=self._stream)
+        CROSSINGS.to_device(target.nbytes)
         self._copies[self._next] = self._stream.record()
         self._next = 1 - self._next
 
@@ -307,6 +311,7 @@ class DeviceStaging(HostStaging):
         inside ``working()``, which orders the kernels after the copy."""
         data = self._scratch(payload.size)
         data.set(payload, stream=self._stream())
+        CROSSINGS.to_device(payload.nbytes)
         return data
 
     @contextlib.contextmanager

@@ -26,7 +26,7 @@ import pccl_trio as pccl
 from pccl_trio.peer._staging import _DeviceSender
 from pccl_trio.testing import StrictDevice
 
-from .conftest import Cluster, die_mid_all_reduce, form_run, joined, run_all, sync_all
+from .conftest import CONFIGS, Cluster, die_mid_all_reduce, form_run, joined, run_all, sync_all
 from .test_shared_state import kill_during_fetch
 
 #: Small slices: many per segment, so each sender stages several in a row.
@@ -39,6 +39,19 @@ DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64, np.uint8]
 @pytest.fixture(params=["memory", "tcp"])
 def network_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
+
+
+@pytest.fixture
+def master_config(network_kind: str, request: pytest.FixtureRequest) -> pccl.Config:
+    """The cluster's master config; on a real GPU over TCP with a longer liveness
+    timeout: those tests push hundreds of MB through one process that holds three peers
+    and computes the host reference, and a loaded machine (tests in parallel) can hold a
+    heartbeat back past the 2 s the other TCP tests allow."""
+    config = CONFIGS[network_kind]
+    callspec = getattr(request.node, "callspec", None)
+    if network_kind == "tcp" and callspec is not None and callspec.params.get("device") == "cuda":
+        config = dataclasses.replace(config, liveness_timeout=30.0)
+    return config
 
 
 def _gpu() -> Any:
@@ -449,5 +462,58 @@ async def test_buffers_on_another_gpu_than_the_first(
         infos = await sync_all(comms, states)
         assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
         assert len({host(device, s.tensors[0].data).tobytes() for s in states}) == 1
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_the_crossing_counters_count_what_the_device_copies(
+    cluster: Cluster, clock: object
+) -> None:
+    """``ops.CROSSINGS`` (what the benchmark reports as PCIe bytes on a GPU) moves by
+    what the stand-in saw cross, for a plain all-reduce, a quantized one and a
+    shared-state sync with a device joiner: all but the few scalars read back per
+    block encoded or tensor hashed."""
+    from pccl_trio.ops import CROSSINGS
+
+    device = StrictDevice()
+    with pytest.MonkeyPatch.context() as patch, trio.fail_after(120):
+        patch.setitem(sys.modules, "cupy", device)
+        comms = await run(cluster, 3)
+        arrays = [device.asarray(values(np.float32, 10_000, seed)) for seed in range(3)]
+
+        async def measured(call: Any) -> tuple[int, int, int, int]:
+            ours = CROSSINGS.snapshot()
+            seen = device.to_host_bytes, device.to_device_bytes
+            await run_all(comms, call)
+            now = CROSSINGS.snapshot()
+            return (now[0] - ours[0], now[1] - ours[1],
+                    device.to_host_bytes - seen[0], device.to_device_bytes - seen[1])
+
+        to_host, to_device, seen_host, seen_device = await measured(
+            lambda i, c: c.all_reduce(arrays[i]))
+        assert (to_host, to_device) == (seen_host, seen_device) != (0, 0)
+        quantization = pccl.QuantizationOptions(
+            quantized_datatype=pccl.DataType.UINT8, algorithm=pccl.QuantizationAlgorithm.MIN_MAX,
+        )
+        to_host, to_device, seen_host, seen_device = await measured(
+            lambda i, c: c.all_reduce(arrays[i], quantization=quantization))
+        # Each peer encodes its two reduce-scatter segments and its own chunk (a code
+        # byte per value: all of its 10 000), a block per slice, reading back a float32
+        # minimum and maximum for each.
+        blocks = 3 * 3 * -(-(-(-10_000 // 3) * 4) // SLICES)
+        assert to_device == seen_device
+        # Each peer copies to the device the codes it receives, 2(W-1)/W of its values,
+        # 40 000 over the three (its own chunk's codes, decoded where they were made,
+        # never come back).
+        assert to_device == 40_000
+        assert 3 * 10_000 <= to_host <= seen_host <= to_host + 8 * blocks, (to_host, seen_host)
+        states = [device_state(device, 1), device_state(device, 1, on_device=False),
+                  device_state(device, 5, zero=True)]
+        to_host, to_device, seen_host, seen_device = await measured(
+            lambda i, c: c.sync_shared_state(states[i]))
+        assert to_device == seen_device
+        assert to_host <= seen_host <= to_host + 16 * 3 * len(states[0].tensors)  # hashes' scalars
+        assert to_device >= sum(t.data.nbytes for t in states[2].tensors
+                                if not t.allow_content_inequality)
         for comm in comms:
             await comm.aclose()

@@ -157,6 +157,17 @@ def test_quantization_encodes_on_the_device_and_only_the_codes_cross(
     device_codec.decode_combine(device_block, device_out, on_device_local, ReduceOp.SUM)
     host_codec.decode_combine(host_block, host_out, local, ReduceOp.SUM)
     assert device.asnumpy(device_out).tobytes() == host_out.tobytes()
+    # An owner encoding its own chunk keeps what the others will decode: the same block
+    # and values on both, and on the device no code comes back from the host.
+    own_host, own_device = local.copy(), device.asarray(local)
+    host_own_block, device_own_block = numpy.empty_like(host_block), numpy.empty_like(host_block)
+    device.to_device_bytes = 0
+    assert (device_codec.encode_own(own_device, device_own_block)
+            == host_codec.encode_own(own_host, host_own_block))
+    assert device.to_device_bytes == 0
+    assert device_own_block.tobytes() == host_own_block.tobytes()
+    host_codec.decode(host_own_block, expected)
+    assert device.asnumpy(own_device).tobytes() == own_host.tobytes() == expected.tobytes()
 
 
 # --- recognised as GPU buffers --------------------------------------------------------------

@@ -113,3 +113,26 @@ def test_finalize_average_matches_torchs_division_bit_for_bit() -> None:
             array = values.clone()
             finalize_average(numpy, as_array(array, name="recv")[1], world_size)
             assert torch.equal(array, values / world_size), (dtype, world_size)
+
+
+class _OnTheGpu(torch.Tensor):  # type: ignore[misc]
+    """A host tensor that says it lives on a CUDA device, as a GPU tensor's DLPack
+    export does (a subclass, as users' tensor types are)."""
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)  # kDLCUDA, device 0
+
+
+@pytest.mark.parametrize("where", ["stand-in", "cuda"])
+def test_bfloat16_gpu_tensors_are_refused_with_the_way_out(where: str) -> None:
+    """cupy has no bfloat16: a bfloat16 tensor on a GPU gets an error that says so and
+    what to do (on a real GPU where torch has CUDA, else a tensor that says it is on one)."""
+    if where == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs torch with CUDA and a GPU")
+        tensor = torch.zeros(8, dtype=torch.bfloat16, device="cuda")
+    else:
+        tensor = torch.zeros(8, dtype=torch.bfloat16).as_subclass(_OnTheGpu)
+    with pytest.raises(InvalidArgument, match=r"^send: bfloat16 GPU tensors are not supported "
+                       r"\(cupy has no bfloat16 dtype\); reduce in float32 or float16"):
+        as_array(tensor, name="send")
