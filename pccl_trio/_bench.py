@@ -15,8 +15,15 @@ within each repeat, and prints each one's speed relative to the first. ``--metri
 both`` runs each of those without and with metrics (the master serving Prometheus
 metrics, every peer recording its own), alternating, to show what they cost. ``--device
 cuda`` puts the buffers in GPU memory (cupy arrays; needs the ``gpu`` extra and a
-GPU), staged through pinned host memory; pass ``--gloo benchmarks/gloo_cuda.py`` to
-compare with Gloo all-reducing the same CUDA tensors.
+GPU), staged through pinned host memory; ``--device cpu,cuda`` alternates host and GPU
+buffers; pass ``--gloo benchmarks/gloo_cuda.py`` to compare with Gloo all-reducing the
+same CUDA tensors. For GPU buffers the table also gives the bytes one peer copied to
+the host and to the GPU in an all-reduce (``pccl_trio.ops.CROSSINGS``), beside what it
+sent; the JSON has them for every row.
+
+The data is ones, whose sum is checked exactly. Quantized, it is zeros and ones in
+turn (a constant block would encode to no codes at all), checked to within the codes'
+rounding.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ __all__ = ["bench_main"]
 
 PROTECTIONS = ("none", "mac", "encrypt")
 DEVICES = ("cpu", "cuda")
+#: What one peer moved in its last timed all-reduce, per size: on the wire, and
+#: between host and GPU memory (zero for host buffers).
+MOVED = ("tx_bytes", "rx_bytes", "to_host_bytes", "to_device_bytes")
 
 
 def parse_size(text: str) -> int:
@@ -66,6 +76,7 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
     import numpy as np
 
     import pccl_trio as pccl
+    from pccl_trio.ops import CROSSINGS
 
     # The buffers' array module: numpy, or cupy for GPU memory.
     xp: Any = np
@@ -98,26 +109,38 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
         clock = np.zeros(1, dtype=np.float64)
         results = {}
         for size in sizes:
-            data = xp.ones(size // 4, dtype=np.float32)
+            # Ones, whose sum every run checks exactly. Quantized, zeros and ones in turn
+            # (constant blocks would encode without codes), whose sum is checked to
+            # within the codes' rounding.
+            base = xp.ones(size // 4, dtype=np.float32)
+            if quantization is not None:
+                base = (xp.arange(size // 4) % 2).astype(np.float32)
+            data = xp.empty_like(base)
             out = xp.empty_like(data) if into_recv else None
-            # Constant data: quantized results are exact too, so every run checks them.
             for _ in range(warmup):
-                data.fill(1.0)
+                xp.copyto(data, base)
                 await comm.all_reduce(data, out, quantization=quantization)
-            data.fill(1.0)
+            xp.copyto(data, base)
             await comm.all_reduce(data, out, quantization=quantization)
-            ok = bool(((data if out is None else out) == world).all())
+            error = abs((data if out is None else out) - base * world).max()
+            ok = bool(error == 0 if quantization is None else error <= 1e-3 * world)
             times = []
             for _ in range(iters):
-                data.fill(1.0)
+                xp.copyto(data, base)
                 await comm.all_reduce(barrier, tag=1)
+                to_host, to_device = CROSSINGS.snapshot()
                 start = time.perf_counter()
                 info = await comm.all_reduce(data, out, quantization=quantization)
                 clock[0] = time.perf_counter() - start
+                to_host, to_device = (b - a for a, b in zip((to_host, to_device),
+                                                            CROSSINGS.snapshot(), strict=True))
                 await comm.all_reduce(clock, op=pccl.ReduceOp.MAX, tag=2)
                 times.append(float(clock[0]))
+            # This peer's bytes in the last timed all-reduce: on the wire, and (GPU
+            # buffers) across PCIe; the barrier and clock are host arrays.
             results[size] = {"ok": ok, "times": times, "tx_bytes": info.tx_bytes,
-                             "rx_bytes": info.rx_bytes}
+                             "rx_bytes": info.rx_bytes, "to_host_bytes": to_host,
+                             "to_device_bytes": to_device}
         await comm.all_reduce(barrier, tag=1)
         if comm.ring[0] == comm.peer_id:
             print(json.dumps({str(k): v for k, v in results.items()}), flush=True)
@@ -170,7 +193,7 @@ class Placement:
 
 def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
               placement: Placement = Placement(), protection: str = "none",
-              metrics: bool = False) -> dict[int, Any]:
+              metrics: bool = False, device: str = "cpu") -> dict[int, Any]:
     """One repeat: a master and ``world`` worker processes; the first worker's results.
 
     ``args`` needs iters, warmup, pool, slice_bytes, into_recv, timeout and
@@ -206,7 +229,7 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
                  "--pool", str(args.pool), "--slice-bytes", str(args.slice_bytes),
                  "--host", host, "--quantize", getattr(args, "quantize", "none"),
                  "--algorithm", getattr(args, "algorithm", "min_max"),
-                 "--protection", protection, "--device", getattr(args, "device", "cpu"),
+                 "--protection", protection, "--device", device,
                  *(["--metrics"] if metrics else []),
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
@@ -221,13 +244,14 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
         master.wait()
 
 
-def _run_gloo(script: Path, world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, Any]:
+def _run_gloo(script: Path, world: int, sizes: list[int], args: argparse.Namespace,
+              device: str = "cpu") -> dict[int, Any]:
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"gloo-{os.getpid()}.json"
     subprocess.run(
         [args.gloo_python or sys.executable, str(script), "--world", str(world),
          "--sizes", ",".join(str(s) for s in sizes), "--iters", str(args.iters),
          "--warmup", str(args.warmup), "--repeats", "1", "--json", str(out),
-         *(["--device", args.device] if getattr(args, "device", "cpu") != "cpu" else [])],
+         *(["--device", device] if device != "cpu" else [])],
         check=True, stdout=subprocess.DEVNULL, timeout=args.timeout,
     )
     records = json.loads(out.read_text())["results"]
@@ -265,8 +289,10 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                         help="comma list of data protections to compare: none (no run "
                              "secret), mac (a run secret; frames authenticated), encrypt "
                              "(payloads encrypted too); default none")
-    parser.add_argument("--device", choices=DEVICES, default="cpu",
-                        help="where the buffers live: host memory, or GPU memory (cupy arrays)")
+    parser.add_argument("--device", default="cpu",
+                        help="comma list of where the buffers live: cpu (host memory) or cuda "
+                             "(GPU memory, cupy arrays); several alternate, and --gloo then "
+                             "all-reduces CUDA tensors")
     parser.add_argument("--metrics", choices=["off", "on", "both"], default="off",
                         help="Prometheus metrics at the master and every peer; both: each run "
                         "without and with them, alternating (needs the observability extra)")
@@ -278,19 +304,27 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     protections = args.protection.split(",")
     if not protections or any(p not in PROTECTIONS for p in protections):
         parser.error(f"--protection takes a comma list of {', '.join(PROTECTIONS)}")
-    # What runs, alternating: (label, protection, metrics).
-    variants = [
+    devices = args.device.split(",")
+    if not devices or any(d not in DEVICES for d in devices):
+        parser.error(f"--device takes a comma list of {', '.join(DEVICES)}")
+    kinds = [
         ("pccl_trio" if p == "none" else f"pccl+{p}", p, False) for p in protections
     ] if args.metrics != "on" else []
     if args.metrics != "off":
-        variants += [
+        kinds += [
             ("pccl+metrics" if p == "none" else f"pccl+{p}+met", p, True) for p in protections
         ]
+    # What runs, alternating: (label, protection, metrics, device).
+    variants = [
+        (label + (f"@{'gpu' if d == 'cuda' else 'host'}" if len(devices) > 1 else ""), p, m, d)
+        for d in devices for label, p, m in kinds
+    ]
     first = variants[0][0]
+    gloo_device = "cuda" if "cuda" in devices else "cpu"
 
     quantized = "" if args.quantize == "none" else f" quantized {args.algorithm}->{args.quantize}"
     print(f"# all-reduce float32 SUM{quantized} {'into recv' if args.into_recv else 'in place'} "
-          f"{'GPU' if args.device == 'cuda' else 'host'} buffers on 127.0.0.1, "
+          f"{' and '.join('GPU' if d == 'cuda' else 'host' for d in devices)} buffers on 127.0.0.1, "
           f"iters={args.iters} warmup={args.warmup} "
           f"repeats={args.repeats} pool={args.pool or 'default'} (GB = 1e9 bytes)")
     header = f"{'W':>2} {'size':>9} {'library':>13} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
@@ -301,28 +335,31 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     rows = []
     for world in worlds:
         medians: dict[str, dict[int, list[float]]] = {v[0]: {} for v in variants}
+        moved: dict[str, dict[int, dict[str, int]]] = {v[0]: {} for v in variants}
         medians["gloo"] = {}
         for _ in range(args.repeats):
             # Alternate the runs so drift on a shared machine hits all alike.
-            for label, protection, metrics in variants:
-                result = _run_pccl(world, sizes, args, protection=protection, metrics=metrics)
+            for label, protection, metrics, device in variants:
+                result = _run_pccl(world, sizes, args, protection=protection, metrics=metrics,
+                                   device=device)
                 for size in sizes:
                     if not result[size]["ok"]:
                         raise RuntimeError(f"wrong all-reduce result at W={world}, {size} bytes")
                     medians[label].setdefault(size, []).append(
                         statistics.median(result[size]["times"]))
+                    moved[label][size] = {k: result[size][k] for k in MOVED}
             if args.gloo:
-                gloo = _run_gloo(args.gloo, world, sizes, args)
+                gloo = _run_gloo(args.gloo, world, sizes, args, gloo_device)
                 for size in sizes:
                     medians["gloo"].setdefault(size, []).append(statistics.median(gloo[size]["times"]))
         factor = 2 * (world - 1) / world
         for size in sizes:
             anchor = statistics.median(medians["gloo" if args.gloo else first][size])
-            for label, protection, metrics in variants:
+            for label, protection, metrics, device in variants:
                 ours = statistics.median(medians[label][size])
                 row = {"world": world, "size": size, "protection": protection,
-                       "metrics": metrics, "pccl_trio_s": ours,
-                       "pccl_trio_busbw": size / ours * factor}
+                       "metrics": metrics, "device": device, "pccl_trio_s": ours,
+                       "pccl_trio_busbw": size / ours * factor, **moved[label][size]}
                 line = (f"{world:>2} {format_size(size):>9} {label:>13} "
                         f"{ours * 1e3:>10.2f} {size / ours / 1e9:>11.3f} "
                         f"{size / ours * factor / 1e9:>11.3f}")
@@ -336,6 +373,12 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                                gloo_repeats_s=medians["gloo"][size])
                 print(line)
                 rows.append(row)
+            for label, _, _, device in variants:
+                if device == "cuda":  # what one peer moved in one all-reduce
+                    m = moved[label][size]
+                    print(f"{'':>26} {label}: one peer sent {m['tx_bytes'] / 1e6:.1f} MB, copied "
+                          f"{m['to_host_bytes'] / 1e6:.1f} MB to the host and "
+                          f"{m['to_device_bytes'] / 1e6:.1f} MB to the GPU")
             if args.gloo:
                 print(f"{world:>2} {format_size(size):>9} {'gloo':>13} {anchor * 1e3:>10.2f} "
                       f"{size / anchor / 1e9:>11.3f} {size / anchor * factor / 1e9:>11.3f}")
