@@ -22,8 +22,9 @@ the host and to the GPU in an all-reduce (``pccl_trio.ops.CROSSINGS``), beside w
 sent; the JSON has them for every row.
 
 The data is ones, whose sum is checked exactly. Quantized, it is zeros and ones in
-turn (a constant block would encode to no codes at all), checked to within the codes'
-rounding.
+turn, so that every block carries codes that are read and copied (a constant block's
+are not): they encode as the lowest and highest code, which decode to within a few
+float32 ulps, and the sum is checked to that.
 """
 
 from __future__ import annotations
@@ -110,8 +111,8 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
         results = {}
         for size in sizes:
             # Ones, whose sum every run checks exactly. Quantized, zeros and ones in turn
-            # (constant blocks would encode without codes), whose sum is checked to
-            # within the codes' rounding.
+            # (a constant block's codes are never read), whose sum is checked to a few
+            # ulps: they are the lowest and highest code, which decode almost exactly.
             base = xp.ones(size // 4, dtype=np.float32)
             if quantization is not None:
                 base = (xp.arange(size // 4) % 2).astype(np.float32)
@@ -123,7 +124,7 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
             xp.copyto(data, base)
             await comm.all_reduce(data, out, quantization=quantization)
             error = abs((data if out is None else out) - base * world).max()
-            ok = bool(error == 0 if quantization is None else error <= 1e-3 * world)
+            ok = bool(error == 0 if quantization is None else error <= 1e-5 * world)
             times = []
             for _ in range(iters):
                 xp.copyto(data, base)
@@ -305,8 +306,8 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     if not protections or any(p not in PROTECTIONS for p in protections):
         parser.error(f"--protection takes a comma list of {', '.join(PROTECTIONS)}")
     devices = args.device.split(",")
-    if not devices or any(d not in DEVICES for d in devices):
-        parser.error(f"--device takes a comma list of {', '.join(DEVICES)}")
+    if any(d not in DEVICES for d in devices) or len(set(devices)) < len(devices):
+        parser.error(f"--device takes a comma list of {', '.join(DEVICES)}, each once")
     kinds = [
         ("pccl_trio" if p == "none" else f"pccl+{p}", p, False) for p in protections
     ] if args.metrics != "on" else []
@@ -321,13 +322,15 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     ]
     first = variants[0][0]
     gloo_device = "cuda" if "cuda" in devices else "cpu"
+    width = max(13, *(len(v[0]) for v in variants))  # of the library column
 
     quantized = "" if args.quantize == "none" else f" quantized {args.algorithm}->{args.quantize}"
     print(f"# all-reduce float32 SUM{quantized} {'into recv' if args.into_recv else 'in place'} "
           f"{' and '.join('GPU' if d == 'cuda' else 'host' for d in devices)} buffers on 127.0.0.1, "
           f"iters={args.iters} warmup={args.warmup} "
           f"repeats={args.repeats} pool={args.pool or 'default'} (GB = 1e9 bytes)")
-    header = f"{'W':>2} {'size':>9} {'library':>13} {'median ms':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+    header = (f"{'W':>2} {'size':>9} {'library':>{width}} {'median ms':>10} {'algbw GB/s':>11} "
+              f"{'busbw GB/s':>11}")
     if args.gloo or len(variants) > 1:
         header += f" {'vs ' + ('gloo' if args.gloo else first):>12}"
     print(header)
@@ -360,7 +363,7 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                 row = {"world": world, "size": size, "protection": protection,
                        "metrics": metrics, "device": device, "pccl_trio_s": ours,
                        "pccl_trio_busbw": size / ours * factor, **moved[label][size]}
-                line = (f"{world:>2} {format_size(size):>9} {label:>13} "
+                line = (f"{world:>2} {format_size(size):>9} {label:>{width}} "
                         f"{ours * 1e3:>10.2f} {size / ours / 1e9:>11.3f} "
                         f"{size / ours * factor / 1e9:>11.3f}")
                 if args.gloo or len(variants) > 1:
@@ -369,18 +372,19 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                 # of the launches run side by side (they share the machine's moment).
                 row["pccl_trio_repeats_s"] = medians[label][size]
                 if args.gloo:
-                    row.update(gloo_s=anchor, gloo_busbw=size / anchor * factor,
+                    row.update(gloo_device=gloo_device, gloo_s=anchor,
+                               gloo_busbw=size / anchor * factor,
                                gloo_repeats_s=medians["gloo"][size])
                 print(line)
                 rows.append(row)
             for label, _, _, device in variants:
                 if device == "cuda":  # what one peer moved in one all-reduce
                     m = moved[label][size]
-                    print(f"{'':>26} {label}: one peer sent {m['tx_bytes'] / 1e6:.1f} MB, copied "
+                    print(f"{'':>{width + 13}} {label}: one peer sent {m['tx_bytes'] / 1e6:.1f} MB, copied "
                           f"{m['to_host_bytes'] / 1e6:.1f} MB to the host and "
                           f"{m['to_device_bytes'] / 1e6:.1f} MB to the GPU")
             if args.gloo:
-                print(f"{world:>2} {format_size(size):>9} {'gloo':>13} {anchor * 1e3:>10.2f} "
+                print(f"{world:>2} {format_size(size):>9} {'gloo':>{width}} {anchor * 1e3:>10.2f} "
                       f"{size / anchor / 1e9:>11.3f} {size / anchor * factor / 1e9:>11.3f}")
             sys.stdout.flush()
     if args.json:

@@ -247,8 +247,10 @@ class Codec:
             # Constant: one code away from the zero point, with the value as the scale.
             scale, zero_point = (abs(lo), 0.0 if lo > 0 else 1.0) if lo else (1.0, 0.0)
             meta[:] = (scale, zero_point)
-            codes[:] = int(zero_point) + (1 if lo > 0 else -1 if lo < 0 else 0)
-            return 0, None
+            code = int(zero_point) + (1 if lo > 0 else -1 if lo < 0 else 0)
+            codes[:] = code
+            # On a GPU, the same codes made there (a fill, not a copy).
+            return 0, None if xp is numpy else xp.full(codes.shape, code, dtype=self.code_dtype)
         low, high = lo, hi
         if self.hint is DistributionHint.NORMAL:
             low, high = self._normal_range(x, lo, hi)
@@ -353,11 +355,13 @@ class Codec:
         xp = self.xp
         first, second = (float(v) for v in block[:META_BYTES].view(_META))
         codes = block[META_BYTES:].view(self.code_dtype)
+        if on_device is None and xp is not numpy and not (
+            self.algorithm is QuantizationAlgorithm.MIN_MAX and second == 0.0
+        ):  # the codes are needed where the buffers are (a constant block needs none)
+            on_device = xp.asarray(codes)
+            CROSSINGS.to_device(codes.nbytes)
         if on_device is not None:
             codes = on_device
-        elif xp is not numpy:
-            codes = xp.asarray(codes)
-            CROSSINGS.to_device(codes.nbytes)
         if self.algorithm is QuantizationAlgorithm.MIN_MAX:
             lo, step = first, second
             if not (math.isfinite(lo) and math.isfinite(step) and step >= 0.0):

@@ -170,6 +170,35 @@ def test_quantization_encodes_on_the_device_and_only_the_codes_cross(
     assert device.asnumpy(own_device).tobytes() == own_host.tobytes() == expected.tobytes()
 
 
+@pytest.mark.parametrize("value", [2.5, 0.0, -1.0])
+@pytest.mark.parametrize("algorithm", list(QuantizationAlgorithm)[1:], ids=lambda a: a.name)
+def test_a_constant_block_needs_no_code_sent_back_to_the_device(
+    algorithm: QuantizationAlgorithm, value: float
+) -> None:
+    """A constant slice (zero gradients, say): min-max decodes it from its metadata
+    alone, so no code crosses to the device; either algorithm's owner keeps its own
+    decoded values without copying codes back, bit for bit as on the host."""
+    device = StrictDevice()
+    dtype = numpy.dtype(numpy.float32)
+    codec = Codec(device, dtype, algorithm, DataType.UINT8, DistributionHint.NONE)
+    host_codec = Codec(numpy, dtype, algorithm, DataType.UINT8, DistributionHint.NONE)
+    data = numpy.full(1000, value, numpy.float32)
+    block, host_block = (numpy.empty(codec.block_bytes(1000), dtype=numpy.uint8) for _ in range(2))
+    own, host_own = device.asarray(data), data.copy()
+    device.to_device_bytes = 0
+    codec.encode_own(own, block)
+    host_codec.encode_own(host_own, host_block)
+    assert device.to_device_bytes == 0
+    assert block.tobytes() == host_block.tobytes()
+    assert device.asnumpy(own).tobytes() == host_own.tobytes()
+    out = device.asarray(numpy.zeros(1000, numpy.float32))
+    device.to_device_bytes = 0
+    codec.decode(block, out)
+    if algorithm is QuantizationAlgorithm.MIN_MAX:
+        assert device.to_device_bytes == 0
+    assert device.asnumpy(out).tobytes() == host_own.tobytes()
+
+
 # --- recognised as GPU buffers --------------------------------------------------------------
 
 
