@@ -46,7 +46,8 @@ class Config:
             communicator is asked for "a good default" (0).
         slice_bytes: payload of one all-reduce data frame; a slice is forwarded as
             soon as it arrived, so smaller slices pipeline better and larger ones cost
-            less per byte.
+            less per byte (GPU buffers want 4 MiB, ``docs/gpu.md``). The same on every
+            peer: the master rejects an all-reduce whose members differ.
         bucket_bytes: (peers) ``all_reduce_multiple_with_retry`` packs tensors smaller
             than this, of one dtype, into buckets of up to this many bytes, each reduced
             as one all-reduce (``docs/allreduce.md``, "Fusion"); 0: no fusion, one

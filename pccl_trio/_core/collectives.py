@@ -72,7 +72,7 @@ def _descriptor_key(message: CollectiveInitiate) -> tuple[int, ...]:
     """What every member of a collective must agree on."""
     return (
         message.count, message.dtype, message.op, message.quantized_dtype, message.quantization,
-        message.distribution_hint,
+        message.distribution_hint, message.slice_bytes,
     )
 
 
@@ -173,7 +173,7 @@ class Collectives:
                     Outcome.REJECTED,
                     f"peers disagree on the all-reduce with tag {collective.tag} ({views}); "
                     "every peer must pass the same count, dtype, op, quantization and "
-                    "distribution hint",
+                    "distribution hint, and configure the same Config.slice_bytes",
                 )
                 continue
             if collective.group in self._book.stale_groups:

@@ -124,7 +124,7 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
@@ -279,7 +279,9 @@ class VotePeersPending(Message):
 @message(6, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveInitiate(Message):
-    """Vote to run all-reduce ``tag``; every peer of the group must describe it alike."""
+    """Vote to run all-reduce ``tag``; every peer of the group must describe it alike,
+    down to the slice size its data frames are cut by (``Config.slice_bytes``: peers
+    that cut the buffer differently could never reassemble each other's frames)."""
 
     tag: int
     count: int
@@ -288,6 +290,7 @@ class CollectiveInitiate(Message):
     quantized_dtype: int
     quantization: int
     distribution_hint: int = 0
+    slice_bytes: int = 0
 
     def _validate(self) -> None:
         for name, names in (
@@ -310,7 +313,7 @@ class CollectiveInitiate(Message):
             )
         if self.distribution_hint:
             text += f" distribution_hint={DISTRIBUTION_HINT_NAMES[self.distribution_hint]}"
-        return text
+        return text + f" slice_bytes={self.slice_bytes}"
 
 
 @message(7, C2M)

@@ -467,7 +467,7 @@ class AllReduces:
         verdict: CollectiveVerdict | None = None
         local_ok = False
         try:
-            await self._session.send(request.vote())
+            await self._session.send(request.vote(self._config.slice_bytes))
             if request.fill is not None:
                 # Before any checkpoint: the commence (the master needs every vote) is
                 # applied by a trio task, so no frame reaches the attempt before this.

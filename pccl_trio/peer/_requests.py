@@ -53,8 +53,9 @@ class ReduceRequest:
     hint: DistributionHint
     fill: Callable[[], None] | None = None
 
-    def vote(self) -> CollectiveInitiate:
-        """The descriptor every peer of the group must vote alike."""
+    def vote(self, slice_bytes: int) -> CollectiveInitiate:
+        """The descriptor every peer of the group must vote alike (``slice_bytes``: this
+        peer's ``Config.slice_bytes``)."""
         dtype = from_numpy_dtype(self.result.dtype)
         quantization = self.quantization
         return CollectiveInitiate(
@@ -67,6 +68,7 @@ class ReduceRequest:
                 quantization.algorithm if quantization else QuantizationAlgorithm.NONE
             ).value,
             distribution_hint=self.hint.value if quantization else 0,
+            slice_bytes=slice_bytes,
         )
 
 

@@ -280,11 +280,13 @@ class MasterHarness:
         quantized_dtype: int = 0,
         quantization: int = 0,
         distribution_hint: int = 0,
+        slice_bytes: int = 0,
     ) -> list[Action]:
         return self.send(
             conn,
             CollectiveInitiate(
                 tag=tag, count=count, dtype=dtype, op=op, quantized_dtype=quantized_dtype,
+                slice_bytes=slice_bytes,
                 quantization=quantization, distribution_hint=distribution_hint,
             ),
         )

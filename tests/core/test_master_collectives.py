@@ -211,6 +211,10 @@ DISAGREEMENTS: dict[str, tuple[dict[str, int], dict[str, int], tuple[str, ...]]]
         {"quantization": ZPS, "quantized_dtype": UINT8, "distribution_hint": 2},
         ("distribution_hint=NORMAL", "distribution_hint=UNIFORM"),
     ),
+    "slice_bytes": (
+        {"slice_bytes": 1 << 20}, {"slice_bytes": 4 << 20},
+        ("slice_bytes=1048576", "slice_bytes=4194304", "Config.slice_bytes"),
+    ),
     "everything": (
         {}, {"count": 3, "dtype": DOUBLE, "op": AVG}, ("count=3", "dtype=DOUBLE", "op=AVG")
     ),

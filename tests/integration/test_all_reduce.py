@@ -145,6 +145,31 @@ async def test_disagreeing_peers_get_invalid_argument(cluster: Cluster, clock: o
             await comm.aclose()
 
 
+async def test_peers_with_different_slice_sizes_get_invalid_argument(
+    cluster: Cluster, clock: object
+) -> None:
+    """Peers that cut their buffers into slices of different sizes could never
+    reassemble each other's frames: the master refuses the all-reduce for all of them,
+    saying which setting differs, instead of letting every attempt abort."""
+    with trio.fail_after(120):
+        configs = [cluster.config, dataclasses.replace(cluster.config, slice_bytes=4 << 20)]
+        comms = []
+        for i in range(3):
+            cluster.config = configs[i == 2]
+            comms.append(cluster.communicator(f"p{i}"))
+        cluster.config = configs[0]
+        comms = await form_run([], comms)
+        arrays = [np.arange(100_000, dtype=np.float32) for _ in range(3)]
+        results = await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
+        for result in results:
+            assert isinstance(result, pccl.InvalidArgument), result
+            assert "slice_bytes=1048576" in str(result) and "slice_bytes=4194304" in str(result)
+            assert "Config.slice_bytes" in str(result)
+        assert all((a == np.arange(100_000, dtype=np.float32)).all() for a in arrays)
+        for comm in comms:
+            await comm.aclose()
+
+
 async def test_usage_errors(cluster: Cluster, clock: object) -> None:
     with trio.fail_after(120):
         comms = await make_run(cluster, 2)

@@ -32,10 +32,10 @@ def votes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Vote]]:
     seen: list[Vote] = []
     real = ReduceRequest.vote
 
-    def vote(self: ReduceRequest) -> CollectiveInitiate:
+    def vote(self: ReduceRequest, slice_bytes: int) -> CollectiveInitiate:
         seen.append(Vote(tag=self.tag, count=int(self.result.size),
                          buffer=int(self.result.ctypes.data)))
-        return real(self)
+        return real(self, slice_bytes)
 
     monkeypatch.setattr(ReduceRequest, "vote", vote)
     yield seen
