@@ -24,7 +24,8 @@ slice's host-to-device copy and reduction run while the network keeps delivering
 next slice into the socket's buffer; the reader reads it when they are done.
 
 Quantized, the codec encodes on the device and only the codes are copied to the host
-(see ``_allreduce``); the copies here move whatever bytes they are handed.
+(see ``_allreduce``); the copies here move whatever bytes they are handed, and add
+their size to ``ops.CROSSINGS``, which is how a benchmark sees what crossed PCIe.
 
 Several GPUs. A staging belongs to one GPU (``staging_for(xp, gpu)``, ``gpu_of``): its
 streams, scratch and backups are made on that GPU, and everything it runs, in whatever
