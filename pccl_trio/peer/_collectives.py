@@ -443,9 +443,10 @@ class AllReduces:
         if request.quantization is not None:
             codec = Codec(request.xp, request.result.dtype, request.quantization.algorithm,
                           request.quantization.quantized_datatype, request.hint)
+        staging = staging_for(request.xp, gpu_of(request.xp, request.result))
+        staging.check_slices(self._config.slice_bytes, int(request.result.nbytes))
         attempt = AllReduceAttempt(
-            staging=staging_for(request.xp, gpu_of(request.xp, request.result)),
-            send=request.send, result=request.result, op=request.op, tag=request.tag,
+            staging=staging, send=request.send, result=request.result, op=request.op, tag=request.tag,
             ring=ring, rank=ring.index(self._session.peer_id),
             slice_bytes=self._config.slice_bytes, codec=codec,
         )

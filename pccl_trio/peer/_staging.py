@@ -41,6 +41,7 @@ pages is slow.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -49,6 +50,12 @@ from typing import Any
 import numpy as np
 
 from ..ops import CROSSINGS
+
+log = logging.getLogger("pccl_trio.peer")
+
+#: The slice size GPU buffers want: below it, each slice's fixed cost (the reader's
+#: copy, kernels and stream synchronization) slows them down (``docs/gpu.md``).
+GPU_SLICE_BYTES = 4 << 20
 
 __all__ = [
     "BufferPool", "DeviceStaging", "HostStaging", "Lander", "Sender", "Staging", "gpu_of",
@@ -143,6 +150,10 @@ class HostStaging:
 
     def lander(self, frame_bytes: int) -> Lander:
         return Lander()
+
+    def check_slices(self, slice_bytes: int, nbytes: int) -> None:
+        """Advise, once, on a slice size that does not suit these buffers (an
+        all-reduce of ``nbytes`` cut into ``slice_bytes``). Nothing for host buffers."""
 
     def host_empty(self, nbytes: int) -> Any:
         """A host uint8 buffer to receive into (pinned for a device)."""
@@ -270,6 +281,7 @@ class DeviceStaging(HostStaging):
         self.pinned = BufferPool(self.host_empty)
         self.host_pool = self.pinned
         self._local = threading.local()
+        self._advised = False
 
     def _stream(self) -> Any:
         stream = getattr(self._local, "stream", None)
@@ -286,6 +298,16 @@ class DeviceStaging(HostStaging):
 
     def host_empty(self, nbytes: int) -> Any:
         return np.frombuffer(self.xp.cuda.alloc_pinned_memory(nbytes), np.uint8, nbytes)
+
+    def check_slices(self, slice_bytes: int, nbytes: int) -> None:
+        if slice_bytes < GPU_SLICE_BYTES < nbytes and not self._advised:
+            self._advised = True
+            log.warning(
+                "all-reducing GPU buffers in slices of %d bytes (Config.slice_bytes): GPU "
+                "buffers run much faster in slices of %d MiB; set "
+                "Config(slice_bytes=%d << 20) on every peer of the run (docs/gpu.md)",
+                slice_bytes, GPU_SLICE_BYTES >> 20, GPU_SLICE_BYTES >> 20,
+            )
 
     def wait_current_stream(self) -> None:
         # The staging streams do not wait for the caller's stream (non-blocking ones

@@ -517,3 +517,29 @@ async def test_the_crossing_counters_count_what_the_device_copies(
                                 if not t.allow_content_inequality)
         for comm in comms:
             await comm.aclose()
+
+
+@pytest.mark.parametrize("slice_bytes", [1 << 20, 4 << 20], ids=["1MiB", "4MiB"])
+async def test_small_slices_for_gpu_buffers_are_advised_against_once(
+    cluster: Cluster, clock: object, caplog: pytest.LogCaptureFixture, slice_bytes: int
+) -> None:
+    """GPU buffers larger than 4 MiB in smaller slices: one warning that says which
+    setting to change and to what (the GPU path's speed depends on it), however many
+    all-reduces follow; none with 4 MiB slices."""
+    device = StrictDevice()
+    with pytest.MonkeyPatch.context() as patch, trio.fail_after(120):
+        patch.setitem(sys.modules, "cupy", device)
+        cluster.config = dataclasses.replace(cluster.config, slice_bytes=slice_bytes)
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        arrays = [device.asarray(np.ones(1_200_000, np.float32)) for _ in range(2)]
+        for _ in range(2):
+            await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
+        advice = [r.getMessage() for r in caplog.records if "Config(slice_bytes=4 << 20)" in r.getMessage()]
+        if slice_bytes < 4 << 20:
+            assert len(advice) == 1, advice
+            assert "slices of 1048576 bytes" in advice[0]
+        else:
+            assert advice == []
+        assert device.asnumpy(arrays[0]).tobytes() == np.full(1_200_000, 4, np.float32).tobytes()
+        for comm in comms:
+            await comm.aclose()
