@@ -129,12 +129,12 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
             for _ in range(iters):
                 xp.copyto(data, base)
                 await comm.all_reduce(barrier, tag=1)
-                to_host, to_device = CROSSINGS.snapshot()
+                host_before, device_before = CROSSINGS.snapshot()
                 start = time.perf_counter()
                 info = await comm.all_reduce(data, out, quantization=quantization)
                 clock[0] = time.perf_counter() - start
-                to_host, to_device = (b - a for a, b in zip((to_host, to_device),
-                                                            CROSSINGS.snapshot(), strict=True))
+                host_after, device_after = CROSSINGS.snapshot()
+                to_host, to_device = host_after - host_before, device_after - device_before
                 await comm.all_reduce(clock, op=pccl.ReduceOp.MAX, tag=2)
                 times.append(float(clock[0]))
             # This peer's bytes in the last timed all-reduce: on the wire, and (GPU

@@ -354,26 +354,19 @@ class Codec:
         """
         xp = self.xp
         first, second = (float(v) for v in block[:META_BYTES].view(_META))
-        codes = block[META_BYTES:].view(self.code_dtype)
-        if on_device is None and xp is not numpy and not (
-            self.algorithm is QuantizationAlgorithm.MIN_MAX and second == 0.0
-        ):  # the codes are needed where the buffers are (a constant block needs none)
-            on_device = xp.asarray(codes)
-            CROSSINGS.to_device(codes.nbytes)
-        if on_device is not None:
-            codes = on_device
+        codes = block[META_BYTES:].view(self.code_dtype) if on_device is None else on_device
         if self.algorithm is QuantizationAlgorithm.MIN_MAX:
             lo, step = first, second
             if not (math.isfinite(lo) and math.isfinite(step) and step >= 0.0):
                 raise RemoteProtocolError(f"quantized block with bad metadata lo={lo} step={step}")
             compute = self._min_max_compute(lo, step)
-            if step == 0.0:  # constant, -0.0 included
+            if step == 0.0:  # constant, -0.0 included: no code is read
                 out = xp.full(codes.shape, lo, dtype=compute)
             elif abs(lo) + step * self.levels <= _FLOAT64_REACH:
-                out = xp.multiply(codes, compute.type(step), dtype=compute)
+                out = xp.multiply(self._here(codes), compute.type(step), dtype=compute)
                 out += compute.type(lo)
             else:  # near float64's largest values: scale down by a power of two and back
-                out = xp.multiply(codes, step * _UNSCALE, dtype=compute)
+                out = xp.multiply(self._here(codes), step * _UNSCALE, dtype=compute)
                 out += lo * _UNSCALE
                 out *= _SCALE
             reach = abs(lo) + step * self.levels
@@ -385,7 +378,7 @@ class Codec:
                     f"quantized block with bad metadata scale={scale} zero_point={zero_point}"
                 )
             compute = self._zero_point_compute(scale, zero_point)
-            out = xp.subtract(codes, compute.type(zero_point), dtype=compute)
+            out = xp.subtract(self._here(codes), compute.type(zero_point), dtype=compute)
             out *= compute.type(scale)
             reach = scale * (abs(zero_point) + self.levels)
         if not reach <= self._limit:
@@ -393,6 +386,13 @@ class Codec:
             # dtype (by half a step when honest, by anything when not); keep them finite.
             xp.clip(out, -self._limit, self._limit, out=out)
         return out
+
+    def _here(self, codes: Array) -> Array:
+        """``codes`` where the buffers are: a host block's are copied to the GPU."""
+        if self.xp is numpy or not isinstance(codes, numpy.ndarray):
+            return codes
+        CROSSINGS.to_device(codes.nbytes)
+        return self.xp.asarray(codes)
 
     def decode(self, block: numpy.ndarray, out: Array) -> None:
         """Write the block's values into ``out`` (the buffer's dtype, its element count).
