@@ -642,8 +642,11 @@ class AllReduceAttempt:
                 self._need_senders = True
 
     async def send_all(self, connections: Sequence[Connection]) -> None:
-        """Send this peer's whole stream, striped over ``connections``, then wait for
-        every slice of the incoming stream.
+        """Send this peer's whole stream, striped over ``connections``, and wait until
+        every slice of it has left and every slice of the incoming stream has arrived.
+        Not before: a reader's forward may still be sending when the sender threads
+        are done, and ending the attempt then (the verdict can come as soon as the
+        bytes are out) would cut the connection under it.
 
         Small unquantized all-reduces over worker threads (at most
         ``FORWARD_MAX_BYTES``) *forward*: each slice is sent by the thread that made it
@@ -681,7 +684,7 @@ class AllReduceAttempt:
                             run_protocol, self._send_slices(connection, slices), connection,
                             interrupt=self.stop,
                         ))
-        while self._progress.remaining and self.failure is None and self.live:
+        while not self._finished and self.failure is None and self.live:
             await self._lot.park()
         if self.failure is not None:
             raise LocalFailure(self.failure)

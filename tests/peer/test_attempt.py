@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -9,8 +13,10 @@ import pytest
 import trio
 
 from pccl_trio._types import ReduceOp
+from pccl_trio.peer import _allreduce
 from pccl_trio.peer._allreduce import AllReduceAttempt
 from pccl_trio.peer._staging import BufferPool, HostStaging
+from pccl_trio.transport import SocketLink
 
 
 class _Reader:
@@ -48,3 +54,111 @@ async def test_a_failed_backup_leaves_no_writer_behind() -> None:
         attempt.restore()
         assert not reader.cut  # it was no longer registered when the attempt stopped
         assert data.tobytes() == np.arange(12, dtype=np.float32).tobytes()
+
+
+class _Lot:
+    """The attempt's parking lot, telling ``parked`` each time a trio task parks."""
+
+    def __init__(self, inner: trio.lowlevel.ParkingLot, parked: Callable[[], None]) -> None:
+        self._inner = inner
+        self._parked = parked
+
+    async def park(self) -> None:
+        self._parked()
+        await self._inner.park()
+
+    def unpark_all(self) -> list[trio.lowlevel.Task]:
+        return self._inner.unpark_all()
+
+
+async def test_a_forward_still_sending_keeps_the_attempt_from_finishing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reader forwards the last slice while the sender threads, with nothing left to
+    send, have ended, and every slice has arrived. Until that forward has left, the
+    attempt must not count as finished: the verdict could then arrive while the send
+    is registered, and ending the attempt would cut the connection the next
+    all-reduce needs. The reader thread is held right after its bytes went out."""
+    monkeypatch.setattr(_allreduce, "FORWARD_LOCK_WAIT", 60.0)
+    # The trio thread's forwards find no room, so sender threads start.
+    monkeypatch.setattr(SocketLink, "has_room", lambda link, nbytes: not _on_trio_thread())
+    holding = threading.local()
+    held, release = threading.Event(), threading.Event()
+    original_send = SocketLink.send_data_locked
+
+    def send(link: SocketLink, **frame: Any) -> None:
+        original_send(link, **frame)
+        if getattr(holding, "hold", False):
+            held.set()
+            release.wait()
+
+    monkeypatch.setattr(SocketLink, "send_data_locked", send)
+    mine, theirs = socket.socketpair()
+    link = SocketLink(mine, max_data_frame=1 << 20)
+    with trio.fail_after(60):
+        data = np.arange(8, dtype=np.float32)
+        attempt = AllReduceAttempt(staging=HostStaging(), send=data, result=data,
+                                   op=ReduceOp.SUM, tag=0, ring=(1, 2), rank=0, slice_bytes=8)
+        attempt.seq = 1
+        reduced, gathered = attempt.schedule.recv
+        last = (reduced.index, attempt.schedule.slice_count(reduced) - 1)
+        original_arrived = attempt._arrived_blocking
+
+        def arrived(segment_index: int, slice_index: int) -> bool:
+            # The sender thread's turn for the last slice comes after the reader took
+            # it and everything arrived.
+            ok = original_arrived(segment_index, slice_index)
+            if (segment_index, slice_index) == last:
+                with attempt._lock:
+                    while attempt._progress.remaining or not attempt._sent[-1][last[1]]:
+                        attempt._changed.wait()
+            return ok
+
+        monkeypatch.setattr(attempt, "_arrived_blocking", arrived)
+        settled = trio.Event()
+        returned: list[tuple[int, int]] = []
+
+        def parked() -> None:
+            if not attempt._progress.remaining:
+                settled.set()
+
+        attempt._lot = _Lot(attempt._lot, parked)  # type: ignore[assignment]
+
+        def deliver(segment: Any, index: int, hold: bool = False) -> None:
+            start, stop = attempt.schedule.slice_range(segment, index)
+            first = attempt.schedule.slice_range(segment, 0)[0]
+            claimed = attempt.claim(0, segment.stream_offset + start - first, stop - start)
+            holding.hold = hold
+            try:
+                attempt.on_slice(*claimed, np.ones(stop - start, dtype=np.uint8))
+            finally:
+                holding.hold = False
+
+        async def send_all() -> None:
+            await attempt.send_all([link])
+            returned.append((len(attempt._active_links), attempt._unsent))
+            settled.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send_all)
+            for index in range(last[1]):
+                await trio.to_thread.run_sync(deliver, reduced, index)
+            nursery.start_soon(partial(trio.to_thread.run_sync, deliver, reduced, last[1], True))
+            await trio.to_thread.run_sync(held.wait)
+            for index in range(attempt.schedule.slice_count(gathered)):
+                await trio.to_thread.run_sync(deliver, gathered, index)
+            await settled.wait()
+            early = list(returned)
+            release.set()
+        assert early == [], "send_all returned while a forward was still being sent"
+        assert returned == [(0, 0)]
+        attempt.stop()
+        await attempt.settle()
+        attempt.release()
+        assert not link.closed  # the next all-reduce still has its connection
+    link.cut()
+    theirs.close()
+
+
+def _on_trio_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
