@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import sys
 
 import ml_dtypes
@@ -132,6 +133,8 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    # To stderr, which the tests keep and print when they fail.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("master")
     parser.add_argument("mode", choices=["matrix", "kill", "retry"])

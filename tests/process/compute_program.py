@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -53,6 +54,8 @@ async def main(args: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
+    # To stderr, which the tests keep and print when they fail.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("master")
     parser.add_argument("--world", type=int, required=True)

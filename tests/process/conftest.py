@@ -1,4 +1,9 @@
-"""Real processes on loopback TCP: the master CLI and peer programs."""
+"""Real processes on loopback TCP: the master CLI and peer programs.
+
+Each process's stderr (where the peer programs log at INFO) goes to a file of the
+test's own; a test that fails prints their last lines, so a peer's local reason for a
+failure (e.g. "tag 1 failed locally: ...") is in the report.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,18 @@ import trio
 
 PEER_PROGRAM = Path(__file__).with_name("peer_program.py")
 LIVENESS_TIMEOUT = 2.0
+#: Lines of each process's stderr a failed test prints.
+LOG_TAIL = 40
+
+_CALL_REPORT = pytest.StashKey[pytest.TestReport]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item.stash[_CALL_REPORT] = report
 
 
 class LineReader:
@@ -50,21 +67,34 @@ class LineReader:
 
 
 class Processes:
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(self, nursery: trio.Nursery, logs: Path) -> None:
         self.nursery = nursery
+        self.logs = logs
         self.started: list[trio.Process] = []
+        self.log_files: list[Path] = []
 
     async def start(self, *argv: str, stdout: bool = True, stdin: bool = False) -> trio.Process:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        process = await trio.lowlevel.open_process(
-            [sys.executable, *argv],
-            stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            env=env,
-        )
+        name = Path(argv[1] if argv[0] == "-m" else argv[0]).name
+        log = self.logs / f"{len(self.started)}-{name}.stderr"
+        with log.open("wb") as stderr:  # the child keeps its own descriptor
+            process = await trio.lowlevel.open_process(
+                [sys.executable, *argv],
+                stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
+                stderr=stderr,
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                env=env,
+            )
         self.started.append(process)
+        self.log_files.append(log)
         return process
+
+    def print_logs(self) -> None:
+        """The last ``LOG_TAIL`` lines of every process's stderr, with its pid."""
+        for process, log in zip(self.started, self.log_files, strict=True):
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+            print(f"--- {log.name} (pid {process.pid}, exit {process.returncode}) ---")
+            print("\n".join(lines))
 
     async def master(self, *extra: str) -> tuple[trio.Process, str]:
         process = await self.start(
@@ -90,8 +120,10 @@ class Processes:
 
 
 @pytest.fixture
-async def processes(nursery: trio.Nursery) -> AsyncIterator[Processes]:
-    procs = Processes(nursery)
+async def processes(
+    nursery: trio.Nursery, tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[Processes]:
+    procs = Processes(nursery, tmp_path)
     try:
         yield procs
     finally:
@@ -99,6 +131,9 @@ async def processes(nursery: trio.Nursery) -> AsyncIterator[Processes]:
         with trio.CancelScope(shield=True):
             for process in procs.started:
                 await process.wait()
+        report = request.node.stash.get(_CALL_REPORT, None)
+        if report is None or report.failed:
+            procs.print_logs()
 
 
 def namespaces_work(tc: bool = True) -> bool:

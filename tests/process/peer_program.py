@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 
@@ -51,6 +52,8 @@ async def main(master: str, group: int, pause: float) -> None:
 
 
 if __name__ == "__main__":
+    # To stderr, which the tests keep and print when they fail.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("master")
     parser.add_argument("--group", type=int, default=0)

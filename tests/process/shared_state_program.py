@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 
 import numpy as np
 import trio
@@ -89,6 +90,8 @@ async def main(master: str, role: str, founders: int, megabytes: int) -> None:
 
 
 if __name__ == "__main__":
+    # To stderr, which the tests keep and print when they fail.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("master")
     parser.add_argument("role", choices=["founder", "joiner"])
