@@ -14,6 +14,7 @@ from typing import Any, Literal
 from ._core.channel import check_secret
 from ._core.identity import IDENTITY_SIZE
 from ._core.messages import MAX_POOL_SIZE, MAX_TIMER
+from ._errors import InvalidArgument
 
 __all__ = ["SECRET_ENVIRONMENT", "Config"]
 
@@ -189,76 +190,89 @@ class Config:
         and the variable is set (and not empty)."""
         if self.run_secret is not None or not os.environ.get(SECRET_ENVIRONMENT):
             return self
-        return dataclasses.replace(self, run_secret=os.environ[SECRET_ENVIRONMENT])
+        try:
+            return dataclasses.replace(self, run_secret=os.environ[SECRET_ENVIRONMENT])
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"${SECRET_ENVIRONMENT}: {exc}") from None
 
     def __post_init__(self) -> None:
+        try:
+            self._check()
+        except InvalidArgument:
+            raise
+        except ValueError as exc:  # from a helper shared with the command line
+            raise InvalidArgument(str(exc)) from None
+
+    def _check(self) -> None:
         for name in (
             "heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout",
             "discovery_timeout", "election_timeout",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(f"Config.{name} must be a positive number of seconds, got {value!r}")
+                raise InvalidArgument(f"Config.{name} must be a positive number of seconds, got {value!r}")
         check_metrics(self.metrics)
         if self.heartbeat_interval >= self.liveness_timeout:
-            raise ValueError(
+            raise InvalidArgument(
                 "Config.heartbeat_interval must be shorter than Config.liveness_timeout "
                 f"({self.heartbeat_interval} >= {self.liveness_timeout}); otherwise a healthy, "
                 "quiet link would be declared dead"
             )
         if self.liveness_timeout > MAX_TIMER:
-            raise ValueError(
+            raise InvalidArgument(
                 f"Config.liveness_timeout must be at most {MAX_TIMER}s, got "
                 f"{self.liveness_timeout}; peers refuse longer timers from a master"
             )
         for name in ("topology_solve_seconds", "topology_search_seconds"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"Config.{name} must be a non-negative number of seconds, got {value!r}")
+                raise InvalidArgument(
+                    f"Config.{name} must be a non-negative number of seconds, got {value!r}"
+                )
         if self.topology_solve_seconds == 0:
-            raise ValueError("Config.topology_solve_seconds must be positive")
+            raise InvalidArgument("Config.topology_solve_seconds must be positive")
         for name in (
             "max_control_frame", "max_data_frame", "establish_attempts", "slice_bytes",
             "topology_reference_bytes",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"Config.{name} must be a positive integer, got {value!r}")
+                raise InvalidArgument(f"Config.{name} must be a positive integer, got {value!r}")
         if not (isinstance(self.p2p_connection_pool_size, int)
                 and 1 <= self.p2p_connection_pool_size <= MAX_POOL_SIZE):
-            raise ValueError(
+            raise InvalidArgument(
                 f"Config.p2p_connection_pool_size must be an integer from 1 to {MAX_POOL_SIZE}, "
                 f"got {self.p2p_connection_pool_size!r}"
             )
         if not (isinstance(self.bucket_bytes, int) and not isinstance(self.bucket_bytes, bool)
                 and self.bucket_bytes >= 0):
-            raise ValueError(
+            raise InvalidArgument(
                 "Config.bucket_bytes must be a non-negative integer (0: no fusion), got "
                 f"{self.bucket_bytes!r}"
             )
         if self.slice_bytes + 64 > self.max_data_frame:
-            raise ValueError("Config.slice_bytes must fit in Config.max_data_frame")
+            raise InvalidArgument("Config.slice_bytes must fit in Config.max_data_frame")
         if self.run_secret is not None:
             if not isinstance(self.run_secret, bytes | str):
-                raise ValueError(
+                raise InvalidArgument(
                     f"Config.run_secret must be bytes or str, got {type(self.run_secret).__name__}"
                 )
             check_secret(self.secret or b"")
         if self.data_protection not in ("mac", "encrypt"):
-            raise ValueError(
+            raise InvalidArgument(
                 f"Config.data_protection must be 'mac' or 'encrypt', got {self.data_protection!r}"
             )
         for name in ("insecure", "content_digest"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+                raise InvalidArgument(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.master_grace, int | float) and math.isfinite(self.master_grace)
                 and self.master_grace >= 0):
-            raise ValueError(
+            raise InvalidArgument(
                 "Config.master_grace must be a non-negative number of seconds (0: no "
                 f"recovery), got {self.master_grace!r}"
             )
         if self.identity is not None and not isinstance(self.identity, str | os.PathLike):
-            raise ValueError(f"Config.identity must be a path, got {self.identity!r}")
+            raise InvalidArgument(f"Config.identity must be a path, got {self.identity!r}")
         for name in ("allowed_identities", "master_identities"):
             keys = getattr(self, name)
             if keys is None:
@@ -266,26 +280,26 @@ class Config:
             keys = frozenset(keys)
             bad = [key for key in keys if not (isinstance(key, bytes) and len(key) == IDENTITY_SIZE)]
             if bad:
-                raise ValueError(
+                raise InvalidArgument(
                     f"Config.{name} must hold {IDENTITY_SIZE}-byte public keys, got {bad[0]!r}"
                 )
             object.__setattr__(self, name, keys)
         for name in ("stall_timeout", "stall_warning"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and not math.isnan(value) and value > 0):
-                raise ValueError(
+                raise InvalidArgument(
                     f"Config.{name} must be a positive number of seconds (inf: never), "
                     f"got {value!r}"
                 )
         if not (isinstance(self.shared_state_min_rate, int | float)
                 and math.isfinite(self.shared_state_min_rate) and self.shared_state_min_rate >= 0):
-            raise ValueError(
+            raise InvalidArgument(
                 "Config.shared_state_min_rate must be a non-negative number of bytes per "
                 f"second (0: no minimum), got {self.shared_state_min_rate!r}"
             )
         if not (isinstance(self.shared_state_grace, int | float)
                 and math.isfinite(self.shared_state_grace) and self.shared_state_grace > 0):
-            raise ValueError(
+            raise InvalidArgument(
                 "Config.shared_state_grace must be a positive number of seconds, got "
                 f"{self.shared_state_grace!r}"
             )

@@ -5,6 +5,8 @@ Messages always say what was wrong and what the caller can do about it.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 __all__ = [
     "CollectiveAborted",
     "InvalidArgument",
@@ -43,8 +45,9 @@ class CollectiveAborted(PCCLError):
     """The collective was aborted for every surviving peer; inputs were restored."""
 
 
-class InvalidArgument(PCCLError):
-    """An argument was malformed or disagreed with the other peers' arguments."""
+class InvalidArgument(PCCLError, ValueError):
+    """An argument was malformed or disagreed with the other peers' arguments (also a
+    ``ValueError``, as Python's own bad values are)."""
 
 
 class InvalidUsage(PCCLError):
@@ -65,3 +68,16 @@ class Kicked(PCCLError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"kicked by the master: {reason}")
         self.reason = reason
+
+
+_E = TypeVar("_E", bound=PCCLError)
+
+
+def shown_as_base(marker: type[_E]) -> type[_E]:
+    """Class decorator for an internal subclass that marks a case of a public error:
+    callers catch it, and tracebacks and reprs name it, as its public base class."""
+    base = marker.__mro__[1]
+    marker.__module__, marker.__qualname__, marker.__name__ = (
+        base.__module__, base.__qualname__, base.__name__
+    )
+    return marker

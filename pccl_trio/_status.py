@@ -75,9 +75,16 @@ async def fetch_status(host: str, port: int, config: Config | None = None) -> St
                 await framed.send_message(StatusRequest())
                 reply = await framed.receive_message()
         except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            what = (
+                f"no answer within {config.connect_timeout:g}s"
+                if isinstance(exc, trio.TooSlowError) else str(exc) or "the connection was closed"
+            )
+            hint = "" if credential is not None else (
+                "; a master that has a run secret closes connections that do not start "
+                f"with it: give it with --secret-file PATH or ${SECRET_ENVIRONMENT}"
+            )
             raise MasterConnectionError(
-                f"the master at {where} did not answer a status request ({exc or 'timed out'}); "
-                "without a run secret it closes connections that do not start with one"
+                f"the master at {where} did not answer a status request ({what}){hint}"
             ) from exc
         except RemoteProtocolError as exc:
             raise MasterConnectionError(f"the master at {where} sent a bad status reply ({exc})") from exc
@@ -175,6 +182,19 @@ def _render(reply: StatusReply, address: str) -> str:
 
 
 async def _watch(host: str, port: int, config: Config, interval: float) -> None:
+    address = format_address(host, port)
+
+    async def view() -> str:
+        try:
+            return render(await fetch_status(host, port, config), address)
+        except MasterConnectionError as exc:
+            return f"{address}: {exc}"
+
+    if not sys.stdout.isatty():
+        # Redirected: a redrawn screen would show only at the end; print each view.
+        while True:
+            print(f"{await view()}\n", flush=True)
+            await trio.sleep(interval)
     try:
         from rich.live import Live
         from rich.text import Text
@@ -182,14 +202,9 @@ async def _watch(host: str, port: int, config: Config, interval: float) -> None:
         raise MasterConnectionError(
             "--watch needs rich: pip install 'pccl_trio[observability]'"
         ) from exc
-    address = format_address(host, port)
     with Live(Text("asking the master..."), auto_refresh=False) as live:
         while True:
-            try:
-                text = render(await fetch_status(host, port, config), address)
-            except MasterConnectionError as exc:
-                text = f"{address}: {exc}"
-            live.update(Text(text), refresh=True)
+            live.update(Text(await view()), refresh=True)
             await trio.sleep(interval)
 
 

@@ -82,3 +82,26 @@ def test_config_rejects_nonsense() -> None:
         pccl.Config(heartbeat_interval=-1.0)
     with pytest.raises(ValueError, match="pool_size"):
         pccl.Config(p2p_connection_pool_size=0)
+
+
+def test_bad_configuration_is_an_invalid_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every error pccl_trio raises is a PCCLError, bad settings included (still a
+    ValueError, as Python's own bad values are); a secret from the environment is
+    named as such."""
+    with pytest.raises(pccl.InvalidArgument, match="heartbeat_interval"):
+        pccl.Config(heartbeat_interval=-1.0)
+    with pytest.raises(pccl.InvalidArgument, match="at least 16 bytes"):
+        pccl.Config(run_secret="short")  # the check a helper shares with the CLI
+    monkeypatch.setenv("PCCL_TRIO_RUN_SECRET", "deadbeef")
+    with pytest.raises(pccl.InvalidArgument, match=r"^\$PCCL_TRIO_RUN_SECRET: .*at least 16"):
+        pccl.Communicator("127.0.0.1:48148")
+
+
+@pytest.mark.parametrize(("address", "says"), [
+    ("http://127.0.0.1:48148", "no scheme"),
+    ("127.0.0.1:48148/run", "no path"),
+    ("fe80::1:48148", r"IPv6 as '\[addr\]:port'"),
+])
+def test_a_malformed_master_address_is_explained(address: str, says: str) -> None:
+    with pytest.raises(pccl.InvalidArgument, match=f"expected 'host:port'.*{says}|{says}"):
+        pccl.Communicator(address)

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy
 
 from .._errors import InvalidArgument
-from ._dtypes import from_numpy_dtype
+from ._dtypes import SUPPORTED_NAMES, from_numpy_dtype
 
 __all__ = ["Array", "ArrayModule", "as_array", "byte_view"]
 
@@ -69,7 +69,12 @@ def as_array(obj: object, *, name: str) -> tuple[ArrayModule, Array]:
         return _from_dlpack(obj, name=name)
     raise InvalidArgument(
         f"{name}: expected {_ACCEPTED}, got {type(obj).__module__}.{type(obj).__qualname__}; "
-        "wrap raw bytes with numpy.frombuffer(bytearray_object, dtype=...)"
+        + (
+            "a parameter's .grad is None before backward(), and stays None for a parameter "
+            "the loss did not use: leave those out, or give them zeros"
+            if obj is None else
+            "wrap raw bytes with numpy.frombuffer(bytearray_object, dtype=...)"
+        )
     )
 
 
@@ -106,9 +111,10 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
             # cost (a gradient list has hundreds of tensors).
             host = obj.numpy()
         except (RuntimeError, TypeError):
-            pass  # on a device, or a view numpy cannot express: DLPack decides below
+            pass  # on a device, or a tensor numpy cannot express: DLPack decides below
         else:
             return numpy, _flat_view(numpy, host, name=name)
+    if from_torch:
         if obj.is_neg() or obj.is_conj():
             # Lazy negation or conjugation: the memory does not hold the values, and
             # DLPack would export the memory as if it did.
@@ -117,8 +123,15 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
                 "not hold its values); pass .resolve_neg().resolve_conj() and copy the "
                 "result back"
             )
+        _check_torch_tensor(torch, obj, name=name)  # what DLPack would refuse, in torch's terms
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
-    device_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
+    try:
+        device_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
+    except (BufferError, RuntimeError, TypeError, ValueError) as error:
+        raise InvalidArgument(
+            f"{name}: the {kind} cannot say where its memory is through DLPack ({error}); "
+            "pass a numpy array or a tensor in host or GPU memory"
+        ) from error
     xp: ModuleType
     if int(device_type) in _DLPACK_GPU_DEVICES:
         if torch_bfloat16:
@@ -149,6 +162,38 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
             "or pass a writable numpy array"
         )
     return xp, _flat_view(xp, array, name=name)
+
+
+def _check_torch_tensor(torch: Any, tensor: Any, *, name: str) -> None:
+    """What DLPack would refuse in a torch tensor, said in torch's terms.
+
+    Raises:
+        InvalidArgument: a tensor that is not dense, has no memory (the meta device), or
+            has a dtype with no counterpart here.
+    """
+    if tensor.layout is not torch.strided:
+        raise InvalidArgument(
+            f"{name}: a {tensor.layout} tensor has no dense memory to reduce in place; "
+            "pass a dense one (.to_dense()) and copy the result back"
+        )
+    if tensor.device.type == "meta":
+        raise InvalidArgument(
+            f"{name}: a tensor on the meta device has no memory; materialize it first "
+            "(e.g. module.to_empty(device='cpu'))"
+        )
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    if dtype not in _TORCH_DTYPES:
+        raise InvalidArgument(
+            f"{name}: dtype torch.{dtype} is not supported; supported dtypes: {SUPPORTED_NAMES}; "
+            "convert it first (e.g. .to(torch.float32)) and copy the result back"
+        )
+
+
+#: torch's names of the supported dtypes.
+_TORCH_DTYPES = frozenset({
+    "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16",
+    "bfloat16", "float32", "float64",
+})
 
 
 def _flat_view(xp: ArrayModule, array: Array, *, name: str) -> Array:

@@ -15,7 +15,7 @@ import numpy.typing as npt
 from .._errors import InvalidArgument
 from .._types import DataType
 
-__all__ = ["from_numpy_dtype", "to_numpy_dtype"]
+__all__ = ["SUPPORTED_NAMES", "from_numpy_dtype", "to_numpy_dtype"]
 
 _NUMPY_DTYPES: dict[DataType, numpy.dtype[Any]] = {
     DataType.UINT8: numpy.dtype(numpy.uint8),
@@ -37,7 +37,8 @@ _NUMPY_DTYPES: dict[DataType, numpy.dtype[Any]] = {
 _SEEN: dict[numpy.dtype[Any], DataType] = {}
 _SEEN_MAX = 64
 
-_SUPPORTED = ", ".join(str(dtype) for dtype in _NUMPY_DTYPES.values())
+#: The supported dtypes, for messages.
+SUPPORTED_NAMES = ", ".join(str(dtype) for dtype in _NUMPY_DTYPES.values())
 
 
 def to_numpy_dtype(data_type: DataType) -> numpy.dtype[Any]:
@@ -59,7 +60,7 @@ def from_numpy_dtype(dtype: npt.DTypeLike) -> DataType:
     try:
         resolved = numpy.dtype(dtype)
     except TypeError as error:
-        raise InvalidArgument(f"{dtype!r} is not a dtype; supported dtypes: {_SUPPORTED}") from error
+        raise InvalidArgument(f"{dtype!r} is not a dtype; supported dtypes: {SUPPORTED_NAMES}") from error
     # A linear scan with == rather than a dict lookup: equal dtypes need not be the same object
     # (int64 may be spelled 'l' or 'q'), and == is what numpy defines as "the same dtype".
     for data_type, candidate in _NUMPY_DTYPES.items():
@@ -68,5 +69,5 @@ def from_numpy_dtype(dtype: npt.DTypeLike) -> DataType:
                 _SEEN[resolved] = data_type
             return data_type
     raise InvalidArgument(
-        f"dtype {resolved} is not supported; supported dtypes (native byte order): {_SUPPORTED}"
+        f"dtype {resolved} is not supported; supported dtypes (native byte order): {SUPPORTED_NAMES}"
     )

@@ -78,6 +78,7 @@ from .._errors import (
     PCCLError,
     TooFewPeers,
     UpdateTopologyFailed,
+    shown_as_base,
 )
 from .._types import (
     ReduceInfo,
@@ -114,11 +115,13 @@ def _outcome(error: BaseException | None) -> str:
     return "failed"
 
 
+@shown_as_base
 class _Rejected(InvalidArgument):
     """The master rejected a collective for every peer of its group (the peers disagree
     on its arguments, or a peer's data cannot be reduced): retrying would fail alike."""
 
 
+@shown_as_base
 class _Blocked(CollectiveAborted):
     """The master ended a collective before it ran because a member waits in a
     shared-state sync: the ring is intact; retrying before syncing would fail alike."""

@@ -86,7 +86,10 @@ class Lifecycle:
         if self.failure is not None:
             raise self.failure
         if self.status is Status.CLOSED:
-            raise InvalidUsage("the communicator is closed")
+            raise InvalidUsage(
+                "the communicator is closed; create a new Communicator to take part in "
+                "the run again"
+            )
 
     def check_connected(self) -> None:
         self.raise_if_failed()

@@ -231,6 +231,12 @@ def parse_address(address: str, *, default_port: int | None = None) -> tuple[str
     if not isinstance(address, str) or not address.strip():
         raise ValueError(f"expected an address like '127.0.0.1:48148', got {address!r}")
     text = address.strip()
+    if "://" in text:
+        raise ValueError(
+            f"expected 'host:port' with no scheme (e.g. '127.0.0.1:48148'), got {address!r}"
+        )
+    if "/" in text:
+        raise ValueError(f"expected 'host:port' with no path (e.g. '127.0.0.1:48148'), got {address!r}")
     host: str
     port_text: str | None
     if text.startswith("["):
@@ -246,7 +252,9 @@ def parse_address(address: str, *, default_port: int | None = None) -> tuple[str
     elif ":" not in text:
         host, port_text = text, None
     else:
-        raise ValueError(f"write IPv6 addresses as '[addr]:port', got {address!r}")
+        raise ValueError(
+            f"expected 'host:port' (IPv6 as '[addr]:port'), got {address!r}"
+        )
     if port_text is None:
         if default_port is None:
             raise ValueError(f"address {address!r} has no port; expected 'host:port'")

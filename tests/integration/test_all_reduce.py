@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import traceback
 
 import ml_dtypes
 import numpy as np
@@ -135,6 +136,9 @@ async def test_disagreeing_peers_get_invalid_argument(cluster: Cluster, clock: o
         for result in results:
             assert isinstance(result, pccl.InvalidArgument), result
             assert "count=10" in str(result) and "count=11" in str(result)
+            # Tracebacks name the class callers catch.
+            shown = "".join(traceback.format_exception_only(result))
+            assert shown.startswith("pccl_trio._errors.InvalidArgument: "), shown
         assert all(a.tobytes() == o.tobytes() for a, o in zip(arrays, originals, strict=True))
         # The run goes on: an agreeing all-reduce works right after.
         arrays = [np.ones(10, dtype=np.float32) for _ in range(3)]

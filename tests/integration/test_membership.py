@@ -268,7 +268,7 @@ async def test_usage_errors(cluster: Cluster, clock: object) -> None:
             await comm.connect()
         await comm.aclose()
         await comm.aclose()  # idempotent
-        with pytest.raises(pccl.InvalidUsage, match="closed"):
+        with pytest.raises(pccl.InvalidUsage, match="closed; create a new Communicator"):
             await comm.update_topology()
 
 

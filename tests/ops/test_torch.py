@@ -97,6 +97,31 @@ def test_unsupported_tensor_dtypes_are_rejected(dtype_name: str) -> None:
         as_array(torch.zeros(3, dtype=getattr(torch, dtype_name)), name="send")
 
 
+@pytest.mark.parametrize("dtype_name", ["float8_e4m3fn", "float8_e5m2"])
+def test_unsupported_dtypes_numpy_cannot_hold_are_named(dtype_name: str) -> None:
+    """float8 has no numpy dtype, so numpy's message cannot name it: torch's is used."""
+    with pytest.raises(InvalidArgument, match=rf"^send: dtype torch.{dtype_name} is not "
+                       r"supported; supported dtypes: .*float32.*\.to\(torch.float32\)"):
+        as_array(torch.zeros(3, dtype=getattr(torch, dtype_name)), name="send")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensors_without_dense_memory_are_refused_with_the_way_out(dtype: torch.dtype) -> None:
+    with pytest.raises(InvalidArgument, match=r"^send: a torch.sparse_coo tensor .*\.to_dense\(\)"):
+        as_array(torch.ones(4, 4, dtype=dtype).to_sparse(), name="send")
+    with pytest.raises(InvalidArgument, match=r"^send: a tensor on the meta device .*to_empty"):
+        as_array(torch.ones(4, dtype=dtype, device="meta"), name="send")
+
+
+def test_a_missing_gradient_is_named() -> None:
+    """A parameter's .grad is None before backward() and for parameters the loss did
+    not use: the message says so."""
+    grad = torch.nn.Linear(2, 2).weight.grad
+    with pytest.raises(InvalidArgument, match=r"^tensors\[0\]: .*NoneType; a parameter's \.grad "
+                       "is None before backward"):
+        as_array(grad, name="tensors[0]")
+
+
 def test_finalize_average_matches_torchs_division_bit_for_bit() -> None:
     generator = torch.Generator().manual_seed(11)
     for dtype in (torch.int8, torch.int32, torch.int64):

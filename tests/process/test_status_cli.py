@@ -27,6 +27,26 @@ def status(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def watch(address: str, secret: Path) -> int:
+    """Run ``status --watch`` into a pipe until it printed two views of the run; how
+    many it printed."""
+    views = 0
+    with subprocess.Popen(
+        [sys.executable, "-m", "pccl_trio", "status", address, "--secret-file", str(secret),
+         "--watch", "--interval", "0.1"],
+        stdout=subprocess.PIPE, text=True, env=environment(),
+    ) as watcher:
+        try:
+            assert watcher.stdout is not None
+            for line in watcher.stdout:
+                views += "2 peers in 1 groups" in line
+                if views == 2:
+                    break
+        finally:
+            watcher.kill()
+    return views
+
+
 def start_master(secret: Path) -> tuple[subprocess.Popen[str], str, str]:
     """A master CLI with a run secret, metrics and JSON logs; it, where its metrics are
     served, and where it listens."""
@@ -82,6 +102,10 @@ async def test_status_shows_peers_groups_and_rings(tmp_path: Path) -> None:
             # Without the secret the master says nothing.
             stranger = await trio.to_thread.run_sync(status, address)
             assert stranger.returncode == 1 and "did not answer" in stranger.stderr
+            assert "--secret-file PATH or $PCCL_TRIO_RUN_SECRET" in stranger.stderr
+            # Into a pipe, --watch prints each view as it comes.
+            views = await trio.to_thread.run_sync(watch, address, secret)
+            assert views == 2
 
             text = await trio.to_thread.run_sync(
                 lambda: urllib.request.urlopen(url, timeout=10).read().decode()
