@@ -164,6 +164,13 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
     return xp, _flat_view(xp, array, name=name)
 
 
+#: torch's names of the supported dtypes.
+_TORCH_DTYPES = frozenset({
+    "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16",
+    "bfloat16", "float32", "float64",
+})
+
+
 def _check_torch_tensor(torch: Any, tensor: Any, *, name: str) -> None:
     """What DLPack would refuse in a torch tensor, said in torch's terms.
 
@@ -187,13 +194,6 @@ def _check_torch_tensor(torch: Any, tensor: Any, *, name: str) -> None:
             f"{name}: dtype torch.{dtype} is not supported; supported dtypes: {SUPPORTED_NAMES}; "
             "convert it first (e.g. .to(torch.float32)) and copy the result back"
         )
-
-
-#: torch's names of the supported dtypes.
-_TORCH_DTYPES = frozenset({
-    "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16",
-    "bfloat16", "float32", "float64",
-})
 
 
 def _flat_view(xp: ArrayModule, array: Array, *, name: str) -> Array:

@@ -29,7 +29,10 @@ from ._staging import gpu_of, staging_for
 __all__ = ["ReduceOptions", "ReduceRequest", "check_reduce_arguments", "check_reduce_options"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+# Not frozen: a step makes one per tensor, hundreds per call, and a frozen
+# dataclass's constructor costs three times as much; nothing changes one once made
+# (``dataclasses.replace`` makes another).
+@dataclasses.dataclass(kw_only=True, slots=True)
 class ReduceRequest:
     """One all-reduce's checked arguments.
 
