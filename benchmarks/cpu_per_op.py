@@ -4,7 +4,8 @@ For one size at W peers on 127.0.0.1, each library runs ``--iters`` all-reduces 
 SUM, in place) back to back, with no barrier between them, and reports per all-reduce:
 
 - wall: the slowest rank's loop time over ``--iters``;
-- CPU per rank: user + system time of the whole process (every thread) over the loop;
+- CPU per rank: user + system time of the whole process (every thread) over the loop
+  (``time.process_time``);
 - for pccl_trio, the master's CPU over the same loop (read by the first rank from
   ``/proc/<pid>/stat``, in clock ticks: at 1,000 all-reduces of about 1 ms each, a tick
   is 1 % of the figure);
@@ -48,8 +49,8 @@ def process_cpu(pid: int) -> float:
 
 
 def own_cpu() -> float:
-    times = os.times()
-    return times.user + times.system
+    """User + system seconds of this process (every thread), to the nanosecond."""
+    return time.process_time()
 
 
 # --- workers (one process each) -----------------------------------------------------------
@@ -117,7 +118,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _collect(workers: list[subprocess.Popen[str]], iters: int) -> dict[str, Any]:
+def _collect(workers: list[subprocess.Popen[str]], iters: int, *, master: bool) -> dict[str, Any]:
+    """One launch's figures from its workers' lines (``master``: exactly one rank must
+    have read the master's CPU)."""
     records = []
     for worker in workers:
         out, _ = worker.communicate(timeout=600)
@@ -126,12 +129,14 @@ def _collect(workers: list[subprocess.Popen[str]], iters: int) -> dict[str, Any]
         records.append(json.loads(out.strip().splitlines()[-1]))
     if not all(r["ok"] for r in records):
         raise SystemExit("a worker's result was wrong")
-    master = [r["master_cpu"] for r in records if r["master_cpu"] is not None]
+    master_cpu = [r["master_cpu"] for r in records if r["master_cpu"] is not None]
+    if len(master_cpu) != int(master):
+        raise SystemExit(f"{len(master_cpu)} ranks read the master's CPU, expected {int(master)}")
     rank_cpu = [r["cpu"] / iters * 1e3 for r in records]
     launch = {
         "wall_ms": max(r["wall"] for r in records) / iters * 1e3,
         "rank_cpu_ms": statistics.mean(rank_cpu),
-        "master_cpu_ms": master[0] / iters * 1e3 if master else 0.0,
+        "master_cpu_ms": master_cpu[0] / iters * 1e3 if master_cpu else 0.0,
     }
     launch["total_cpu_ms"] = sum(rank_cpu) + launch["master_cpu_ms"]
     launch["cores_busy"] = launch["total_cpu_ms"] / launch["wall_ms"]
@@ -157,7 +162,7 @@ def launch_pccl(world: int, size: int, iters: int) -> dict[str, Any]:
             )
             for _ in range(world)
         ]
-        return _collect(workers, iters)
+        return _collect(workers, iters, master=True)
     finally:
         master.kill()
         master.wait()
@@ -173,7 +178,7 @@ def launch_gloo(world: int, size: int, iters: int) -> dict[str, Any]:
         )
         for rank in range(world)
     ]
-    return _collect(workers, iters)
+    return _collect(workers, iters, master=False)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -5,7 +5,7 @@ Messages always say what was wrong and what the caller can do about it.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 __all__ = [
     "CollectiveAborted",
@@ -80,4 +80,11 @@ def shown_as_base(marker: type[_E]) -> type[_E]:
     marker.__module__, marker.__qualname__, marker.__name__ = (
         base.__module__, base.__qualname__, base.__name__
     )
+
+    def reduce(error: BaseException) -> tuple[Any, ...]:
+        # Pickle finds classes by the names above, which now name the base: a marker
+        # crosses processes as its base (what callers catch anyway).
+        return base, error.args, error.__dict__ or None
+
+    marker.__reduce__ = reduce  # type: ignore[assignment,method-assign]
     return marker

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -239,6 +240,11 @@ def status_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio status
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:  # --watch into a reader that stopped reading (| head)
+        # What is left in stdout's buffer cannot be written either: point it at
+        # /dev/null so that the flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if args.json:
         print(json.dumps(as_json(reply)))

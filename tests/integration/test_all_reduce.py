@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pickle
 import traceback
 
 import ml_dtypes
@@ -139,6 +140,8 @@ async def test_disagreeing_peers_get_invalid_argument(cluster: Cluster, clock: o
             # Tracebacks name the class callers catch.
             shown = "".join(traceback.format_exception_only(result))
             assert shown.startswith("pccl_trio._errors.InvalidArgument: "), shown
+            again = pickle.loads(pickle.dumps(result))  # e.g. to another process
+            assert type(again) is pccl.InvalidArgument and str(again) == str(result)
         assert all(a.tobytes() == o.tobytes() for a, o in zip(arrays, originals, strict=True))
         # The run goes on: an agreeing all-reduce works right after.
         arrays = [np.ones(10, dtype=np.float32) for _ in range(3)]

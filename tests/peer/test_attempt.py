@@ -90,7 +90,7 @@ async def test_a_forward_still_sending_keeps_the_attempt_from_finishing(
         original_send(link, **frame)
         if getattr(holding, "hold", False):
             held.set()
-            release.wait()
+            assert release.wait(60), "the test never released the held forward"
 
     monkeypatch.setattr(SocketLink, "send_data_locked", send)
     mine, theirs = socket.socketpair()
@@ -144,7 +144,7 @@ async def test_a_forward_still_sending_keeps_the_attempt_from_finishing(
             for index in range(last[1]):
                 await trio.to_thread.run_sync(deliver, reduced, index)
             nursery.start_soon(partial(trio.to_thread.run_sync, deliver, reduced, last[1], True))
-            await trio.to_thread.run_sync(held.wait)
+            assert await trio.to_thread.run_sync(held.wait, 60), "no reader forwarded the slice"
             for index in range(attempt.schedule.slice_count(gathered)):
                 await trio.to_thread.run_sync(deliver, gathered, index)
             await settled.wait()

@@ -1,8 +1,9 @@
 """Real processes on loopback TCP: the master CLI and peer programs.
 
 Each process's stderr (where the peer programs log at INFO) goes to a file of the
-test's own; a test that fails prints their last lines, so a peer's local reason for a
-failure (e.g. "tag 1 failed locally: ...") is in the report.
+test's own, and the fixture prints the last lines of each as it ends: pytest shows
+that output when the test failed, so a peer's local reason for a failure (e.g. "tag 1
+failed locally: ...") is in the report.
 """
 
 from __future__ import annotations
@@ -24,16 +25,6 @@ PEER_PROGRAM = Path(__file__).with_name("peer_program.py")
 LIVENESS_TIMEOUT = 2.0
 #: Lines of each process's stderr a failed test prints.
 LOG_TAIL = 40
-
-_CALL_REPORT = pytest.StashKey[pytest.TestReport]()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    outcome = yield
-    report = outcome.get_result()
-    if report.when == "call":
-        item.stash[_CALL_REPORT] = report
 
 
 class LineReader:
@@ -120,9 +111,7 @@ class Processes:
 
 
 @pytest.fixture
-async def processes(
-    nursery: trio.Nursery, tmp_path: Path, request: pytest.FixtureRequest
-) -> AsyncIterator[Processes]:
+async def processes(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Processes]:
     procs = Processes(nursery, tmp_path)
     try:
         yield procs
@@ -131,9 +120,7 @@ async def processes(
         with trio.CancelScope(shield=True):
             for process in procs.started:
                 await process.wait()
-        report = request.node.stash.get(_CALL_REPORT, None)
-        if report is None or report.failed:
-            procs.print_logs()
+        procs.print_logs()  # captured: pytest shows it when the test failed
 
 
 def namespaces_work(tc: bool = True) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def watch(address: str, secret: Path) -> int:
          "--watch", "--interval", "0.1"],
         stdout=subprocess.PIPE, text=True, env=environment(),
     ) as watcher:
+        deadline = threading.Timer(60, watcher.kill)  # a watcher printing only errors
+        deadline.start()
         try:
             assert watcher.stdout is not None
             for line in watcher.stdout:
@@ -43,8 +46,24 @@ def watch(address: str, secret: Path) -> int:
                 if views == 2:
                     break
         finally:
+            deadline.cancel()
             watcher.kill()
     return views
+
+
+def test_watch_into_a_pipe_that_closes_exits_quietly() -> None:
+    """``status --watch | head -1``: the reader goes away; the watcher ends with 0
+    and no traceback (no master is needed: it prints why it cannot reach one)."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "pccl_trio", "status", "127.0.0.1:1", "--watch", "--interval",
+         "0.05"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(),
+    ) as watcher:
+        assert watcher.stdout is not None and watcher.stderr is not None
+        assert "could not reach a master" in watcher.stdout.readline()
+        watcher.stdout.close()
+        assert watcher.wait(timeout=60) == 0
+        assert "Traceback" not in watcher.stderr.read()
 
 
 def start_master(secret: Path) -> tuple[subprocess.Popen[str], str, str]:
