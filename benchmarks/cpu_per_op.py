@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pccl_trio._bench import format_size, parse_size
+from pccl_trio._bench import format_size, free_port, parse_size
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -112,12 +111,6 @@ def _gloo_worker(rank: int, world: int, port: int, size: int, iters: int) -> Non
 # --- driver ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _collect(workers: list[subprocess.Popen[str]], iters: int, *, master: bool) -> dict[str, Any]:
     """One launch's figures from its workers' lines (``master``: exactly one rank must
     have read the master's CPU)."""
@@ -144,18 +137,17 @@ def _collect(workers: list[subprocess.Popen[str]], iters: int, *, master: bool) 
 
 
 def launch_pccl(world: int, size: int, iters: int) -> dict[str, Any]:
-    port = _free_port()
     master = subprocess.Popen(
-        [sys.executable, "-m", "pccl_trio.master", "--listen", f"127.0.0.1:{port}",
+        [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0",
          "--liveness-timeout", "10", "--heartbeat-interval", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     try:
         assert master.stdout is not None
-        master.stdout.readline()  # "listening on ...": it accepts from now on
+        address = master.stdout.readline().split()[-1]  # "... listening on HOST:PORT"
         workers = [
             subprocess.Popen(
-                [sys.executable, __file__, "--role", "pccl", "--master", f"127.0.0.1:{port}",
+                [sys.executable, __file__, "--role", "pccl", "--master", address,
                  "--master-pid", str(master.pid), "--world", str(world), "--size", str(size),
                  "--iters", str(iters)],
                 stdout=subprocess.PIPE, text=True,
@@ -169,7 +161,7 @@ def launch_pccl(world: int, size: int, iters: int) -> dict[str, Any]:
 
 
 def launch_gloo(world: int, size: int, iters: int) -> dict[str, Any]:
-    port = _free_port()
+    port = free_port()
     workers = [
         subprocess.Popen(
             [sys.executable, __file__, "--role", "gloo", "--rank", str(rank), "--port",

@@ -39,7 +39,6 @@ import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pccl_trio._bench import format_size, parse_size
+from pccl_trio._bench import format_size, free_port, parse_size
 
 WORKLOADS = ("100x256KiB", "400x16KiB", "transformer")
 DDP_BUCKET = 25 << 20
@@ -176,12 +175,6 @@ def _gloo_worker(rank: int, world: int, port: int, mode: str, iters: int, warmup
 # --- the driver ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _collect(workers: list[subprocess.Popen[str]], timeout: float, what: str) -> dict[str, Any]:
     outputs = [w.communicate(timeout=timeout)[0] for w in workers]
     lines = [line for out in outputs for line in out.splitlines() if line.startswith("{")]
@@ -220,7 +213,7 @@ def run_pccl(args: argparse.Namespace, bucket_bytes: int) -> dict[str, Any]:
 
 def run_gloo(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", GLOO_SOCKET_IFNAME="lo")
-    port = _free_port()
+    port = free_port()
     workers = [subprocess.Popen(
         [sys.executable, __file__, "gloo-worker", "--rank", str(rank), "--port", str(port),
          "--mode", mode, "--torch-threads", str(args.torch_threads), *_common(args)],

@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,14 @@ def parse_size(text: str) -> int:
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}[t[-1]]
         t = t[:-1]
     return int(float(t) * scale)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free right now (for a rendezvous that needs one named
+    in advance, such as Gloo's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def format_size(n: int) -> str:

@@ -196,14 +196,6 @@ class Config:
             raise InvalidArgument(f"${SECRET_ENVIRONMENT}: {exc}") from None
 
     def __post_init__(self) -> None:
-        try:
-            self._check()
-        except InvalidArgument:
-            raise
-        except ValueError as exc:  # from a helper shared with the command line
-            raise InvalidArgument(str(exc)) from None
-
-    def _check(self) -> None:
         for name in (
             "heartbeat_interval", "liveness_timeout", "connect_timeout", "round_timeout",
             "discovery_timeout", "election_timeout",
@@ -257,7 +249,10 @@ class Config:
                 raise InvalidArgument(
                     f"Config.run_secret must be bytes or str, got {type(self.run_secret).__name__}"
                 )
-            check_secret(self.secret or b"")
+            try:
+                check_secret(self.secret or b"")
+            except ValueError as exc:  # the channel's own check, which the core raises
+                raise InvalidArgument(str(exc)) from None
         if self.data_protection not in ("mac", "encrypt"):
             raise InvalidArgument(
                 f"Config.data_protection must be 'mac' or 'encrypt', got {self.data_protection!r}"
@@ -324,7 +319,7 @@ def check_metrics(metrics: Any) -> None:
     """``Config.metrics`` is None, ``"HOST:PORT"`` or a registry.
 
     Raises:
-        ValueError: it is none of them.
+        InvalidArgument: it is none of them.
     """
     if metrics is None or callable(getattr(metrics, "register", None)):
         return
@@ -332,7 +327,7 @@ def check_metrics(metrics: Any) -> None:
         host, _, port = metrics.rpartition(":")
         if host and port.isdigit() and int(port) <= 65535:
             return
-    raise ValueError(
+    raise InvalidArgument(
         "Config.metrics must be None, 'HOST:PORT' (serve them there) or a prometheus_client "
         f"CollectorRegistry (register them there), got {metrics!r}"
     )

@@ -123,11 +123,12 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
                 "not hold its values); pass .resolve_neg().resolve_conj() and copy the "
                 "result back"
             )
-        _check_torch_tensor(torch, obj, name=name)  # what DLPack would refuse, in torch's terms
     kind = f"{type(obj).__module__}.{type(obj).__qualname__}"
     try:
         device_type = obj.__dlpack_device__()[0] if hasattr(obj, "__dlpack_device__") else 1
     except (BufferError, RuntimeError, TypeError, ValueError) as error:
+        if from_torch:
+            _check_torch_tensor(torch, obj, name=name)
         raise InvalidArgument(
             f"{name}: the {kind} cannot say where its memory is through DLPack ({error}); "
             "pass a numpy array or a tensor in host or GPU memory"
@@ -140,14 +141,16 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
                 "reduce in float32 or float16, or stage the tensor through host memory"
             )
         xp = _import_cupy(name=name, what=f"a GPU {kind}")
-        exported = obj
     else:
         xp = numpy
-        # obj is a torch tensor, so torch is already imported; this only fetches the module.
-        exported = obj.view(importlib.import_module("torch").int16) if torch_bfloat16 else obj
     try:
+        # A bfloat16 tensor crosses as int16 (numpy has no bfloat16 of its own); obj is
+        # then a torch tensor, so this only fetches the module.
+        exported = obj.view(importlib.import_module("torch").int16) if torch_bfloat16 else obj
         array = xp.from_dlpack(exported)
     except (BufferError, RuntimeError, TypeError, ValueError) as error:
+        if from_torch:
+            _check_torch_tensor(torch, obj, name=name)
         raise InvalidArgument(f"{name}: could not view the {kind} through DLPack: {error}") from error
     if torch_bfloat16:
         array = array.view(ml_dtypes.bfloat16)
@@ -172,7 +175,8 @@ _TORCH_DTYPES = frozenset({
 
 
 def _check_torch_tensor(torch: Any, tensor: Any, *, name: str) -> None:
-    """What DLPack would refuse in a torch tensor, said in torch's terms.
+    """Why DLPack refused a torch tensor, in torch's terms, where torch says more
+    (called only once it refused: the tensors it takes pay nothing).
 
     Raises:
         InvalidArgument: a tensor that is not dense, has no memory (the meta device), or
