@@ -115,6 +115,19 @@ async def test_a_forward_still_sending_keeps_the_attempt_from_finishing(
             return ok
 
         monkeypatch.setattr(attempt, "_arrived_blocking", arrived)
+        original_sent_one = attempt._sent_one
+
+        def sent_one(nbytes: int) -> None:
+            original_sent_one(nbytes)
+            with attempt._lock:
+                attempt._changed.notify_all()  # for ``all_but_the_forward_sent``
+
+        monkeypatch.setattr(attempt, "_sent_one", sent_one)
+
+        def all_but_the_forward_sent() -> None:
+            with attempt._lock:
+                while attempt._unsent > 1:
+                    attempt._changed.wait()
         settled = trio.Event()
         returned: list[tuple[int, int]] = []
 
@@ -143,6 +156,9 @@ async def test_a_forward_still_sending_keeps_the_attempt_from_finishing(
             nursery.start_soon(send_all)
             for index in range(last[1]):
                 await trio.to_thread.run_sync(deliver, reduced, index)
+            # The sender thread is done with everything else: the held forward keeps
+            # the connection, and a slice still to send would wait for it forever.
+            await trio.to_thread.run_sync(all_but_the_forward_sent)
             nursery.start_soon(partial(trio.to_thread.run_sync, deliver, reduced, last[1], True))
             assert await trio.to_thread.run_sync(held.wait, 60), "no reader forwarded the slice"
             for index in range(attempt.schedule.slice_count(gathered)):
