@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pccl_trio._bench import format_size, free_port, parse_size
+from pccl_trio._bench import format_size, free_port, master_process, parse_size
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -137,14 +137,9 @@ def _collect(workers: list[subprocess.Popen[str]], iters: int, *, master: bool) 
 
 
 def launch_pccl(world: int, size: int, iters: int) -> dict[str, Any]:
-    master = subprocess.Popen(
-        [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0",
-         "--liveness-timeout", "10", "--heartbeat-interval", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    try:
-        assert master.stdout is not None
-        address = master.stdout.readline().split()[-1]  # "... listening on HOST:PORT"
+    with master_process(
+        "--liveness-timeout", "10", "--heartbeat-interval", "1", stderr=subprocess.DEVNULL
+    ) as (master, address):
         workers = [
             subprocess.Popen(
                 [sys.executable, __file__, "--role", "pccl", "--master", address,
@@ -155,9 +150,6 @@ def launch_pccl(world: int, size: int, iters: int) -> dict[str, Any]:
             for _ in range(world)
         ]
         return _collect(workers, iters, master=True)
-    finally:
-        master.kill()
-        master.wait()
 
 
 def launch_gloo(world: int, size: int, iters: int) -> dict[str, Any]:

@@ -47,7 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pccl_trio._bench import format_size, free_port, parse_size
+from pccl_trio._bench import format_size, free_port, master_process, parse_size
 
 WORKLOADS = ("100x256KiB", "400x16KiB", "transformer")
 DDP_BUCKET = 25 << 20
@@ -192,23 +192,16 @@ def _common(args: argparse.Namespace) -> list[str]:
 def run_pccl(args: argparse.Namespace, bucket_bytes: int) -> dict[str, Any]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PCCL_TRIO_RUN_SECRET", None)
-    master = subprocess.Popen(
-        [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0", "--insecure",
-         "--log-level", "ERROR", "--liveness-timeout", "10", "--heartbeat-interval", "1"],
-        stdout=subprocess.PIPE, text=True, env=env,
-    )
-    try:
-        assert master.stdout is not None
-        address = master.stdout.readline().split()[-1]
+    with master_process(
+        "--insecure", "--log-level", "ERROR", "--liveness-timeout", "10",
+        "--heartbeat-interval", "1", env=env,
+    ) as (_master, address):
         workers = [subprocess.Popen(
             [sys.executable, __file__, "pccl-worker", address, "--bucket-bytes",
              str(bucket_bytes), "--slice-bytes", str(args.slice_bytes), *_common(args)],
             stdout=subprocess.PIPE, text=True, env=env)
             for _ in range(args.world)]
         return _collect(workers, args.timeout, "pccl_trio")
-    finally:
-        master.terminate()
-        master.wait()
 
 
 def run_gloo(args: argparse.Namespace, mode: str) -> dict[str, Any]:

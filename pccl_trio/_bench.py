@@ -30,6 +30,7 @@ float32 ulps, and the sum is checked to that.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -39,7 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def master_process(*options: str, **popen: Any) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A master CLI listening on 127.0.0.1 (a free port; ``options`` added to its
+    command line, ``popen`` passed to ``subprocess.Popen``) for a benchmark's run: the
+    process and the address it listens on. Terminated at the end."""
+    master = subprocess.Popen(
+        [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0", *options],
+        stdout=subprocess.PIPE, text=True, **popen,
+    )
+    try:
+        assert master.stdout is not None
+        line = master.stdout.readline()
+        while line and "listening on" not in line:  # e.g. where its metrics are
+            line = master.stdout.readline()
+        if not line:
+            raise RuntimeError("the master exited before it listened")
+        yield master, line.split()[-1]
+    finally:
+        master.terminate()
+        master.wait()
 
 
 def format_size(n: int) -> str:

@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy
 
 from .._errors import InvalidArgument
-from ._dtypes import SUPPORTED_NAMES, from_numpy_dtype
+from ._dtypes import SUPPORTED, SUPPORTED_NAMES, from_numpy_dtype
 
 __all__ = ["Array", "ArrayModule", "as_array", "byte_view"]
 
@@ -167,13 +167,6 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
     return xp, _flat_view(xp, array, name=name)
 
 
-#: torch's names of the supported dtypes.
-_TORCH_DTYPES = frozenset({
-    "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64", "float16",
-    "bfloat16", "float32", "float64",
-})
-
-
 def _check_torch_tensor(torch: Any, tensor: Any, *, name: str) -> None:
     """Why DLPack refused a torch tensor, in torch's terms, where torch says more
     (called only once it refused: the tensors it takes pay nothing).
@@ -193,7 +186,7 @@ def _check_torch_tensor(torch: Any, tensor: Any, *, name: str) -> None:
             "(e.g. module.to_empty(device='cpu'))"
         )
     dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype not in _TORCH_DTYPES:
+    if dtype not in SUPPORTED:
         raise InvalidArgument(
             f"{name}: dtype torch.{dtype} is not supported; supported dtypes: {SUPPORTED_NAMES}; "
             "convert it first (e.g. .to(torch.float32)) and copy the result back"

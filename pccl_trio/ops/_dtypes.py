@@ -15,7 +15,7 @@ import numpy.typing as npt
 from .._errors import InvalidArgument
 from .._types import DataType
 
-__all__ = ["SUPPORTED_NAMES", "from_numpy_dtype", "to_numpy_dtype"]
+__all__ = ["SUPPORTED", "SUPPORTED_NAMES", "from_numpy_dtype", "to_numpy_dtype"]
 
 _NUMPY_DTYPES: dict[DataType, numpy.dtype[Any]] = {
     DataType.UINT8: numpy.dtype(numpy.uint8),
@@ -37,7 +37,9 @@ _NUMPY_DTYPES: dict[DataType, numpy.dtype[Any]] = {
 _SEEN: dict[numpy.dtype[Any], DataType] = {}
 _SEEN_MAX = 64
 
-#: The supported dtypes, for messages.
+#: The supported dtypes' names (numpy's, which torch shares: bfloat16 is ml_dtypes').
+SUPPORTED = frozenset(str(dtype) for dtype in _NUMPY_DTYPES.values())
+#: The same, for messages, in the table's order.
 SUPPORTED_NAMES = ", ".join(str(dtype) for dtype in _NUMPY_DTYPES.values())
 
 
