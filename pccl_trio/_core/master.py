@@ -20,7 +20,8 @@ The parts, one module each; each owns its state, and all append to one outbox:
   the read-only snapshot an observer gets (``MasterCore.status``).
 - ``rounds``: establishment rounds; the ``RingBook`` (installed rings, unreachable
   edges, stale groups) the other parts read; the pending-peers vote.
-- ``collectives``: all-reduces, from the initiate votes to the verdicts.
+- ``collectives``: all-reduces, from the initiate votes to the verdicts; ``leases``:
+  the tags a group runs without the master, until something makes them end.
 - ``syncs``: shared-state syncs, from the ballots to ``SharedStateComplete``.
 - ``optimization``: link measurements, ring searches (``Solve``), background
   searches and their candidate rings; ``links`` holds what is known of the links
@@ -89,6 +90,7 @@ from .messages import (
     CollectiveInitiate,
     Heartbeat,
     Kick,
+    LeaseReport,
     LinkMeasured,
     Message,
     P2PEstablished,
@@ -201,6 +203,7 @@ class MasterCore:
             peer), and compare content by both.
         first_peer_id: the id of the first peer to register (an elected master starts
             at a random one: ``_core.election``).
+        lease_span: how many attempts a lease on a tag numbers (``leases``).
     """
 
     def __init__(
@@ -218,6 +221,7 @@ class MasterCore:
         content_digest: bool = False,
         recovery_window: float | None = None,
         first_peer_id: int = 1,
+        lease_span: int = 1 << 20,
     ) -> None:
         if not 0 < heartbeat_interval < liveness_timeout:
             raise ValueError("need 0 < heartbeat_interval < liveness_timeout")
@@ -245,7 +249,7 @@ class MasterCore:
             adopt_candidate=self._optimizer.adopt_candidate,
         )
         self._pending = PendingVote(self._table)
-        self._collectives = Collectives(self._table, self._book)
+        self._collectives = Collectives(self._table, self._book, lease_span=lease_span)
         self._syncs = Syncs(self._table, content_digest=content_digest)
         self._recovery = Recovery(
             self._table, self._book,
@@ -270,6 +274,7 @@ class MasterCore:
             _route(VotePeersPending, self._pending.on_vote),
             _route(CollectiveInitiate, self._collectives.on_initiate),
             _route(CollectiveComplete, self._collectives.on_complete),
+            _route(LeaseReport, self._collectives.leases.on_report),
             _route(SharedStateVote, self._syncs.on_vote),
             _route(SharedStateDone, self._syncs.on_done),
             _route(VoteOptimizeTopology, self._optimizer.on_vote),

@@ -70,6 +70,7 @@ __all__ = [
     "ExpectBenchmark",
     "M2C",
     "MAX_KEY",
+    "MAX_LEASE_SPAN",
     "MAX_PENDING_WAIT",
     "MAX_POOL_SIZE",
     "MAX_TIMER",
@@ -77,6 +78,9 @@ __all__ = [
     "PROTOCOL_VERSION",
     "Heartbeat",
     "Kick",
+    "LeaseEnd",
+    "LeaseReport",
+    "LeaseState",
     "LinkMeasured",
     "MeasureLink",
     "Message",
@@ -124,7 +128,7 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
@@ -142,6 +146,15 @@ class Outcome(enum.IntEnum):
     BLOCKED = 3
 
 
+class LeaseState(enum.IntEnum):
+    """``LeaseReport.state``: where the last attempt a peer started under a lease is."""
+
+    NONE = 0  # it started none under this lease
+    RUNNING = 1  # its part is still running (a CollectiveComplete follows)
+    COMPLETE = 2  # its part is complete: it holds the whole result
+    FAILED = 3  # its part failed (it will never hold the result)
+
+
 class SyncStrategy(enum.IntEnum):
     """``SharedStateVote.strategy``: what a peer offers and accepts in a shared-state sync
     (the public ``SharedStateSyncStrategy`` uses the same values)."""
@@ -152,6 +165,9 @@ class SyncStrategy(enum.IntEnum):
 
 
 OUTCOMES = tuple(Outcome)
+LEASE_STATES = tuple(LeaseState)
+#: Most attempts one lease may number (``CollectiveVerdict.lease``).
+MAX_LEASE_SPAN = 1 << 24
 STRATEGY_NAMES = tuple(strategy.name for strategy in SyncStrategy)
 #: Most bytes one benchmark request may ask for.
 MAX_BENCHMARK_BYTES = 1 << 30
@@ -291,29 +307,39 @@ class CollectiveInitiate(Message):
     quantization: int
     distribution_hint: int = 0
     slice_bytes: int = 0
+    # The peer can run the tag's next attempts under a lease (``CollectiveVerdict.lease``).
+    lease: bool = False
 
     def _validate(self) -> None:
-        for name, names in (
-            ("dtype", DTYPE_NAMES), ("op", OP_NAMES), ("quantized_dtype", DTYPE_NAMES),
-            ("quantization", QUANTIZATION_NAMES), ("distribution_hint", DISTRIBUTION_HINT_NAMES),
-        ):
-            value = getattr(self, name)
-            if value >= len(names):
-                raise RemoteProtocolError(f"CollectiveInitiate.{name}: unknown value {value}")
+        _check_descriptor(self, "CollectiveInitiate")
 
     def describe(self) -> str:
         """The descriptor in words, for error messages."""
-        text = (
-            f"count={self.count} dtype={DTYPE_NAMES[self.dtype]} op={OP_NAMES[self.op]}"
+        return _describe(self)
+
+
+def _check_descriptor(message: typing.Any, name: str) -> None:
+    """The enumerated fields of an all-reduce descriptor hold known values."""
+    for field, names in (
+        ("dtype", DTYPE_NAMES), ("op", OP_NAMES), ("quantized_dtype", DTYPE_NAMES),
+        ("quantization", QUANTIZATION_NAMES), ("distribution_hint", DISTRIBUTION_HINT_NAMES),
+    ):
+        value = getattr(message, field)
+        if value >= len(names):
+            raise RemoteProtocolError(f"{name}.{field}: unknown value {value}")
+
+
+def _describe(message: typing.Any) -> str:
+    """An all-reduce descriptor in words, for error messages."""
+    text = f"count={message.count} dtype={DTYPE_NAMES[message.dtype]} op={OP_NAMES[message.op]}"
+    if message.quantization:
+        text += (
+            f" quantization={QUANTIZATION_NAMES[message.quantization]}"
+            f"->{DTYPE_NAMES[message.quantized_dtype]}"
         )
-        if self.quantization:
-            text += (
-                f" quantization={QUANTIZATION_NAMES[self.quantization]}"
-                f"->{DTYPE_NAMES[self.quantized_dtype]}"
-            )
-        if self.distribution_hint:
-            text += f" distribution_hint={DISTRIBUTION_HINT_NAMES[self.distribution_hint]}"
-        return text + f" slice_bytes={self.slice_bytes}"
+    if message.distribution_hint:
+        text += f" distribution_hint={DISTRIBUTION_HINT_NAMES[message.distribution_hint]}"
+    return text + f" slice_bytes={message.slice_bytes}"
 
 
 @message(7, C2M)
@@ -330,6 +356,54 @@ class CollectiveComplete(Message):
     seq: int
     aborted: bool
     invalid: str = ""  # non-empty implies aborted
+
+
+@message(13, C2M)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LeaseReport(Message):
+    """Where this peer stands with its lease on ``tag`` (the lease numbered from
+    ``lease``): ``seq`` is the last attempt it started under it (0: none) and ``state``
+    where that attempt is. Sent when an attempt under the lease fails, runs long, or the
+    master asks (``LeaseEnd``); it ends the lease. The descriptor fields are the lease's
+    (what every attempt under it reduces), ``invalid`` as in ``CollectiveComplete``."""
+
+    tag: int
+    lease: int
+    seq: int
+    state: int
+    count: int
+    dtype: int
+    op: int
+    quantized_dtype: int
+    quantization: int
+    distribution_hint: int
+    slice_bytes: int
+    invalid: str = ""
+
+    def _validate(self) -> None:
+        _check_descriptor(self, "LeaseReport")
+        if self.state not in LEASE_STATES:
+            raise RemoteProtocolError(f"LeaseReport.state: unknown state {self.state}")
+        if not self.lease:
+            raise RemoteProtocolError("LeaseReport.lease: 0 names no lease")
+        if (self.seq == 0) != (self.state == LeaseState.NONE):
+            raise RemoteProtocolError(
+                f"LeaseReport: attempt {self.seq} with state {LeaseState(self.state).name}"
+            )
+        if self.seq and not 0 <= self.seq - self.lease < MAX_LEASE_SPAN:
+            raise RemoteProtocolError(
+                f"LeaseReport.seq: attempt {self.seq} is outside the lease from {self.lease}"
+            )
+        if self.invalid and self.state != LeaseState.FAILED:
+            raise RemoteProtocolError("LeaseReport.invalid: only a failed attempt is invalid")
+
+    def initiate(self) -> CollectiveInitiate:
+        """The lease's descriptor, as the vote that would have asked for it."""
+        return CollectiveInitiate(
+            tag=self.tag, count=self.count, dtype=self.dtype, op=self.op,
+            quantized_dtype=self.quantized_dtype, quantization=self.quantization,
+            distribution_hint=self.distribution_hint, slice_bytes=self.slice_bytes, lease=True,
+        )
 
 
 @message(8, C2M)
@@ -475,16 +549,31 @@ class CollectiveAbort(Message):
 @message(71, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveVerdict(Message):
-    """The one final outcome of a collective for this peer (``seq`` 0: never ran)."""
+    """The one final outcome of a collective for this peer (``seq`` 0: never ran).
+
+    A success may grant the group a *lease* on the tag: its next attempts with the same
+    descriptor, on the same ring, are numbered ``lease`` to ``lease_last`` in order,
+    and run without asking the master (``allreduce.md``, "Leases").
+    """
 
     tag: int
     seq: int
     outcome: int
     reason: str = ""
+    lease: int = 0  # the first number of the lease granted (0: none)
+    lease_last: int = 0  # its last number
 
     def _validate(self) -> None:
         if self.outcome not in OUTCOMES:
             raise RemoteProtocolError(f"CollectiveVerdict.outcome: unknown outcome {self.outcome}")
+        if self.lease or self.lease_last:
+            if self.outcome != Outcome.SUCCESS or not self.seq:
+                raise RemoteProtocolError("CollectiveVerdict.lease: only a success grants a lease")
+            if not 0 < self.lease <= self.lease_last < self.lease + MAX_LEASE_SPAN:
+                raise RemoteProtocolError(
+                    f"CollectiveVerdict.lease: {self.lease} to {self.lease_last} is not a "
+                    f"range of 1 to {MAX_LEASE_SPAN} numbers"
+                )
 
 
 @message(72, M2C)
@@ -581,6 +670,17 @@ class ExpectBenchmark(Message):
     optimization: int
     measurer: PeerEndpoint
     nbytes: int
+
+
+@message(78, M2C)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LeaseEnd(Message):
+    """The group's lease on ``tag`` (numbered from ``lease``) ends: take no attempt
+    from it any more, and report where you stand (``LeaseReport``)."""
+
+    tag: int
+    lease: int
+    reason: str
 
 
 # --- peer <-> peer ----------------------------------------------------------------

@@ -92,6 +92,9 @@ class RingBook:
     # Groups whose ring lost a member or failed to connect since its last successful
     # round: their collectives cannot run until they re-establish.
     stale_groups: set[int] = dataclasses.field(default_factory=set)
+    # Peer group -> how many rings were installed for it (the same ring again counts:
+    # its members connected anew; leases end with it).
+    epochs: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def install(self, table: PeerTable, group: int, ring: Sequence[int], why: str) -> None:
         """Make ``ring`` the group's ring, reporting it if it changed (``why``: what
@@ -99,6 +102,7 @@ class RingBook:
         ring = list(ring)
         previous = self.rings.get(group)
         self.rings[group] = ring
+        self.epochs[group] = self.epochs.get(group, 0) + 1
         if previous != ring:
             table.report(
                 RunKind.RING, f"peer group {group}: ring {ring} ({why})",

@@ -66,6 +66,8 @@ from pccl_trio._core.messages import (
     ExpectBenchmark,
     Heartbeat,
     Kick,
+    LeaseReport,
+    LeaseState,
     LinkMeasured,
     MeasureLink,
     Message,
@@ -107,8 +109,10 @@ class MasterHarness:
         stall_timeout: float = 1800.0,
         stall_warning: float = 60.0,
         content_digest: bool = False,
+        lease_span: int = 1 << 20,
     ) -> None:
         self.core = MasterCore(
+            lease_span=lease_span,
             heartbeat_interval=heartbeat_interval,
             liveness_timeout=liveness_timeout,
             round_timeout=round_timeout,
@@ -133,6 +137,11 @@ class MasterHarness:
         self._aborted: set[tuple[int, int]] = set()  # (conn, seq)
         self._completed: set[tuple[int, int]] = set()  # (conn, seq)
         self.seqs: list[int] = []  # every commenced seq, in order (once per attempt)
+        # Leases: the tags each connection reported a lease on (verdicts for attempts it
+        # ran under the lease, or only heard of, may come for them), and the attempt
+        # numbers reported (an adopted attempt is commenced with one of them).
+        self.reported: dict[int, set[int]] = collections.defaultdict(set)
+        self.leased_seqs: set[int] = set()
         # Topology optimization: solver jobs (every Solve, by job), those cancelled and
         # those answered; per connection the MeasureLink not answered yet; and the
         # optimizations each connection got a report for.
@@ -192,7 +201,9 @@ class MasterHarness:
                 tags = self.in_flight[conn]
                 assert tags.get(tag) == 0, f"commence of tag {tag} on conn {conn}: {tags}"
                 tags[tag] = seq
-                if not self.seqs or seq > self.seqs[-1]:
+                if seq in self.leased_seqs:  # an adopted attempt, joined late
+                    pass
+                elif not self.seqs or seq > self.seqs[-1]:
                     self.seqs.append(seq)
                 else:
                     assert seq == self.seqs[-1], f"seq {seq} after {self.seqs[-1]}"
@@ -203,8 +214,13 @@ class MasterHarness:
                 self._aborted.add((conn, seq))
             case CollectiveVerdict(tag=tag, seq=seq):
                 tags = self.in_flight[conn]
-                assert tag in tags, f"verdict for tag {tag}, not in flight on conn {conn}"
-                assert tags.pop(tag) == seq, f"verdict {message} for attempt {seq}"
+                if tags.get(tag) == seq or (tags.get(tag) == 0 and not seq):
+                    assert tags.pop(tag) == seq, f"verdict {message} for attempt {seq}"
+                else:
+                    # About an attempt under a lease this peer reported on: one it ran
+                    # and returned from, or one it never started.
+                    assert tag in self.reported[conn], f"verdict {message} on conn {conn}: {tags}"
+                    assert seq in self.leased_seqs or seq + 1 in self.leased_seqs, message
             case ExpectBenchmark(optimization=number, measurer=measurer, nbytes=nbytes):
                 link = (number, self.peer_ids[conn], measurer.peer_id)
                 assert link not in self.announced, f"link {link} announced twice"
@@ -229,6 +245,18 @@ class MasterHarness:
                 self.in_flight[conn].setdefault(tag, 0)
             case CollectiveComplete(seq=seq):
                 self._completed.add((conn, seq))
+            case LeaseReport(tag=tag, seq=seq, state=state) if conn not in self.closed:
+                self.reported[conn].add(tag)
+                if seq:
+                    self.leased_seqs.add(seq)
+                if state == LeaseState.RUNNING or (
+                    # A verdict comes for an attempt that complete or failed, unless it
+                    # was returned from already (then none is in flight).
+                    seq and state != LeaseState.NONE and tag not in self.in_flight[conn]
+                ):
+                    self.in_flight[conn].setdefault(tag, seq)
+                if state in (LeaseState.COMPLETE, LeaseState.FAILED):
+                    self._completed.add((conn, seq))
             case LinkMeasured():
                 self.unanswered.pop(conn, None)
         return self.handle(MessageReceived(conn=conn, message=message))
@@ -281,13 +309,31 @@ class MasterHarness:
         quantization: int = 0,
         distribution_hint: int = 0,
         slice_bytes: int = 0,
+        lease: bool = False,
     ) -> list[Action]:
         return self.send(
             conn,
             CollectiveInitiate(
                 tag=tag, count=count, dtype=dtype, op=op, quantized_dtype=quantized_dtype,
-                slice_bytes=slice_bytes,
+                slice_bytes=slice_bytes, lease=lease,
                 quantization=quantization, distribution_hint=distribution_hint,
+            ),
+        )
+
+    def lease_report(
+        self, conn: int, tag: int, lease: int, seq: int = 0, state: LeaseState | None = None,
+        *, count: int = COUNT, invalid: str = "",
+    ) -> list[Action]:
+        """Report on ``conn``'s lease on ``tag`` (numbered from ``lease``): attempt
+        ``seq`` (0: none) in ``state`` (default: NONE for none, else RUNNING)."""
+        if state is None:
+            state = LeaseState.RUNNING if seq else LeaseState.NONE
+        return self.send(
+            conn,
+            LeaseReport(
+                tag=tag, lease=lease, seq=seq, state=state, count=count, dtype=FLOAT, op=SUM,
+                quantized_dtype=0, quantization=0, distribution_hint=0, slice_bytes=0,
+                invalid=invalid,
             ),
         )
 

@@ -19,6 +19,9 @@ from pccl_trio._core.messages import (
     ExpectBenchmark,
     Heartbeat,
     Kick,
+    LeaseEnd,
+    LeaseReport,
+    LeaseState,
     LinkMeasured,
     MeasureLink,
     Message,
@@ -99,12 +102,20 @@ SAMPLES: dict[type[Message], Message] = {
     P2PEstablishResult: P2PEstablishResult(round=3, success=True, ring=(1, 2, 5), world=WORLD),
     PeersPendingResult: PeersPendingResult(pending=True, error="refused"),
     CollectiveInitiate: CollectiveInitiate(
-        tag=9, count=1025, dtype=9, op=3, quantized_dtype=0, quantization=1
+        tag=9, count=1025, dtype=9, op=3, quantized_dtype=0, quantization=1, lease=True
     ),
+    LeaseReport: LeaseReport(
+        tag=9, lease=40, seq=43, state=LeaseState.FAILED, count=1025, dtype=9, op=3,
+        quantized_dtype=2, quantization=1, distribution_hint=1, slice_bytes=1 << 20,
+        invalid="NaN at peer 4",
+    ),
+    LeaseEnd: LeaseEnd(tag=9, lease=40, reason="peer 5 left"),
     CollectiveComplete: CollectiveComplete(tag=9, seq=4, aborted=True),
     CollectiveCommence: CollectiveCommence(tag=9, seq=4, ring=(5, 1, 2)),
     CollectiveAbort: CollectiveAbort(tag=9, seq=4, reason="peer 5 left"),
-    CollectiveVerdict: CollectiveVerdict(tag=9, seq=4, outcome=Outcome.ABORTED, reason="peer 5 left"),
+    CollectiveVerdict: CollectiveVerdict(
+        tag=9, seq=4, outcome=Outcome.SUCCESS, reason="", lease=40, lease_last=1 << 20
+    ),
     P2PHello: P2PHello(protocol_version=PROTOCOL_VERSION, peer_id=3, slot=2),
     P2PHelloAck: P2PHelloAck(),
     SharedStateVote: SharedStateVote(

@@ -18,6 +18,7 @@ from pccl_trio._core.messages import (
     DISTRIBUTION_HINT_NAMES,
     DTYPE_NAMES,
     M2C,
+    MAX_LEASE_SPAN,
     MAX_PENDING_WAIT,
     MAX_POOL_SIZE,
     MAX_TIMER,
@@ -32,9 +33,12 @@ from pccl_trio._core.messages import (
     ExpectBenchmark,
     Heartbeat,
     Kick,
+    LeaseReport,
+    LeaseState,
     LinkMeasured,
     MeasureLink,
     Message,
+    Outcome,
     P2PEstablished,
     P2PEstablishResult,
     P2PInfo,
@@ -509,7 +513,44 @@ def registrations() -> st.SearchStrategy[Register]:
     )
 
 
+@st.composite
+def verdicts(draw: st.DrawFn) -> CollectiveVerdict:
+    """Any outcome; a success of a numbered attempt may grant a lease of 1 to
+    MAX_LEASE_SPAN numbers."""
+    outcome = draw(st.sampled_from(OUTCOMES), label="outcome")
+    seq = draw(valid(int), label="seq")
+    lease = last = 0
+    if outcome == Outcome.SUCCESS and seq and draw(st.booleans(), label="leased"):
+        lease = draw(st.integers(1, U64_MAX - MAX_LEASE_SPAN), label="lease")
+        last = lease + draw(st.integers(0, MAX_LEASE_SPAN - 1), label="span")
+    return CollectiveVerdict(
+        tag=draw(valid(int)), seq=seq, outcome=outcome, reason=draw(valid(str)), lease=lease,
+        lease_last=last,
+    )
+
+
+@st.composite
+def lease_reports(draw: st.DrawFn) -> LeaseReport:
+    """A report on a lease: no attempt (NONE), or one within the lease in any other
+    state; only a failed one may say why its data is invalid."""
+    lease = draw(st.integers(1, U64_MAX - MAX_LEASE_SPAN), label="lease")
+    state = draw(st.sampled_from(list(LeaseState)), label="state")
+    seq = 0 if state == LeaseState.NONE else lease + draw(st.integers(0, MAX_LEASE_SPAN - 1))
+    return LeaseReport(
+        tag=draw(valid(int)), lease=lease, seq=seq, state=state,
+        count=draw(valid(int)), dtype=draw(NARROWER[(CollectiveInitiate, "dtype")]),
+        op=draw(NARROWER[(CollectiveInitiate, "op")]),
+        quantized_dtype=draw(NARROWER[(CollectiveInitiate, "quantized_dtype")]),
+        quantization=draw(NARROWER[(CollectiveInitiate, "quantization")]),
+        distribution_hint=draw(NARROWER[(CollectiveInitiate, "distribution_hint")]),
+        slice_bytes=draw(valid(int)),
+        invalid=draw(valid(str)) if state == LeaseState.FAILED else "",
+    )
+
+
 JOINT: dict[type[Any], st.SearchStrategy[Any]] = {
+    CollectiveVerdict: verdicts(),
+    LeaseReport: lease_reports(),
     Register: registrations(),
     LinkMeasured: link_measurements(),
     TopologyOptimized: topology_reports(),
