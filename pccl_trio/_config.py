@@ -140,6 +140,11 @@ class Config:
             candidates look for each other before the first election. Longer than the
             time candidates take to notice a lost master apart (a heartbeat interval,
             or the liveness timeout for a silent one) plus a connection.
+        leases: (peers) ask the master for a lease on each tag that succeeds, so that
+            the group's next all-reduces of that tag with the same descriptor run
+            without the master (no vote, no verdict: the members agree among
+            themselves; ``docs/allreduce.md``, "Leases"). A lease is granted only when
+            every member asks. False: every all-reduce goes through the master.
         metrics: (peers) Prometheus metrics of this peer's calls (all-reduces by
             outcome with durations and bytes, restores, retries, syncs, master
             reconnects; ``docs/observability.md``): None, off; a ``prometheus_client``
@@ -176,6 +181,7 @@ class Config:
     content_digest: bool = False
     discovery_timeout: float = 10.0
     election_timeout: float = 2.0
+    leases: bool = True
     metrics: Any = None
 
     @property
@@ -257,7 +263,7 @@ class Config:
             raise InvalidArgument(
                 f"Config.data_protection must be 'mac' or 'encrypt', got {self.data_protection!r}"
             )
-        for name in ("insecure", "content_digest"):
+        for name in ("insecure", "content_digest", "leases"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.master_grace, int | float) and math.isfinite(self.master_grace)

@@ -201,6 +201,7 @@ class Collectives:
         attempts every participant completed; commence, or end at once, the collectives
         every member voted for or that cannot wait."""
         self.leases.expire()
+        self.leases.announce()
         while True:
             peers = len(self._table.peers)
             for resolution in self.leases.resolved():
@@ -279,6 +280,13 @@ class Collectives:
         attempt before the latest succeeded, and take the latest one over."""
         lease = resolution.lease
         tag, latest = lease.tag, resolution.latest
+        attempts = latest - lease.first + 1 if latest else 0
+        self._table.report(
+            RunKind.LEASE_ENDED,
+            f"peer group {lease.group}'s lease on tag {tag} ended after {attempts} attempts "
+            f"({lease.ending})",
+            group=lease.group, tag=tag, attempts=attempts, reason=lease.ending,
+        )
         for peer_id in resolution.stragglers:
             self._table.send(
                 self._table.peers[peer_id],
@@ -458,6 +466,12 @@ class Collectives:
         first = self._next_seq
         lease = self.leases.grant(group, collective.tag, frozenset(members), first)
         self._next_seq = lease.last + 1
+        self._table.report(
+            RunKind.LEASED,
+            f"peer group {group} leases tag {collective.tag}: attempts {lease.first} to "
+            f"{lease.last}", level=logging.DEBUG, group=group, tag=collective.tag,
+            first=lease.first, last=lease.last,
+        )
         return lease.first, lease.last
 
     def _commence(self, collective: _Collective, members: Sequence[Peer]) -> None:

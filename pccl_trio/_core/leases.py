@@ -38,7 +38,8 @@ every member's agreement relies on:
   on its own.
 
 A master that took a run over knows no lease: the first report of one makes it end it
-the same way, with the members it knows. Every lease also ends, silently, when its
+the same way, once the group's members are back (until then, nobody knows who they
+are: ``announce``). Every lease also ends, silently, when its
 group's ring is installed anew or goes stale with no attempt in flight (the members
 drop theirs then too, see ``Membership``).
 """
@@ -67,6 +68,9 @@ class Lease:
     members: frozenset[int]  # the peers of the ring it was granted on
     epoch: int  # the group's ring installs when granted (-1: learned of from a report)
     ending: str = ""  # why it ends ("" while it stands)
+    # Its members were told it ends (a lease learned of from a report: not before its
+    # members are back and known, ``announce``).
+    announced: bool = False
     reports: dict[int, LeaseReport] = dataclasses.field(default_factory=dict)
 
 
@@ -123,6 +127,21 @@ class Leases:
         if lease.ending:
             return
         lease.ending = bounded(reason)
+        if lease.epoch >= 0:
+            self._announce(lease)
+
+    def announce(self) -> None:
+        """Tell the members of the leases learned of from reports that they end, once
+        no group is coming back (the members are known then): those the run has now."""
+        for lease in self._leases.values():
+            if lease.ending and not lease.announced:
+                lease.members = frozenset(
+                    p.peer_id for p in self._table.accepted() if p.peer_group == lease.group
+                )
+                self._announce(lease)
+
+    def _announce(self, lease: Lease) -> None:
+        lease.announced = True
         for peer_id in sorted(lease.members):
             peer = self._table.peers.get(peer_id)
             if peer is not None:
@@ -139,16 +158,14 @@ class Leases:
             return  # about a lease resolved already
         lease = self._leases.get(key)
         if lease is None:
-            # Granted by a master before this one: end it with the members known now.
-            members = frozenset(
-                p.peer_id for p in self._table.accepted() if p.peer_group == peer.peer_group
-            )
+            # Granted by a master before this one: it ends, with the members this master
+            # knows once its group is back (``announce``).
             lease = Lease(
                 group=peer.peer_group, tag=message.tag, first=message.lease,
-                last=message.lease + MAX_LEASE_SPAN - 1, members=members, epoch=-1,
+                last=message.lease + MAX_LEASE_SPAN - 1, members=frozenset(), epoch=-1,
             )
             self._leases[key] = lease
-        if message.lease != lease.first or peer.peer_id not in lease.members:
+        if message.lease != lease.first or lease.announced and peer.peer_id not in lease.members:
             return  # another lease, or a peer outside it: nothing to learn here
         if message.seq and message.seq > lease.last:
             self._table.kick_peer(
@@ -195,7 +212,7 @@ class Leases:
         liars: list[tuple[int, str]] = []
         live: set[int] | None = None
         for key, lease in list(self._leases.items()):
-            if not lease.ending:
+            if not lease.announced:
                 continue
             if live is None:
                 live = {p.peer_id for p in self._table.accepted()}

@@ -452,7 +452,8 @@ class PeerTable:
         label = fields.get("outcome", fields.get("cause", fields.get("call", "")))
         key = (kind.value, str(label.value if isinstance(label, enum.Enum) else label))
         count, total = self.counts.get(key, (0, 0))
-        self.counts[key] = (count + 1, total + int(fields.get("planned_bytes", 0)))
+        amount = fields.get("planned_bytes", fields.get("attempts", 0))  # what a sum counts
+        self.counts[key] = (count + 1, total + int(amount))
         if kind is RunKind.KICKED:
             self.kicks.append(KickStatus(
                 peer_id=fields.get("peer") or 0, cause=key[1], reason=fields.get("reason", ""),

@@ -45,6 +45,8 @@ class RunKind(enum.Enum):
     RING = "ring"  # a peer group's ring changed
     ABORTED = "aborted"  # a collective was aborted
     COMPLETED = "completed"  # a collective's verdict went out (DEBUG)
+    LEASED = "leased"  # a peer group got a lease on a tag (DEBUG)
+    LEASE_ENDED = "lease_ended"  # a lease ended, with how many attempts ran under it
     SYNC_STARTED = "sync_started"  # a shared-state sync began (DEBUG)
     SYNCED = "synced"  # a shared-state sync completed (DEBUG)
     SYNC_FAILED = "sync_failed"  # a peer could not fetch the shared state

@@ -46,6 +46,10 @@ COUNTERS: tuple[tuple[str, str, str, str], ...] = (
     ("pccl_master_ring_changes", "Times a peer group's ring changed.", "ring", ""),
     ("pccl_master_collectives", "All-reduces that got their verdict, by outcome.", "completed", "outcome"),
     ("pccl_master_collective_aborts", "All-reduce attempts aborted.", "aborted", ""),
+    ("pccl_master_leases", "Leases on a tag granted to a peer group (its next all-reduces "
+     "of the tag run without the master).", "leased", ""),
+    ("pccl_master_leases_ended", "Leases that ended (a failure, a long wait, a vote outside "
+     "the lease, a member leaving).", "lease_ended", ""),
     ("pccl_master_syncs", "Shared-state syncs completed.", "synced", ""),
     ("pccl_master_sync_failures", "Peers that could not fetch the shared state.", "sync_failed", ""),
     ("pccl_master_optimizations", "Topology optimizations started.", "optimizing", ""),
@@ -139,11 +143,13 @@ class MasterCollector:
                      "All-reduce attempts commenced and not ended, by peer group.",
                      ["group"], [(k, running.get(k, 0)) for k in groups])
         counts: dict[str, list[tuple[tuple[str, ...], float]]] = collections.defaultdict(list)
-        planned = 0
+        planned = leased = 0
         for count in status.counts:
             counts[count.event].append(((count.label,), count.count))
             if count.event == "synced":
                 planned += count.total
+            elif count.event == "lease_ended":
+                leased += count.total
         for name, documentation, event, label in COUNTERS:
             family = core.CounterMetricFamily(name, documentation, labels=[label] if label else [])
             # Every series exists from the start, at 0, where its labels are known.
@@ -159,6 +165,13 @@ class MasterCollector:
             "Bytes the fetchers of completed shared-state syncs were told to fetch.",
         )
         family.add_metric([], planned)
+        yield family
+        family = core.CounterMetricFamily(
+            "pccl_master_leased_collectives",
+            "All-reduces run under leases, counted when their lease ends (until then only "
+            "the peers' metrics count them).",
+        )
+        family.add_metric([], leased)
         yield family
 
 

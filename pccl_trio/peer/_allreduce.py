@@ -67,6 +67,7 @@ from .._core.ring import RingSchedule, Segment
 from .._types import ReduceOp
 from ..ops import Codec, NonFiniteData, combine_into, copy_into, finalize_average, reduce_into
 from ..transport import Connection, SocketLink
+from ._agreement import Agreement
 from ._protocol import Protocol as IOProtocol
 from ._protocol import SendData, Wait, run_protocol
 from ._staging import Sender, Staging
@@ -198,6 +199,8 @@ class AllReduceAttempt:
         # whether a slice was left to sender threads.
         self._links: tuple[SocketLink, ...] = ()
         self._need_senders = False
+        # Under a lease: how its members agree on the outcome (``under_lease``).
+        self.agreement: Agreement | None = None
         # Whether the data moved in worker threads (TCP), so restoring may too; on the
         # in-memory network everything stays in trio tasks (virtual time).
         self.uses_threads = False
@@ -215,6 +218,15 @@ class AllReduceAttempt:
                                     range(self.schedule.slice_count(segment)))
                 )
             self._blocks = staging.host_pool.take(total)
+
+    def under_lease(self, seq: int) -> Agreement:
+        """Run as attempt ``seq`` of a lease: no commence comes, and its members agree
+        on the outcome among themselves (``_agreement``)."""
+        self.seq = seq
+        self.agreement = Agreement(
+            world=len(self.ring), lock=self._lock, wake=partial(self._wake, trio_too=True)
+        )
+        return self.agreement
 
     # --- waking waiters ----------------------------------------------------------------
 
@@ -313,7 +325,7 @@ class AllReduceAttempt:
                 self._progress.done[segment.index][index] = 1
                 self.rx_bytes += self._payload_size(stop - start)
                 self._progress.remaining -= 1
-            self._wake(trio_too=self._finished or not self._writers and not self.live)
+            self._wake(trio_too=self.complete or not self._writers and not self.live)
             forward = written and self._links and segment.index + 1 < len(self._sent)
         if forward:
             # This reader forwards the slice it completed: no other thread to wake.
@@ -433,6 +445,11 @@ class AllReduceAttempt:
             for connection in [*self._direct_readers, *self._active_links]:
                 connection.close_now()
             self._wake(trio_too=True)
+
+    async def wait_changed(self) -> None:
+        """Wait until something about the attempt may have changed (a slice, a notice,
+        a failure, a stop, a verdict): callers check again what they wait for."""
+        await self._lot.park()
 
     async def settle(self) -> None:
         """Wait until no reader or reduction writes into the buffers; after ``stop``."""
@@ -580,8 +597,9 @@ class AllReduceAttempt:
             self._sent_one(len(payload))
 
     @property
-    def _finished(self) -> bool:
-        """Every slice received and sent (what ``send_all`` waits for; under the lock)."""
+    def complete(self) -> bool:
+        """Every slice received and sent: this peer holds the whole result, whatever
+        happened since (what ``send_all`` waits for; under the lock)."""
         return not self._progress.remaining and not self._unsent
 
     def _sent_one(self, nbytes: int) -> None:
@@ -589,7 +607,7 @@ class AllReduceAttempt:
         with self._lock:
             self.tx_bytes += nbytes
             self._unsent -= 1
-            if self._finished:
+            if self.complete:
                 self._wake(trio_too=True)
 
     def _send_now(self, segment_index: int, index: int, *, wait: float) -> bool:
@@ -684,7 +702,7 @@ class AllReduceAttempt:
                             run_protocol, self._send_slices(connection, slices), connection,
                             interrupt=self.stop,
                         ))
-        while not self._finished and self.failure is None and self.live:
+        while not self.complete and self.failure is None and self.live:
             await self._lot.park()
         if self.failure is not None:
             raise LocalFailure(self.failure)

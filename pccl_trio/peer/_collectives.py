@@ -23,9 +23,19 @@ whatever happens). One call is one *attempt*:
    verdict the ring is marked stale at once, the input is restored, and the last
    attempt of a failed set re-establishes the ring (unless that was done since) so
    that a retry runs on the survivors. A verdict that it never ran leaves the ring as
-   it is: REJECTED (the peers disagree) and BLOCKED (a member waits in a shared-state
-   sync, whose vote a re-establishment would refuse; this peer's next call is its own
-   sync, and ``all_reduce_multiple_with_retry`` gives up rather than retry).
+   it is: REJECTED (the peers disagree); so does BLOCKED (a member waits in a
+   shared-state sync, whose vote a re-establishment would refuse; this peer's next
+   call is its own sync, and ``all_reduce_multiple_with_retry`` gives up rather than
+   retry).
+
+A success may lease the tag to the group (``_leases``; asked for with
+``Config.leases``). The next calls of the tag with the same descriptor, on the same
+ring, then skip steps 3 and 4's messages: the attempt takes the lease's next number
+when it is made (step 2), runs its part at once, and succeeds once every member
+completed theirs, which the members tell each other (``_agreement``). Only when the
+lease ends while it runs (something failed, ran long, or a member called otherwise)
+does the master decide it, with a verdict like any other. The loss of the master does
+not stop it: it needs the master only then.
 
 A cancelled ``all_reduce`` follows trio's rule for an operation that may be past the
 point of no return: the cancellation either takes effect, and then the all-reduce was
@@ -38,27 +48,12 @@ peer's part is failed, which aborts the collective unless the part was complete;
 caller waits (shielded) for the verdict and the restore, which the protocol's timers
 bound: SUCCESS (every peer had finished) returns the result, anything else re-raises.
 
-``all_reduce_multiple_with_retry`` runs in passes over its all-reduces (one per bucket
-of fused tensors, ``peer/_fusion.py``; "index" below is the bucket's, its tag). A pass
-starts on an up-to-date ring and launches the same indices in the same order on every
-peer, each attempt made and registered as it is launched (step 1 is done once for the
-pass, and step 2 at once), so this peer votes for it before it could vote to
-re-establish the ring. Once the ring went stale (an attempt was aborted), the pass
-launches nothing more; the next pass retries the aborted and the unlaunched indices.
-Without that stop, a peer that heard of an abort late could vote for an index before
-the re-establishment and another peer only after it: the master aborts the first vote
-(the other peer was in the establishment vote), and the second waits, in its old pass,
-for a vote that the first peer makes only in a later pass, if ever. With it, an index
-is voted in the pass's ring or not at all, every peer sees the same verdicts, and all
-retry alike.
-"""
+``all_reduce_multiple_with_retry``'s passes over its all-reduces are in ``_retry``."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
 
 import trio
 
@@ -78,7 +73,6 @@ from .._errors import (
     PCCLError,
     TooFewPeers,
     UpdateTopologyFailed,
-    shown_as_base,
 )
 from .._types import (
     ReduceInfo,
@@ -87,10 +81,12 @@ from ..ops import Codec
 from ..transport import run_in_thread
 from ._allreduce import AllReduceAttempt, LocalFailure
 from ._context import PeerContext
+from ._leases import Leases
 from ._membership import Membership
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
-from ._results import AsyncReduceHandle, ReduceResult
+from ._results import AsyncReduceHandle, Blocked, ReduceResult, Rejected
+from ._retry import RetriedReduces
 from ._session import MasterLost
 from ._staging import gpu_of, staging_for
 
@@ -106,69 +102,13 @@ def _outcome(error: BaseException | None) -> str:
     """An all-reduce's outcome as the metrics name it."""
     if error is None:
         return "success"
-    if isinstance(error, _Blocked):
+    if isinstance(error, Blocked):
         return "blocked"
     if isinstance(error, CollectiveAborted):
         return "aborted"
     if isinstance(error, InvalidArgument):
         return "rejected"
     return "failed"
-
-
-@shown_as_base
-class _Rejected(InvalidArgument):
-    """The master rejected a collective for every peer of its group (the peers disagree
-    on its arguments, or a peer's data cannot be reduced): retrying would fail alike."""
-
-
-@shown_as_base
-class _Blocked(CollectiveAborted):
-    """The master ended a collective before it ran because a member waits in a
-    shared-state sync: the ring is intact; retrying before syncing would fail alike."""
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _RetryOutcome:
-    """What ``all_reduce_multiple_with_retry`` gathered over its passes."""
-
-    tx: int = 0
-    rx: int = 0
-    clamped: int = 0
-    rejected: dict[int, str] = dataclasses.field(default_factory=dict)
-    on_success: Callable[[int], None] | None = None
-    recorded: set[int] = dataclasses.field(default_factory=set)
-
-    def succeeded(self, index: int, info: ReduceInfo) -> None:
-        self.recorded.add(index)
-        self.tx += info.tx_bytes
-        self.rx += info.rx_bytes
-        self.clamped += info.clamped
-        if self.on_success is not None:
-            self.on_success(index)
-
-
-def _rejection(
-    requests: Sequence[ReduceRequest],
-    members: Sequence[Sequence[int]] | None,
-    rejected: dict[int, str],
-) -> InvalidArgument:
-    """The error naming the tensors of the rejected all-reduces of a retried set."""
-    if members is None:
-        members = [(index,) for index in range(len(requests))]
-    count = sum(len(m) for m in members)
-    indices = sorted(rejected)
-    tensors = sorted(t for index in indices for t in members[index])
-    fused = [index for index in indices if len(members[index]) > 1]
-    where = (
-        f"; fused in buckets {fused}, whose peers may disagree on the tensor list or "
-        "on Config.bucket_bytes" if fused else ""
-    )
-    first = indices[0]
-    return InvalidArgument(
-        f"{len(tensors)} of {count} tensors were rejected for every peer (tensors "
-        f"{tensors}{where}; they were restored to their inputs, the others completed); "
-        f"tag {first} (tensors {list(members[first])}): {rejected[first]}"
-    )
 
 
 class AllReduces:
@@ -181,15 +121,26 @@ class AllReduces:
         self._life = context.lifecycle
         self._session = context.session
         self._p2p = context.p2p
-        self._metrics = context.metrics
+        self.metrics = context.metrics
         self._receiver = receiver
-        self._membership = membership
+        self.membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
+        # ``all_reduce_multiple_with_retry``'s passes.
+        self.retried = RetriedReduces(self)
+        self._leases = Leases(context, receiver=receiver, membership=membership)
         # The commenced attempts sending their part, by tag (one attempt per tag).
         self._parts: dict[int, _Part] = {}
         self._session.route(CollectiveAbort, self._on_abort)
         self._session.on_away(self._on_master_lost)
         self._life.on_failure(self._on_run_over)
+
+    @property
+    def peer_id(self) -> int | None:
+        return self._session.peer_id
+
+    def leased(self, tag: int) -> bool:
+        """Whether a lease on ``tag`` stands here (``_leases``)."""
+        return self._leases.standing(tag)
 
     def check_idle(self, call: str) -> None:
         """Connected, with no all-reduce in flight (``call`` is the call asking)."""
@@ -204,12 +155,12 @@ class AllReduces:
 
     async def all_reduce(self, request: ReduceRequest) -> ReduceInfo:
         """``Communicator.all_reduce`` with its arguments checked."""
-        result = self._start(request)
+        result = self.start(request)
         try:
             return await result.get()
         except trio.Cancelled:
             with trio.CancelScope(shield=True):
-                info = await self._cancel(result)
+                info = await self.cancel(result)
             if info is None:
                 raise
         # Too late to abort: the all-reduce succeeded for every peer and the result is
@@ -217,7 +168,7 @@ class AllReduces:
         # caller's cancelled scope raises Cancelled at its next checkpoint.
         return info
 
-    async def _cancel(self, result: ReduceResult) -> ReduceInfo | None:
+    async def cancel(self, result: ReduceResult) -> ReduceInfo | None:
         """Stop this peer's part of a cancelled all-reduce (see the module docstring);
         its ``ReduceInfo`` if it succeeded all the same, else None: the buffers hold the
         input, and nothing writes to them any more."""
@@ -237,7 +188,7 @@ class AllReduces:
 
     def launch(self, request: ReduceRequest) -> AsyncReduceHandle:
         """``Communicator.all_reduce_async`` with its arguments checked."""
-        return AsyncReduceHandle(request.tag, self._start(request))
+        return AsyncReduceHandle(request.tag, self.start(request))
 
     def check_launch(self) -> None:
         """An all-reduce may start now: connected, and no call holds this peer in a
@@ -247,7 +198,7 @@ class AllReduces:
         if busy is not None and busy.blocks_all_reduce:
             raise InvalidUsage(f"all_reduce() while {busy.value} runs on this communicator")
 
-    def _start(self, request: ReduceRequest, *, on_current_ring: bool = False) -> ReduceResult:
+    def start(self, request: ReduceRequest, *, on_current_ring: bool = False) -> ReduceResult:
         """Reserve the tag and run the all-reduce in a task of the communicator.
 
         ``on_current_ring``: the attempt is made and registered now, on the ring as it
@@ -271,128 +222,6 @@ class AllReduces:
                 result.attempt.release()
             raise
         return result
-
-    async def reduce_each_with_retry(
-        self,
-        requests: Sequence[ReduceRequest],
-        max_in_flight: int,
-        *,
-        members: Sequence[Sequence[int]] | None = None,
-        on_success: Callable[[int], None] | None = None,
-    ) -> ReduceInfo:
-        """``Communicator.all_reduce_multiple_with_retry``'s all-reduces (its buckets,
-        ``peer/_fusion.py``), each retried until it succeeded or was rejected.
-
-        Args:
-            members: per request, the indices of the caller's tensors it carries, to
-                name them in a rejection (default: request ``i`` is tensor ``i``).
-            on_success: called with a request's index once it succeeded (also for
-                one that succeeded after all while the call was being cancelled),
-                before the call returns or raises.
-        """
-        outcome = _RetryOutcome(on_success=on_success)
-        pending = list(range(len(requests)))
-        while pending:
-            self.check_launch()
-            try:
-                # Every pass starts on an up-to-date ring, like a single all-reduce.
-                await self._membership.ensure_ring()
-            except MasterLost:
-                continue  # its vote died with the master; the next one waits for it
-            ring = self._membership.ring
-            if len(ring) < 2:
-                raise TooFewPeers(
-                    f"the peer group has {len(ring)} peer; {len(pending)} of "
-                    f"{len(requests)} all-reduces could not complete"
-                )
-            pending = await self._reduce_pass(requests, pending, max_in_flight, outcome)
-            if pending:
-                log.info("peer %s: retrying %d all-reduces", self._session.peer_id, len(pending))
-                self._metrics.retries(len(pending))
-        if outcome.rejected:
-            raise _rejection(requests, members, outcome.rejected)
-        return ReduceInfo(
-            world_size=len(self._membership.ring), tx_bytes=outcome.tx, rx_bytes=outcome.rx,
-            clamped=outcome.clamped,
-        )
-
-    async def _reduce_pass(
-        self,
-        requests: Sequence[ReduceRequest],
-        pending: list[int],
-        max_in_flight: int,
-        outcome: _RetryOutcome,
-    ) -> list[int]:
-        """One pass over ``pending``, on the ring as it is (up to date): the aborted
-        and the unlaunched indices, to retry. Successes and rejections are recorded in
-        ``outcome``.
-
-        Every peer launches the same indices in the same order. Each is made and
-        registered as it is launched, on the pass's ring; once the ring went stale
-        (an all-reduce was aborted), the pass launches nothing more: the rest are
-        retried in the next pass, after the re-establishment. So every peer votes for
-        an index either in this pass, before it votes to re-establish the ring, or not
-        at all here; and a vote that another peer did not match is aborted by the
-        master (that peer is in the establishment vote, which blocks all-reduces), so
-        every peer sees the same verdict for every index and retries the same ones.
-        Cancelled, it stops the all-reduces in flight as a cancelled ``all_reduce``
-        does, and waits for them: no tensor is written once ``Cancelled`` propagates.
-        """
-        failed: list[int] = []
-        fatal: list[PCCLError] = []
-        slots = trio.Semaphore(max_in_flight)
-        results: dict[int, ReduceResult] = {}
-        generation = self._membership.generation
-
-        async def one(index: int) -> None:
-            try:
-                info = await results[index].get()
-            except _Blocked as exc:  # a member syncs: retrying before that fails alike
-                fatal.append(CollectiveAborted(str(exc)))
-            except CollectiveAborted:
-                failed.append(index)
-            except _Rejected as exc:  # the same verdict on every peer: not retried
-                outcome.rejected[index] = str(exc)
-            except PCCLError as exc:  # the run is over for us: stop launching
-                fatal.append(exc)
-            else:
-                outcome.succeeded(index, info)
-            finally:
-                slots.release()
-
-        try:
-            async with trio.open_nursery() as nursery:
-                for position, index in enumerate(pending):
-                    await slots.acquire()  # launch in index order, the same on every peer
-                    if fatal:
-                        break
-                    if self._membership.generation != generation or self._membership.stale:
-                        # Voting now could come after this peer's establishment vote,
-                        # and so after another peer's vote for this index was aborted
-                        # (see above): leave the rest to the next pass.
-                        failed.extend(pending[position:])
-                        break
-                    try:
-                        results[index] = self._start(requests[index], on_current_ring=True)
-                    except PCCLError as exc:
-                        fatal.append(exc)
-                        break
-                    nursery.start_soon(one, index)
-        finally:
-            running = [result for result in results.values() if not result.done]
-            if running:  # cancelled: stop them all, then wait for each to settle
-                with trio.CancelScope(shield=True):
-                    async with trio.open_nursery() as stopping:
-                        for result in running:
-                            stopping.start_soon(self._cancel, result)
-            for index, result in results.items():
-                # Succeeded, but cancelled before ``one`` recorded it (or too late to
-                # abort): its result stands, as a cancelled ``all_reduce``'s does.
-                if result.info is not None and index not in outcome.recorded:
-                    outcome.succeeded(index, result.info)
-        if fatal:
-            raise fatal[0]
-        return sorted(failed)
 
     # --- one attempt -----------------------------------------------------------------------
 
@@ -430,7 +259,7 @@ class AllReduces:
         """Tell the metrics how an all-reduce ended."""
         info, error = result.info, result.error
         attempt = result.attempt
-        self._metrics.all_reduce(
+        self.metrics.all_reduce(
             _outcome(error), seconds, info.tx_bytes if info else 0, info.rx_bytes if info else 0,
             attempt.restore_seconds if attempt is not None else 0.0,
         )
@@ -438,7 +267,7 @@ class AllReduces:
     def _prepare(self, request: ReduceRequest, result: ReduceResult) -> AllReduceAttempt:
         """Make the attempt on the ring as it is and register it with the receive path
         (before the vote; from now on this peer re-establishes no ring before it ends)."""
-        ring = self._membership.ring
+        ring = self.membership.ring
         if len(ring) < 2:
             raise TooFewPeers("all_reduce() needs at least 2 peers in the peer group; it has 1")
         assert self._session.peer_id is not None
@@ -455,23 +284,31 @@ class AllReduces:
         )
         self._receiver.add(attempt)
         result.attempt = attempt
+        vote = result.vote = request.vote(self._config.slice_bytes, lease=self._config.leases)
         if result.cancelled:  # the caller is gone: take part only to fail
             attempt.fail(_CANCELLED)
             attempt.stop()
+        elif vote.lease:
+            lease = self._leases.take(vote, ring)
+            if lease is not None:
+                self._leases.start(lease, attempt)
         return attempt
 
     async def _attempt(
         self, request: ReduceRequest, result: ReduceResult, attempt: AllReduceAttempt | None
     ) -> ReduceInfo:
         if attempt is None:
-            await self._membership.ensure_ring()
+            await self.membership.ensure_ring()
             attempt = self._prepare(request, result)
-        ring = attempt.ring
+        if attempt.agreement is not None:
+            return await self._leased(request, result, attempt)
         tag = request.tag
         verdict: CollectiveVerdict | None = None
         local_ok = False
+        vote = result.vote
+        assert vote is not None
         try:
-            await self._session.send(request.vote(self._config.slice_bytes))
+            await self._session.send(vote)
             if request.fill is not None:
                 # Before any checkpoint: the commence (the master needs every vote) is
                 # applied by a trio task, so no frame reaches the attempt before this.
@@ -493,7 +330,7 @@ class AllReduces:
                 # Data was moving when the master was lost: the ring's connections may
                 # hold parts of frames. Re-establish it before the retry, as after any
                 # abort (marked before the settle, as below).
-                self._membership.stale = True
+                self.membership.stale = True
             await attempt.settle()
             attempt.restore()
             attempt.release()
@@ -503,38 +340,57 @@ class AllReduces:
                 self._abandon(attempt, exc)
             raise
         self._end(attempt)
+        if verdict.outcome == Outcome.SUCCESS and local_ok and verdict.lease:
+            self._leases.grant(vote, verdict, attempt.ring)
+        return await self._conclude(attempt, result, verdict, local_ok)
+
+    async def _conclude(
+        self, attempt: AllReduceAttempt, result: ReduceResult, verdict: CollectiveVerdict,
+        local_ok: bool,
+    ) -> ReduceInfo:
+        """What an ended attempt's verdict means for the caller (step 5)."""
+        tag = attempt.tag
         try:
             if verdict.outcome == Outcome.SUCCESS and local_ok:
                 return ReduceInfo(
-                    world_size=len(ring), tx_bytes=attempt.tx_bytes, rx_bytes=attempt.rx_bytes,
-                    clamped=attempt.clamped,
+                    world_size=len(attempt.ring), tx_bytes=attempt.tx_bytes,
+                    rx_bytes=attempt.rx_bytes, clamped=attempt.clamped,
                 )
-            never_ran = verdict.outcome in (Outcome.REJECTED, Outcome.BLOCKED) and not verdict.seq
+            blocked = verdict.outcome == Outcome.BLOCKED
+            never_ran = blocked or verdict.outcome == Outcome.REJECTED and not verdict.seq
             if not never_ran:
                 # Stale from the verdict on, not from after the settle: a
                 # re-establishment that another attempt starts meanwhile then covers
                 # this abort too. Marked later, it would call for a second, needless
                 # round, whose vote aborts the all-reduces that peers launched on the
                 # ring the first one made.
-                self._membership.stale = True
+                self.membership.stale = True
             await attempt.settle()
             if never_ran:
-                attempt.restore()  # nothing was written, but keep the rule simple
-                if verdict.outcome == Outcome.BLOCKED:
-                    raise _Blocked(
-                        f"the all-reduce with tag {tag} was aborted for every peer before it "
-                        f"ran: {verdict.reason}; the input is unchanged: synchronize the "
+                # Nothing was written, but keep the rule simple (a leased attempt that a
+                # sync blocked may have written: put back).
+                attempt.restore()
+                if blocked:
+                    raise Blocked(
+                        f"the all-reduce with tag {tag} was aborted for every peer: "
+                        f"{verdict.reason}; its input is as it was: synchronize the "
                         "shared state as that peer does, then retry"
                     )
-                raise _Rejected(verdict.reason)
+                raise Rejected(verdict.reason)
             reason = verdict.reason or attempt.failure or "a peer failed"
-            await self._after_abort(attempt, result)
             if verdict.outcome == Outcome.REJECTED:
-                # A peer's data could not be reduced: retrying would fail alike.
-                raise _Rejected(
+                # A peer's data could not be reduced, or the peers disagree (an attempt
+                # under a lease that a member called otherwise): retrying would fail
+                # alike. The ring is re-established before this peer's next call, not
+                # now: members that never ran the attempt (they voted for it) do not
+                # re-establish, and the round waits for their next call.
+                attempt.restore()
+                result.final.set()
+                raise Rejected(
                     f"the all-reduce with tag {tag} failed for every peer: {reason}; the "
                     "input was restored"
                 )
+            await self._after_abort(attempt, result)
             raise CollectiveAborted(
                 f"the all-reduce with tag {tag} was aborted for every peer: {reason}; the "
                 "input was restored and retrying is safe"
@@ -564,7 +420,7 @@ class AllReduces:
                 result.final.set()
             if last:
                 try:
-                    await self._membership.ensure_ring()
+                    await self.membership.ensure_ring()
                 except UpdateTopologyFailed:
                     pass
                 except PCCLError as exc:  # raised below, not grouped by the nursery
@@ -618,15 +474,34 @@ class AllReduces:
             MasterLost: the master was lost while the part ran.
             PCCLError: the run is over for this peer.
         """
+        part = _Part(attempt)
+        if self._session.away:  # a commence a lost link's reader delivered late
+            part.master_lost = True
+            part.stop()
+        ok = await self._part(part)
+        if part.master_lost:
+            raise MasterLost(
+                f"lost the master at {self._session.address} during the all-reduce with "
+                f"tag {attempt.tag}"
+            )
+        ok = ok and attempt.live
+        await self._complete(attempt, ok)
+        return ok
+
+    async def _part(self, part: _Part) -> bool:
+        """Send this peer's part of an attempt (stopped by ``part.stop``); True if it
+        went through.
+
+        Raises:
+            PCCLError: the run is over for this peer.
+        """
+        attempt = part.attempt
         self._life.raise_if_failed()
         successor = attempt.successor
         connections = self._p2p.successor_connections(successor)
         if not connections:
             attempt.fail(f"no open connection to the next peer ({successor})")
-        part = self._parts[attempt.tag] = _Part(attempt)
-        if self._session.away:  # a commence a lost link's reader delivered late
-            part.master_lost = True
-            part.stop()
+        self._parts[attempt.tag] = part
         ok = False
         try:
             with part.scope:
@@ -639,14 +514,77 @@ class AllReduces:
         finally:
             del self._parts[attempt.tag]
         self._life.raise_if_failed()
-        if part.master_lost:
-            raise MasterLost(
-                f"lost the master at {self._session.address} during the all-reduce with "
-                f"tag {attempt.tag}"
-            )
-        ok = ok and attempt.live
-        await self._complete(attempt, ok)
         return ok
+
+    # --- an attempt under a lease ----------------------------------------------------------
+
+    async def _leased(
+        self, request: ReduceRequest, result: ReduceResult, attempt: AllReduceAttempt
+    ) -> ReduceInfo:
+        """An attempt under a lease (see the module docstring): its part, then the
+        members' agreement, or the master's verdict once the lease ended."""
+        verdict: CollectiveVerdict | None = None
+        complete = False
+        try:
+            if request.fill is not None:
+                request.fill()
+            await self._part(_Part(attempt))
+            complete = attempt.complete
+            self._leases.part_ended(attempt)
+            if not complete and result.cancelled:
+                # No member can succeed without this part: the outcome is known here,
+                # and the caller needs no verdict to go.
+                verdict = CollectiveVerdict(
+                    tag=attempt.tag, seq=attempt.seq, outcome=Outcome.ABORTED, reason=_CANCELLED
+                )
+            else:
+                verdict = await self._agree(attempt, complete)
+        except BaseException:
+            self._end(attempt)
+            self.membership.stale = True  # its frames may be half sent
+            await attempt.settle()
+            attempt.restore()
+            attempt.release()
+            self._leases.ended(attempt, success=False)
+            raise
+        self._end(attempt)
+        success = verdict is None or verdict.outcome == Outcome.SUCCESS and complete
+        self._leases.ended(attempt, success=success)
+        if verdict is None:
+            verdict = CollectiveVerdict(tag=attempt.tag, seq=attempt.seq, outcome=Outcome.SUCCESS)
+        return await self._conclude(attempt, result, verdict, complete)
+
+    async def _agree(self, attempt: AllReduceAttempt, complete: bool) -> CollectiveVerdict | None:
+        """Wait until every member completed its part (None), telling the successor
+        what this peer heard (``_agreement``); or for the master's verdict, when the
+        master was told this part ran (then only it decides), when this part is not
+        complete, or when the notices cannot flow."""
+        agreement = attempt.agreement
+        assert agreement is not None
+        unsure = not complete
+        while agreement.verdict is None:
+            if not unsure:
+                count = agreement.due()
+                if count:
+                    connections = self._p2p.successor_connections(attempt.successor)
+                    try:
+                        if not connections:
+                            raise trio.ClosedResourceError("no open connection")
+                        await agreement.send(
+                            connections[0], tag=attempt.tag, seq=attempt.seq, count=count
+                        )
+                    except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                        unsure = True
+                        self._leases.unsure(attempt, f"its completion notice was not sent ({exc})")
+                    continue
+                if agreement.agreed and not self._leases.told_running(attempt):
+                    return None
+                if attempt.failure not in (None, _CANCELLED):
+                    unsure = True  # e.g. the link from the predecessor broke
+                    self._leases.unsure(attempt, attempt.failure or "")
+            self._life.raise_if_failed()
+            await attempt.wait_changed()
+        return agreement.verdict
 
     # --- what stops a part (called by the session, never blocking) --------------------------
 
@@ -671,9 +609,14 @@ class AllReduces:
 
     def _on_run_over(self) -> None:
         self._stop_parts(master_lost=False)
+        for attempt in list(self._receiver.by_tag.values()):
+            if attempt.agreement is not None:
+                attempt.stop()  # wakes an attempt waiting for its members or its verdict
 
     def _stop_parts(self, *, master_lost: bool) -> None:
         for part in list(self._parts.values()):
+            if master_lost and part.attempt.agreement is not None:
+                continue  # under a lease: it needs the master only if it fails
             part.master_lost = part.master_lost or master_lost
             part.stop()
 

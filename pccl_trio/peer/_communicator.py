@@ -236,7 +236,7 @@ class Communicator:
         )
         membership = self._membership = Membership(context, receiver=receiver)
         self._all_reduces = AllReduces(context, receiver=receiver, membership=membership)
-        self._fusion = Fusion(self._all_reduces, bucket_bytes=config.bucket_bytes)
+        self._fusion = Fusion(self._all_reduces.retried, bucket_bytes=config.bucket_bytes)
         self._sync = SharedStateSync(context, membership=membership)
         self._optimizer = TopologyOptimizer(context, membership=membership)
 

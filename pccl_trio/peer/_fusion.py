@@ -16,7 +16,7 @@ is the all-reduce buffer, as without fusion. A bucket of several is a view of on
 staging buffer, taken for the whole call from a pool that keeps its pages between
 steps; the members are copied into it once this peer voted for the bucket (the copy
 overlaps the master's round trip; a retry copies them again, unchanged). Each bucket is one
-all-reduce whose tag is the bucket's index (``AllReduces.reduce_each_with_retry``
+all-reduce whose tag is the bucket's index (``RetriedReduces.run``
 retries it as it retries a tensor), from the packed input into a second view of the
 staging buffer: the input is never written, so a retry starts from it, and no backup
 is taken, which makes up for the copy of packing. The caller's tensors are not
@@ -35,8 +35,8 @@ import numpy as np
 
 from .._core.buckets import plan_buckets
 from .._types import ReduceInfo
-from ._collectives import AllReduces
 from ._requests import ReduceRequest
+from ._retry import RetriedReduces
 from ._staging import BufferPool
 
 __all__ = ["Fusion"]
@@ -73,8 +73,8 @@ class _Packed:
 class Fusion:
     """``all_reduce_multiple_with_retry``'s buckets (see the module docstring)."""
 
-    def __init__(self, all_reduces: AllReduces, *, bucket_bytes: int) -> None:
-        self._all_reduces = all_reduces
+    def __init__(self, retried: RetriedReduces, *, bucket_bytes: int) -> None:
+        self._retried = retried
         self._bucket_bytes = bucket_bytes
         self._staging = BufferPool()
 
@@ -95,7 +95,7 @@ class Fusion:
 
     async def reduce(self, requests: Sequence[ReduceRequest], max_in_flight: int) -> ReduceInfo:
         """All-reduce every tensor of ``requests`` in its bucket, retrying after
-        dropouts; the results are in the tensors (see ``reduce_each_with_retry``)."""
+        dropouts; the results are in the tensors (see ``RetriedReduces.run``)."""
         buckets = self.plan(requests)
         layout: list[tuple[int, int]] = []  # per bucket of several: (offset, nbytes)
         total = 0
@@ -138,7 +138,7 @@ class Fusion:
             if bucket is not None:
                 bucket.unpack()
 
-        info = await self._all_reduces.reduce_each_with_retry(
+        info = await self._retried.run(
             bucket_requests, max_in_flight, members=buckets, on_success=written
         )
         # Only after a normal return: every attempt is over, nothing writes to it.

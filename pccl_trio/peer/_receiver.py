@@ -12,6 +12,13 @@ arrive before the commence reached this peer (the neighbour started sending at o
 its reader waits for it. Numbers only grow, so a frame at or below the last commence
 seen whose attempt is not running is stale: it is read and dropped.
 
+Attempts under a lease (``_leases``) are numbered by this peer, from the lease's
+block, and registered by number as they start (``start_leased``): a frame numbered
+in a lease's block waits while this peer may still start that attempt (at or above
+the next number it would take, while the lease stands; once it ended, only that next
+number, which the master may still commence here) and is stale otherwise. A frame
+with no payload is a completion notice (``_agreement``), handed to its attempt.
+
 A frame for a running attempt is claimed (checked against the attempt's schedule),
 then received into a staging buffer and combined into the result, or, for all-gather
 data, straight into the result buffer (see ``AllReduceAttempt``). When a connection
@@ -25,6 +32,8 @@ frame on it.
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import logging
 import threading
 from collections.abc import Generator
@@ -47,6 +56,18 @@ __all__ = ["DataReceiver"]
 log = logging.getLogger("pccl_trio.peer")
 
 
+_EMPTY = memoryview(bytearray())  # writable: a notice's (empty) payload is received into it
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class _Block:
+    """A lease's numbers, as far as this peer's data path is concerned."""
+
+    last: int
+    next: int  # the number this peer would start next
+    open: bool = True  # the lease stands: this peer may still start any number from next
+
+
 class DataReceiver:
     """The attempts in flight, and the readers of the ring's data connections."""
 
@@ -56,6 +77,9 @@ class DataReceiver:
         self.by_tag: dict[int, AllReduceAttempt] = {}
         self._by_seq: dict[int, AllReduceAttempt] = {}
         self._last_commenced = 0
+        # Leases, by their first number (kept sorted in ``_firsts``).
+        self._blocks: dict[int, _Block] = {}
+        self._firsts: list[int] = []
         self._commence_lot = trio.lowlevel.ParkingLot()  # readers that are trio tasks
         self._commenced = threading.Condition()  # readers that are threads
         lifecycle.on_failure(self.wake)
@@ -76,6 +100,10 @@ class DataReceiver:
         del self.by_tag[attempt.tag]
         self._by_seq.pop(attempt.seq, None)
 
+    def running(self, seq: int) -> bool:
+        """Whether attempt ``seq`` runs here (commenced or started, not ended)."""
+        return seq in self._by_seq
+
     def on_commence(self, message: CollectiveCommence) -> None:
         """Make the attempt reachable by its number before any of its data is read."""
         attempt = self.by_tag.get(message.tag)
@@ -92,6 +120,47 @@ class DataReceiver:
             self._commenced.notify_all()
         self._commence_lot.unpark_all()
 
+    # --- leases (called by ``_leases``, in the trio thread) ------------------------------
+
+    def lease_granted(self, first: int, last: int) -> None:
+        """Numbers ``first`` to ``last`` belong to a lease of this peer."""
+        with self._commenced:
+            self._blocks[first] = _Block(last=last, next=first)
+            bisect.insort(self._firsts, first)
+        self.wake()
+
+    def start_leased(self, attempt: AllReduceAttempt, first: int, seq: int) -> None:
+        """Attempt ``seq`` of the lease from ``first`` starts here: its frames go to it."""
+        with self._commenced:
+            self._by_seq[seq] = attempt
+            self._blocks[first].next = seq + 1
+        self.wake()
+
+    def lease_closed(self, first: int) -> None:
+        """No attempt starts under the lease from ``first`` any more, but the master
+        may still commence the next one here."""
+        with self._commenced:
+            self._blocks[first].open = False
+        self.wake()
+
+    def lease_forgotten(self, first: int) -> None:
+        """The lease from ``first`` is over: its frames not taken yet are stale."""
+        with self._commenced:
+            if self._blocks.pop(first, None) is not None:
+                self._firsts.remove(first)
+        self.wake()
+
+    def _waits(self, seq: int) -> bool:
+        """Whether a frame of attempt ``seq``, not running here, may still get an
+        attempt (see the module docstring); with ``_commenced`` held."""
+        index = bisect.bisect_right(self._firsts, seq) - 1
+        if index >= 0:
+            first = self._firsts[index]
+            block = self._blocks[first]
+            if seq <= block.last:
+                return seq >= block.next if block.open else seq == block.next
+        return seq > self._last_commenced
+
     def wake(self) -> None:
         """Readers waiting for a commence must look at the communicator's state."""
         self._commence_lot.unpark_all()
@@ -100,7 +169,7 @@ class DataReceiver:
 
     async def _attempt_for(self, seq: int) -> AllReduceAttempt | None:
         """The attempt a data frame belongs to; None for a finished or aborted one."""
-        while seq > self._last_commenced:
+        while seq not in self._by_seq and self._waits(seq):
             if self._life.over:
                 raise trio.ClosedResourceError("the communicator is shutting down")
             await self._commence_lot.park()
@@ -109,7 +178,7 @@ class DataReceiver:
     def _attempt_for_blocking(self, seq: int) -> AllReduceAttempt | None:
         """``_attempt_for`` from a reader thread."""
         with self._commenced:
-            while seq > self._last_commenced:
+            while seq not in self._by_seq and self._waits(seq):
                 if self._life.over:
                     raise trio.ClosedResourceError("the communicator is shutting down")
                 self._commenced.wait(timeout=1.0)
@@ -144,6 +213,11 @@ class DataReceiver:
             header = yield ReceiveHeader()
             seq = header[1]
             attempt = yield Wait(partial(self._attempt_for, seq), partial(self._attempt_for_blocking, seq))
+            if not header[3]:  # a completion notice
+                yield ReceivePayload(_EMPTY)
+                if attempt is not None and attempt.agreement is not None:
+                    attempt.agreement.on_notice(header[2])
+                continue
             staging = None if attempt is None else attempt.staging
             buffer = landing.get(id(staging))
             if buffer is None or header[3] > buffer.size:

@@ -56,9 +56,9 @@ class ReduceRequest:
     hint: DistributionHint
     fill: Callable[[], None] | None = None
 
-    def vote(self, slice_bytes: int) -> CollectiveInitiate:
+    def vote(self, slice_bytes: int, *, lease: bool = False) -> CollectiveInitiate:
         """The descriptor every peer of the group must vote alike (``slice_bytes``: this
-        peer's ``Config.slice_bytes``)."""
+        peer's ``Config.slice_bytes``; ``lease``: ask for a lease on the tag)."""
         dtype = from_numpy_dtype(self.result.dtype)
         quantization = self.quantization
         return CollectiveInitiate(
@@ -72,6 +72,7 @@ class ReduceRequest:
             ).value,
             distribution_hint=self.hint.value if quantization else 0,
             slice_bytes=slice_bytes,
+            lease=lease,
         )
 
 

@@ -8,7 +8,8 @@ carries what a cancelled caller needs to stop the all-reduce: whether it was
 cancelled (an attempt made from then on starts stopped), the attempt once made, and
 ``final``, set once the buffers hold what they will hold. ``AsyncReduceHandle`` is the
 public view of a result for ``all_reduce_async``: awaiting it never cancels the
-all-reduce, which goes on in the communicator.
+all-reduce, which goes on in the communicator. ``Rejected`` and ``Blocked`` mark the
+verdicts that a retry would meet again (they show as their public base).
 """
 
 from __future__ import annotations
@@ -17,12 +18,28 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from .._errors import CollectiveAborted, InvalidArgument, shown_as_base
 from .._types import ReduceInfo
 
 if TYPE_CHECKING:
+    from .._core.messages import CollectiveInitiate
     from ._allreduce import AllReduceAttempt
 
-__all__ = ["AsyncReduceHandle", "ReduceResult"]
+__all__ = ["AsyncReduceHandle", "Blocked", "ReduceResult", "Rejected"]
+
+
+@shown_as_base
+class Rejected(InvalidArgument):
+    """The master rejected a collective for every peer of its group (the peers disagree
+    on its arguments, or a peer's data cannot be reduced): retrying would fail alike."""
+
+
+@shown_as_base
+class Blocked(CollectiveAborted):
+    """The master ended a collective because a member waits in a shared-state sync:
+    retrying before syncing would fail alike."""
+
+
 
 
 class ReduceResult:
@@ -35,8 +52,10 @@ class ReduceResult:
         self._error: BaseException | None = None
         # The caller was cancelled: an attempt made from now on starts stopped.
         self.cancelled = False
-        # The attempt, once made (before its vote).
+        # The attempt, once made (before its vote), and the vote it makes (or the
+        # descriptor it runs under a lease with).
         self.attempt: AllReduceAttempt | None = None
+        self.vote: CollectiveInitiate | None = None
         # The buffers hold what they will hold: the result, or the input restored.
         self.final = trio.Event()
 

@@ -81,6 +81,11 @@ class PeerSeam:
         around = neighbours(self._comm.ring, self._comm.peer_id or 0)
         return [] if around is None else self._comm._p2p.successor_connections(around[1])
 
+    def leased(self, tag: int) -> bool:
+        """Whether this peer holds a standing lease on ``tag``: its next all-reduce of
+        the tag with the same descriptor skips the master."""
+        return self._comm._all_reduces.leased(tag)
+
     def attempt(self, tag: int) -> AllReduceAttempt | None:
         """The attempt of the all-reduce with ``tag`` in flight, if any."""
         return self._comm._receiver.by_tag.get(tag)

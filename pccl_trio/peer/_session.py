@@ -98,8 +98,9 @@ log = logging.getLogger("pccl_trio.peer")
 
 _M = TypeVar("_M", bound=Message)
 
-#: Fields of master messages that carry a number the master hands out in order.
-_NUMBERED = ("round", "seq", "sync", "optimization")
+#: Fields of master messages that carry a number the master hands out in order (the
+#: last of a lease's block included).
+_NUMBERED = ("round", "seq", "sync", "optimization", "lease_last")
 
 
 class MasterLost(MasterConnectionError):
@@ -168,8 +169,9 @@ class MasterSession:
         self._inbox: list[Message] = []
         self._inbox_lot = trio.lowlevel.ParkingLot()
         self._back_lot = trio.lowlevel.ParkingLot()
-        self._routes: dict[type[Message], Callable[[Any], None]] = {}
+        self._routes: dict[type[Message], Callable[[Any], bool | None]] = {}
         self._away_hooks: list[Callable[[], None]] = []
+        self._back_hooks: list[Callable[[], None]] = []
         lifecycle.on_failure(self._inbox_lot.unpark_all)
         lifecycle.on_failure(self._back_lot.unpark_all)
 
@@ -195,9 +197,15 @@ class MasterSession:
         the session sets out to get it back."""
         self._away_hooks.append(hook)
 
-    def route(self, kind: type[_M], apply: Callable[[_M], None]) -> None:
+    def on_back(self, hook: Callable[[], None]) -> None:
+        """Have ``hook`` called (it must not block) each time a master took this member
+        back after it was lost, before any call goes on."""
+        self._back_hooks.append(hook)
+
+    def route(self, kind: type[_M], apply: Callable[[_M], bool | None]) -> None:
         """Have the reader call ``apply`` on every ``kind`` message as it arrives, before
-        queueing it (``apply`` must not block)."""
+        queueing it (``apply`` must not block); a message ``apply`` returns True for is
+        taken by it, not queued."""
         self._routes[kind] = apply
 
     # --- connecting ----------------------------------------------------------------------
@@ -454,8 +462,8 @@ class MasterSession:
                 if isinstance(message, Welcome):
                     self.peer_id = message.peer_id  # the routes below may need it
                 apply = self._routes.get(type(message))
-                if apply is not None:
-                    apply(message)
+                if apply is not None and apply(message):
+                    continue
                 self._inbox.append(message)
                 self._inbox_lot.unpark_all()
         except Kicked as exc:
@@ -529,6 +537,8 @@ class MasterSession:
                 self._at = self._addresses.index(addresses[index])
                 self._welcomed(outcome)
                 self._away = False
+                for hook in self._back_hooks:
+                    hook()
                 self._back_lot.unpark_all()
                 self._metrics.reconnected()
                 log.warning(

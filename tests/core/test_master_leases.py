@@ -324,3 +324,25 @@ def test_a_vote_while_running_an_attempt_under_the_lease_kicks_the_voter(h: Mast
     h.lease_report(2, TAG, first, first + 1, RUNNING)
     h.lease_report(3, TAG, first, first, COMPLETE)
     assert was_kicked(h.initiate(1, TAG, lease=True), 1)
+
+
+def test_a_master_taking_over_ends_a_lease_once_every_member_is_back() -> None:
+    """Members come back to a new master one by one; the first reports its lease at
+    once. Only once the group is back is the lease ended with every member, the late
+    one included, and the attempt they ran settled for all."""
+    from .test_master_recovery import RING, come_back
+
+    h = MasterHarness(lease_span=SPAN)
+    come_back(h, 1, RING[0], high_water=7100)
+    h.lease_report(1, TAG, 7000, 7003, RUNNING)
+    come_back(h, 2, RING[1], high_water=7100)
+    h.lease_report(2, TAG, 7000, 7003, FAILED)
+    assert not any(isinstance(m, LeaseEnd) for c in (1, 2) for m in h.sent[c])
+    come_back(h, 3, RING[2], high_water=7100)  # the ring is whole again
+    for conn in (1, 2, 3):
+        assert [type(m) for m in got(h, conn) if isinstance(m, LeaseEnd)] == [LeaseEnd]
+    h.lease_report(3, TAG, 7000, 7003, RUNNING)
+    for conn in (1, 3):
+        assert isinstance(h.last(conn, CollectiveAbort), CollectiveAbort)
+        h.complete(conn, TAG, 7003, aborted=True)
+    assert {h.last(c, CollectiveVerdict).outcome for c in (1, 2, 3)} == {Outcome.ABORTED}

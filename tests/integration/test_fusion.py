@@ -28,14 +28,15 @@ class Vote:
 
 @pytest.fixture
 def votes(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Vote]]:
-    """Every all-reduce vote any peer sends: its tag, count and buffer address."""
+    """Every all-reduce attempt any peer makes (its vote, or the descriptor it runs
+    under a lease with): its tag, count and buffer address."""
     seen: list[Vote] = []
     real = ReduceRequest.vote
 
-    def vote(self: ReduceRequest, slice_bytes: int) -> CollectiveInitiate:
+    def vote(self: ReduceRequest, slice_bytes: int, *, lease: bool = False) -> CollectiveInitiate:
         seen.append(Vote(tag=self.tag, count=int(self.result.size),
                          buffer=int(self.result.ctypes.data)))
-        return real(self, slice_bytes)
+        return real(self, slice_bytes, lease=lease)
 
     monkeypatch.setattr(ReduceRequest, "vote", vote)
     yield seen
