@@ -13,6 +13,9 @@ SUM, in place) back to back, with no barrier between them, and reports per all-r
   run keeps busy. Near the machine's core count, the run is CPU-bound and its wall
   time is its CPU spread over the cores, whatever the network.
 
+``--leases both`` adds pccl_trio without leases (``Config(leases=False)``: every
+all-reduce through the master) as a third library; ``off`` runs only that.
+
 Launches alternate (pccl_trio, Gloo, pccl_trio, ...), ``--repeats`` of each, fresh
 processes each time; the table shows medians over launches. The data are zeros (so
 the loop can run any number of times), after one all-reduce of ones checked exact.
@@ -55,12 +58,16 @@ def own_cpu() -> float:
 # --- workers (one process each) -----------------------------------------------------------
 
 
-async def _pccl_worker(master: str, master_pid: int, world: int, size: int, iters: int) -> None:
+async def _pccl_worker(
+    master: str, master_pid: int, world: int, size: int, iters: int, leases: bool
+) -> None:
     import numpy as np
 
     import pccl_trio as pccl
 
-    config = pccl.Config(liveness_timeout=10.0, heartbeat_interval=1.0, insecure=True)
+    config = pccl.Config(
+        liveness_timeout=10.0, heartbeat_interval=1.0, insecure=True, leases=leases
+    )
     async with pccl.Communicator(master, 0, 0, config=config, p2p_host="127.0.0.1") as comm:
         while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
             await comm.update_topology()
@@ -136,7 +143,7 @@ def _collect(workers: list[subprocess.Popen[str]], iters: int, *, master: bool) 
     return launch
 
 
-def launch_pccl(world: int, size: int, iters: int) -> dict[str, Any]:
+def launch_pccl(world: int, size: int, iters: int, leases: bool) -> dict[str, Any]:
     with master_process(
         "--liveness-timeout", "10", "--heartbeat-interval", "1", stderr=subprocess.DEVNULL
     ) as (master, address):
@@ -144,7 +151,7 @@ def launch_pccl(world: int, size: int, iters: int) -> dict[str, Any]:
             subprocess.Popen(
                 [sys.executable, __file__, "--role", "pccl", "--master", address,
                  "--master-pid", str(master.pid), "--world", str(world), "--size", str(size),
-                 "--iters", str(iters)],
+                 "--iters", str(iters), *([] if leases else ["--no-leases"])],
                 stdout=subprocess.PIPE, text=True,
             )
             for _ in range(world)
@@ -167,13 +174,16 @@ def launch_gloo(world: int, size: int, iters: int) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> None:
     size = parse_size(args.size)
-    launches: dict[str, list[dict[str, Any]]] = {"pccl_trio": [], "gloo": []}
+    variants = {"on": {"pccl_trio": True}, "off": {"pccl_trio": False},
+                "both": {"pccl_trio": True, "no_leases": False}}[args.leases]
+    launches: dict[str, list[dict[str, Any]]] = {**{v: [] for v in variants}, "gloo": []}
     for repeat in range(args.repeats):
-        launches["pccl_trio"].append(launch_pccl(args.world, size, args.iters))
+        for variant, leases in variants.items():
+            launches[variant].append(launch_pccl(args.world, size, args.iters, leases))
         launches["gloo"].append(launch_gloo(args.world, size, args.iters))
-        print(f"launch {repeat + 1}/{args.repeats}: "
-              f"pccl_trio {launches['pccl_trio'][-1]['wall_ms']:.2f} ms, "
-              f"gloo {launches['gloo'][-1]['wall_ms']:.2f} ms", file=sys.stderr, flush=True)
+        print(f"launch {repeat + 1}/{args.repeats}: " + ", ".join(
+            f"{name} {runs[-1]['wall_ms']:.2f} ms" for name, runs in launches.items()
+        ), file=sys.stderr, flush=True)
     columns = ("wall_ms", "rank_cpu_ms", "master_cpu_ms", "total_cpu_ms", "cores_busy")
     summary = {
         library: {c: statistics.median(launch[c] for launch in runs) for c in columns}
@@ -204,6 +214,9 @@ if __name__ == "__main__":
     parser.add_argument("--iters", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--leases", choices=["on", "off", "both"], default="on",
+                        help="Config.leases for pccl_trio; both: a run without them too")
+    parser.add_argument("--no-leases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["pccl", "gloo"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
     parser.add_argument("--master-pid", type=int, help=argparse.SUPPRESS)
@@ -214,7 +227,7 @@ if __name__ == "__main__":
         import trio
 
         trio.run(_pccl_worker, parsed.master, parsed.master_pid, parsed.world,
-                 parse_size(parsed.size), parsed.iters)
+                 parse_size(parsed.size), parsed.iters, not parsed.no_leases)
     elif parsed.role == "gloo":
         _gloo_worker(parsed.rank, parsed.world, parsed.port, parse_size(parsed.size),
                      parsed.iters)

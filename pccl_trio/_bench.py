@@ -105,7 +105,8 @@ def format_size(n: int) -> str:
 
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
-                  algorithm: str, protection: str, device: str, metrics: bool) -> None:
+                  algorithm: str, protection: str, device: str, metrics: bool,
+                  leases: bool) -> None:
     import numpy as np
 
     import pccl_trio as pccl
@@ -133,7 +134,7 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
     config = pccl.Config(
         slice_bytes=slice_bytes, liveness_timeout=10.0, heartbeat_interval=1.0,
         data_protection="encrypt" if protection == "encrypt" else "mac",
-        insecure=protection == "none", metrics=registry,
+        insecure=protection == "none", metrics=registry, leases=leases,
     )
     async with pccl.Communicator(master, 0, pool, config=config, p2p_host=host) as comm:
         while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
@@ -197,11 +198,12 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--protection", choices=PROTECTIONS, default="none")
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--metrics", action="store_true")
+    parser.add_argument("--no-leases", action="store_true")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
              args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm,
-             args.protection, args.device, args.metrics)
+             args.protection, args.device, args.metrics, not args.no_leases)
     return 0
 
 
@@ -226,7 +228,7 @@ class Placement:
 
 def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
               placement: Placement = Placement(), protection: str = "none",
-              metrics: bool = False, device: str = "cpu") -> dict[int, Any]:
+              metrics: bool = False, device: str = "cpu", leases: bool = True) -> dict[int, Any]:
     """One repeat: a master and ``world`` worker processes; the first worker's results.
 
     ``args`` needs iters, warmup, pool, slice_bytes, into_recv, timeout and
@@ -264,6 +266,7 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
                  "--algorithm", getattr(args, "algorithm", "min_max"),
                  "--protection", protection, "--device", device,
                  *(["--metrics"] if metrics else []),
+                 *([] if leases else ["--no-leases"]),
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
             ))
@@ -329,6 +332,9 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     parser.add_argument("--metrics", choices=["off", "on", "both"], default="off",
                         help="Prometheus metrics at the master and every peer; both: each run "
                         "without and with them, alternating (needs the observability extra)")
+    parser.add_argument("--leases", choices=["on", "off", "both"], default="on",
+                        help="leases on repeated tags (Config.leases); both: each run with "
+                        "and without them, alternating")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", type=Path, default=None, help="write all results here")
     args = parser.parse_args(argv)
@@ -347,10 +353,12 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
         kinds += [
             ("pccl+metrics" if p == "none" else f"pccl+{p}+met", p, True) for p in protections
         ]
-    # What runs, alternating: (label, protection, metrics, device).
+    # What runs, alternating: (label, protection, metrics, device, leases).
+    leasing = {"on": [True], "off": [False], "both": [True, False]}[args.leases]
     variants = [
-        (label + (f"@{'gpu' if d == 'cuda' else 'host'}" if len(devices) > 1 else ""), p, m, d)
-        for d in devices for label, p, m in kinds
+        (label + ("" if lease or args.leases == "off" else "-nolease")
+         + (f"@{'gpu' if d == 'cuda' else 'host'}" if len(devices) > 1 else ""), p, m, d, lease)
+        for d in devices for label, p, m in kinds for lease in leasing
     ]
     first = variants[0][0]
     gloo_device = "cuda" if "cuda" in devices else "cpu"
@@ -374,9 +382,9 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
         medians["gloo"] = {}
         for _ in range(args.repeats):
             # Alternate the runs so drift on a shared machine hits all alike.
-            for label, protection, metrics, device in variants:
+            for label, protection, metrics, device, lease in variants:
                 result = _run_pccl(world, sizes, args, protection=protection, metrics=metrics,
-                                   device=device)
+                                   device=device, leases=lease)
                 for size in sizes:
                     if not result[size]["ok"]:
                         raise RuntimeError(f"wrong all-reduce result at W={world}, {size} bytes")
@@ -390,10 +398,10 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
         factor = 2 * (world - 1) / world
         for size in sizes:
             anchor = statistics.median(medians["gloo" if args.gloo else first][size])
-            for label, protection, metrics, device in variants:
+            for label, protection, metrics, device, lease in variants:
                 ours = statistics.median(medians[label][size])
                 row = {"world": world, "size": size, "protection": protection,
-                       "metrics": metrics, "device": device, "pccl_trio_s": ours,
+                       "metrics": metrics, "device": device, "leases": lease, "pccl_trio_s": ours,
                        "pccl_trio_busbw": size / ours * factor, **moved[label][size]}
                 line = (f"{world:>2} {format_size(size):>9} {label:>{width}} "
                         f"{ours * 1e3:>10.2f} {size / ours / 1e9:>11.3f} "
@@ -409,7 +417,7 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                                gloo_repeats_s=medians["gloo"][size])
                 print(line)
                 rows.append(row)
-            for label, _, _, device in variants:
+            for label, _, _, device, _ in variants:
                 if device == "cuda":  # what one peer moved in one all-reduce
                     m = moved[label][size]
                     print(f"{'':>{width + 13}} {label}: one peer sent {m['tx_bytes'] / 1e6:.1f} MB, copied "

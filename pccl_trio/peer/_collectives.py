@@ -545,11 +545,10 @@ class AllReduces:
             await attempt.settle()
             attempt.restore()
             attempt.release()
-            self._leases.ended(attempt, success=False)
+            self._leases.ended(attempt)
             raise
         self._end(attempt)
-        success = verdict is None or verdict.outcome == Outcome.SUCCESS and complete
-        self._leases.ended(attempt, success=success)
+        self._leases.ended(attempt)
         if verdict is None:
             verdict = CollectiveVerdict(tag=attempt.tag, seq=attempt.seq, outcome=Outcome.SUCCESS)
         return await self._conclude(attempt, result, verdict, complete)

@@ -186,12 +186,12 @@ class Leases:
             self._close(lease)
             self._tell(lease)
 
-    def ended(self, attempt: AllReduceAttempt, *, success: bool) -> None:
+    def ended(self, attempt: AllReduceAttempt) -> None:
         """``attempt`` is over here (its caller has its outcome)."""
         lease = self._lease_of(attempt)
         if lease is not None:
             lease.attempt = None
-            lease.ended = LeaseState.COMPLETE if success else LeaseState.FAILED
+            lease.ended = LeaseState.COMPLETE if attempt.complete else LeaseState.FAILED
             lease.report_at = math.inf
 
     def _lease_of(self, attempt: AllReduceAttempt) -> Lease | None:
@@ -226,7 +226,8 @@ class Leases:
         if self._receiver.running(verdict.seq):
             return False  # commenced here by the master after all: its caller waits
         if verdict.seq == lease.next and not lease.standing:
-            self._forget(lease.tag)  # it never started here, and never will
+            # It never started here, and never will: its frames are stale now.
+            self._receiver.lease_closed(lease.first, settled=True)
         return True
 
     def _on_ring(self, ring: tuple[int, ...]) -> None:
@@ -237,6 +238,7 @@ class Leases:
     def _on_back(self) -> None:
         """A master took this peer back: it knows no lease. Those with an attempt in
         flight are reported to it; the others answer when it asks."""
+        self._due.clear()  # all of it was for the master that was lost
         for lease in self._by_tag.values():
             self._close(lease)
             lease.told = _Told.NOTHING

@@ -136,11 +136,14 @@ class DataReceiver:
             self._blocks[first].next = seq + 1
         self.wake()
 
-    def lease_closed(self, first: int) -> None:
+    def lease_closed(self, first: int, *, settled: bool = False) -> None:
         """No attempt starts under the lease from ``first`` any more, but the master
-        may still commence the next one here."""
+        may still commence the next one here (``settled``: it will not either)."""
         with self._commenced:
-            self._blocks[first].open = False
+            block = self._blocks[first]
+            block.open = False
+            if settled:
+                block.next += 1
         self.wake()
 
     def lease_forgotten(self, first: int) -> None:
