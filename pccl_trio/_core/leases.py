@@ -54,7 +54,12 @@ from .peers import Peer, PeerPhase, PeerTable
 from .report import KickCause
 from .rounds import RingBook
 
-__all__ = ["Lease", "Leases", "Resolution"]
+__all__ = ["MAX_LEARNED", "Lease", "Leases", "Resolution"]
+
+#: Most leases a master learns of from reports at once (granted by a master before it).
+#: A member reports only the leases it has an attempt in flight under; a peer reporting
+#: past this many is kicked, so reports cannot grow the master without bound.
+MAX_LEARNED = 1 << 16
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -102,6 +107,7 @@ class Leases:
         # (group, tag) -> the first number of the latest lease resolved: reports on it
         # or an older one come late, and are dropped.
         self._decided: dict[tuple[int, int], int] = {}
+        self._learned = 0  # leases learned of from reports (epoch -1) not resolved yet
 
     def grant(self, group: int, tag: int, members: frozenset[int], first: int) -> Lease:
         """A lease on ``tag`` for ``members``, numbered from ``first``."""
@@ -160,11 +166,18 @@ class Leases:
         if lease is None:
             # Granted by a master before this one: it ends, with the members this master
             # knows once its group is back (``announce``).
+            if self._learned >= MAX_LEARNED:
+                self._table.kick_peer(
+                    peer, f"reported more than {MAX_LEARNED} leases this master never granted",
+                    KickCause.PROTOCOL,
+                )
+                return
             lease = Lease(
                 group=peer.peer_group, tag=message.tag, first=message.lease,
                 last=message.lease + MAX_LEASE_SPAN - 1, members=frozenset(), epoch=-1,
             )
             self._leases[key] = lease
+            self._learned += 1
         if message.lease != lease.first or lease.announced and peer.peer_id not in lease.members:
             return  # another lease, or a peer outside it: nothing to learn here
         if message.seq and message.seq > lease.last:
@@ -244,6 +257,8 @@ class Leases:
             if len(liars) > contradicted:
                 continue
             del self._leases[key]
+            if lease.epoch < 0:
+                self._learned -= 1
             self._decided[key] = max(self._decided.get(key, 0), lease.first)
             yield Resolution(
                 lease=lease, members=frozenset(members), latest=latest, starters=starters,

@@ -277,6 +277,11 @@ class AllReduces:
                           request.quantization.quantized_datatype, request.hint)
         staging = staging_for(request.xp, gpu_of(request.xp, request.result))
         staging.check_slices(self._config.slice_bytes, int(request.result.nbytes))
+        if request.fill is not None:
+            # Before the attempt is reachable: a reader thread combines a frame into the
+            # input the moment its number is known (a commence may be applied while the
+            # vote is still being sent; an attempt under a lease is numbered at once).
+            request.fill()
         attempt = AllReduceAttempt(
             staging=staging, send=request.send, result=request.result, op=request.op, tag=request.tag,
             ring=ring, rank=ring.index(self._session.peer_id),
@@ -309,10 +314,6 @@ class AllReduces:
         assert vote is not None
         try:
             await self._session.send(vote)
-            if request.fill is not None:
-                # Before any checkpoint: the commence (the master needs every vote) is
-                # applied by a trio task, so no frame reaches the attempt before this.
-                request.fill()
             reply: CollectiveCommence | CollectiveVerdict = await self._session.wait_for(
                 (CollectiveCommence, CollectiveVerdict),
                 lambda m: m.tag == tag and (isinstance(m, CollectiveCommence) or m.seq == 0),
@@ -526,8 +527,6 @@ class AllReduces:
         verdict: CollectiveVerdict | None = None
         complete = False
         try:
-            if request.fill is not None:
-                request.fill()
             await self._part(_Part(attempt))
             complete = attempt.complete
             self._leases.part_ended(attempt)

@@ -14,8 +14,8 @@ its neighbours and on ``bucket_bytes`` (see ``docs/allreduce.md``).
 A bucket of one tensor is that tensor's own request: zero-copy, the caller's buffer
 is the all-reduce buffer, as without fusion. A bucket of several is a view of one
 staging buffer, taken for the whole call from a pool that keeps its pages between
-steps; the members are copied into it once this peer voted for the bucket (the copy
-overlaps the master's round trip; a retry copies them again, unchanged). Each bucket is one
+steps; the members are copied into it when the bucket's attempt is made, before it can
+move a byte (a retry copies them again, unchanged). Each bucket is one
 all-reduce whose tag is the bucket's index (``RetriedReduces.run``
 retries it as it retries a tensor), from the packed input into a second view of the
 staging buffer: the input is never written, so a retry starts from it, and no backup

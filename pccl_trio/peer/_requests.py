@@ -42,9 +42,9 @@ class ReduceRequest:
             for in place).
         quantization: None when the call is not quantized (``QuantizationAlgorithm.NONE``
             included).
-        fill: None, or what fills ``send`` once this peer voted, before the ring reads
-            it (fusion packs a bucket then, so the copy overlaps the master's round
-            trip); called before each attempt, it must give the same bytes each time.
+        fill: None, or what fills ``send`` when an attempt is made, before it can
+            receive or send a byte (fusion packs a bucket then); called before each
+            attempt, it must give the same bytes each time.
     """
 
     tag: int

@@ -346,3 +346,17 @@ def test_a_master_taking_over_ends_a_lease_once_every_member_is_back() -> None:
         assert isinstance(h.last(conn, CollectiveAbort), CollectiveAbort)
         h.complete(conn, TAG, 7003, aborted=True)
     assert {h.last(c, CollectiveVerdict).outcome for c in (1, 2, 3)} == {Outcome.ABORTED}
+
+
+def test_reports_of_unknown_leases_cannot_grow_the_master_without_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pccl_trio._core.leases as leases
+
+    monkeypatch.setattr(leases, "MAX_LEARNED", 3)
+    h = MasterHarness(lease_span=SPAN)
+    accepted(h, 1, 2, 3)
+    h.take_all()
+    for tag in range(3):
+        h.lease_report(2, tag, 7000, 7001, RUNNING)
+    assert was_kicked(h.lease_report(2, 3, 7000, 7001, RUNNING), 2)

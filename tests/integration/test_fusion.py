@@ -13,6 +13,7 @@ import trio
 import pccl_trio as pccl
 from pccl_trio._core.messages import CollectiveInitiate
 from pccl_trio.peer._requests import ReduceRequest
+from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, fine, form_run, run_all, started
 
@@ -180,12 +181,14 @@ async def kill_during(
 
 
 @pytest.mark.parametrize("network_kind", ["memory"])
+@pytest.mark.parametrize("leased", [False, True], ids=["first-step", "leased-step"])
 async def test_kill_mid_step_retries_buckets_on_the_survivors(
-    cluster: Cluster, clock: object, votes: list[Vote]
+    cluster: Cluster, clock: object, votes: list[Vote], leased: bool
 ) -> None:
     """Several buckets in flight when a peer dies: every tensor ends as the old
     world's or the new world's result, identical on the survivors, and each bucket's
-    members alike."""
+    members alike. ``leased``: a step ran before, so the buckets' tags are leased and
+    the step the kill hits runs without the master."""
     cluster.config = fine(cluster)
     bucketed(cluster, 1 << 20)
     with trio.fail_after(120):
@@ -194,6 +197,11 @@ async def test_kill_mid_step_retries_buckets_on_the_survivors(
                  5_000, 80_000, 50_000]  # int64, in buckets of up to 1 MiB
         data = [[np.full(n, 10 * rank + t, dtype=np.int64) for t, n in enumerate(sizes)]
                 for rank in range(3)]
+        if leased:
+            warm = [[a.copy() for a in row] for row in data]
+            infos = await run_all(comms, lambda i, c: c.all_reduce_multiple_with_retry(warm[i]))
+            assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+            assert all(PeerSeam(c).leased(0) for c in comms)
         tensors = [[a.copy() for a in row] for row in data]
         outcome = await kill_during(
             cluster, comms, 1, 1,

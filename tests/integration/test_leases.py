@@ -18,6 +18,9 @@ import pytest
 import trio
 
 import pccl_trio as pccl
+from pccl_trio._core.messages import CollectiveCommence
+from pccl_trio.peer._fusion import _Packed
+from pccl_trio.peer._receiver import DataReceiver
 from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, die_mid_all_reduce, fine, form_run, run_all
@@ -350,5 +353,59 @@ async def test_a_peer_without_leases_keeps_the_tag_with_the_master(
             assert arrays[0].tobytes() == arrays[1].tobytes() == arrays[2].tobytes()
         assert kinds(decided) == ["completed"] * 3, decided
         assert not PeerSeam(comms[0]).leased(0)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_a_bucket_is_packed_before_its_attempt_can_take_a_frame(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fused bucket's input is packed before its attempt can be reached by a frame:
+    when the master's commence numbers it (the commence may be applied while the vote
+    is still being sent) and when a lease numbers it. A reader thread combines a frame
+    into the input the moment its attempt is reachable; a pack after that would mix the
+    staging buffer's old bytes into the result (it did, one launch in a few, on TCP)."""
+    cluster.config = dataclasses.replace(cluster.config, bucket_bytes=64 << 10)
+    packed: set[int] = set()
+    unpacked_reachable: list[int] = []
+    real_pack, real_start, real_commence = _Packed.pack, DataReceiver.start_leased, \
+        DataReceiver.on_commence
+
+    def pack(self: _Packed) -> None:
+        real_pack(self)
+        packed.add(id(self.send))
+
+    def check(attempt: object) -> None:
+        send = getattr(attempt, "send_array", None)
+        if send is not None and send.base is not None and id(send) not in packed:
+            unpacked_reachable.append(getattr(attempt, "tag", -1))
+
+    def start_leased(self: DataReceiver, attempt: object, first: int, seq: int) -> None:
+        check(attempt)
+        real_start(self, attempt, first, seq)
+
+    def on_commence(self: DataReceiver, message: CollectiveCommence) -> None:
+        check(self.by_tag.get(message.tag))
+        real_commence(self, message)
+
+    monkeypatch.setattr(_Packed, "pack", pack)
+    monkeypatch.setattr(DataReceiver, "start_leased", start_leased)
+    monkeypatch.setattr(DataReceiver, "on_commence", on_commence)
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
+        rng = np.random.default_rng(7)
+        for step in range(3):  # the first through the master, the others leased
+            data = [[rng.integers(0, 100, 2000).astype(np.int32) for _ in range(40)]
+                    for _ in comms]
+            tensors = [[t.copy() for t in row] for row in data]
+            infos = await run_all(
+                comms, lambda i, c, ts=tensors: c.all_reduce_multiple_with_retry(ts[i])
+            )
+            assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+            for t in range(40):
+                want = data[0][t] + data[1][t] + data[2][t]
+                assert all((tensors[i][t] == want).all() for i in range(3)), (step, t)
+        assert PeerSeam(comms[0]).leased(0)
+        assert unpacked_reachable == []
         for comm in comms:
             await comm.aclose()
