@@ -2,6 +2,7 @@
 
 Usage: python benchmarks/failover.py [--repeats 3] [--restart-delay 2] [--json PATH]
                                      [--cases restart,standby,elect,takeover]
+                                     [--peer-logs DIR]
 
 Theory of operation
 -------------------
@@ -42,6 +43,7 @@ restart).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -61,6 +63,7 @@ PEER_PROGRAM = Path(__file__).with_name("soak_peer.py")
 PEERS = 3
 RUN = "failover-elect"
 SECRET = os.urandom(16).hex()
+_RUNS = itertools.count(1)
 
 
 def free_port() -> int:
@@ -72,8 +75,10 @@ def free_port() -> int:
 class Run:
     """One run: masters and peers as processes, the peers' reports as they come."""
 
-    def __init__(self, nursery: trio.Nursery, args: argparse.Namespace) -> None:
+    def __init__(self, nursery: trio.Nursery, args: argparse.Namespace, case: str) -> None:
         self.nursery = nursery
+        self.case = case
+        self.number = next(_RUNS)  # names its peers' logs (``--peer-logs``)
         self.args = args
         self.env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.masters: dict[int, trio.Process] = {}
@@ -99,12 +104,22 @@ class Run:
         argv = [sys.executable, str(PEER_PROGRAM), address, "--elements", "65536",
                 "--step-seconds", str(self.args.step_seconds), "--no-optimize"]
         env = self.env
+        stderr: Any = subprocess.DEVNULL
+        if self.args.peer_logs:
+            # The peer's log (its master's too, when it hosts one), for a failure's story.
+            argv += ["--log-level", "INFO"]
+            name = f"{self.number:02d}-{self.case}-peer{index}.log"
+            stderr = open(Path(self.args.peer_logs) / name, "w")  # noqa: ASYNC230, SIM115
         if namespace is not None:
             argv = ["ip", "netns", "exec", namespace, *argv, "--discover", RUN, "--host-master"]
             env = dict(env, PCCL_TRIO_RUN_SECRET=SECRET)
-        process = await trio.lowlevel.open_process(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
-        )
+        try:
+            process = await trio.lowlevel.open_process(
+                argv, stdout=subprocess.PIPE, stderr=stderr, env=env,
+            )
+        finally:
+            if stderr is not subprocess.DEVNULL:
+                stderr.close()  # the child holds its own copy
         self.peers.append(process)
         self.nursery.start_soon(self.follow, index, process)
 
@@ -120,9 +135,16 @@ class Run:
         report = json.loads(line)
         self.reports[index].append(report)
         if report["event"] == "error":
-            self.failure = f"peer {index} failed: {report}"
+            self.failure = f"peer {index} failed: {report}\n{self.story()}"
         self.changed.set()
         self.changed = trio.Event()
+
+    def story(self, last: int = 8) -> str:
+        """Each peer's last ``last`` reports, one per line: what led to a failure."""
+        lines = []
+        for index, reports in enumerate(self.reports):
+            lines += [f"  peer {index}: {json.dumps(r)}" for r in reports[-last:]]
+        return "the peers' last reports:\n" + "\n".join(lines)
 
     def steps(self, index: int, after: float = float("-inf")) -> list[dict[str, Any]]:
         return [r for r in self.reports[index] if r["event"] == "step" and r["t"] > after]
@@ -142,8 +164,7 @@ class Run:
             with trio.move_on_after(self.args.timeout / 4) as quiet:
                 await self.changed.wait()
             if quiet.cancelled_caught:
-                last = [r[-1] if r else None for r in self.reports]
-                raise SystemExit(f"failover: the peers stopped reporting; last reports: {last}")
+                raise SystemExit(f"failover: the peers stopped reporting; {self.story()}")
 
     def stop(self) -> None:
         for process in [*self.peers, *self.masters.values()]:
@@ -160,7 +181,7 @@ async def one_case(case: str, args: argparse.Namespace) -> tuple[list[float], li
     ports = [free_port(), free_port()]
     with trio.fail_after(args.timeout):
         async with trio.open_nursery() as nursery:
-            run = Run(nursery, args)
+            run = Run(nursery, args, case)
             try:
                 await run.master(ports[0])
                 if case == "standby":
@@ -200,7 +221,7 @@ async def elect_case(
 
     with wan.Topology(PEERS, None, f"pccl-f{os.getpid()}") as topology, trio.fail_after(args.timeout):
         async with trio.open_nursery() as nursery:
-            run = Run(nursery, args)
+            run = Run(nursery, args, "takeover" if takeover else "elect")
             try:
                 for index in range(PEERS):
                     await run.peer(index, "-", topology.peers[index])
@@ -304,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.05)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per run")
     parser.add_argument("--json", metavar="PATH")
+    parser.add_argument("--peer-logs", metavar="DIR",
+                        help="write each peer process's log (INFO) into DIR")
     parser.add_argument("--cases", default="restart,standby",
                         type=lambda text: [case for case in text.split(",") if case],
                         help="comma-separated, of restart, standby, elect and takeover")

@@ -43,7 +43,7 @@ name (mDNS; the run secret comes from ``$PCCL_TRIO_RUN_SECRET``), and with
 report says whether this peer's process hosts the master (``hosting``), and where
 the master it uses is (``master``).
 
-Usage: soak_peer.py MASTER [--elements N] [--step-seconds S] [--no-optimize]
+Usage: soak_peer.py MASTER [--elements N] [--step-seconds S] [--no-optimize] [--log-level L]
                            [--inject wrong-sum|divergence|hang --inject-at N]
        soak_peer.py - --discover RUN [--host-master] [...]
 """
@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -188,7 +189,11 @@ def main() -> None:
     parser.add_argument("--discover", metavar="RUN", help="find the master of RUN by name")
     parser.add_argument("--host-master", action="store_true",
                         help="with --discover: a candidate to host the master")
+    parser.add_argument("--log-level", default="WARNING",
+                        help="what the library logs to stderr (e.g. INFO)")
     args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         trio.run(train, args.master, args.elements, args.step_seconds, args.optimize,
                  args.inject, args.inject_at, args.identity, args.discover, args.host_master)

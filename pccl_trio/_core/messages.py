@@ -15,7 +15,8 @@ The record machinery (type checks, the kind registry, the msgpack codec) is in
 ``records``; this module declares the messages.
 
 Directions: ``C2M`` messages go from a peer to the master, ``M2C`` from the master to
-a peer, ``P2P`` between peers. The master accepts only ``C2M`` kinds from peers; a peer
+a peer, ``P2P`` between peers (declared in ``p2p_messages``, exported from here, as
+the status messages of ``status`` are). The master accepts only ``C2M`` kinds from peers; a peer
 accepts only ``M2C`` kinds from the master.
 """
 
@@ -40,6 +41,14 @@ from .nested import (
     WorldSizes,
     check_identity,
     check_pool_size,
+)
+from .p2p_messages import (
+    MAX_BENCHMARK_BYTES,
+    BenchmarkRequest,
+    P2PHello,
+    P2PHelloAck,
+    SharedStateRequest,
+    SharedStateResponse,
 )
 from .records import (
     C2M,
@@ -69,6 +78,7 @@ __all__ = [
     "CollectiveVerdict",
     "ExpectBenchmark",
     "M2C",
+    "MAX_BENCHMARK_BYTES",
     "MAX_KEY",
     "MAX_LEASE_SPAN",
     "MAX_PENDING_WAIT",
@@ -169,8 +179,6 @@ LEASE_STATES = tuple(LeaseState)
 #: Most attempts one lease may number (``CollectiveVerdict.lease``).
 MAX_LEASE_SPAN = 1 << 24
 STRATEGY_NAMES = tuple(strategy.name for strategy in SyncStrategy)
-#: Most bytes one benchmark request may ask for.
-MAX_BENCHMARK_BYTES = 1 << 30
 #: Largest group whose link matrices ``TopologyOptimized`` carries.
 MATRIX_LIMIT = 128
 #: Longest liveness timeout a master may impose, in seconds.
@@ -681,69 +689,3 @@ class LeaseEnd(Message):
     tag: int
     lease: int
     reason: str
-
-
-# --- peer <-> peer ----------------------------------------------------------------
-
-
-@message(128, P2P)
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class P2PHello(Message):
-    """First frame of a ring connection: who connects, and into which pool slot (below
-    the pool size it registered with)."""
-
-    protocol_version: int
-    peer_id: int
-    slot: int
-
-
-@message(129, P2P)
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class P2PHelloAck(Message):
-    """The listener stored the connection; data may flow."""
-
-
-@message(130, P2P)
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateRequest(Message):
-    """First frame of a shared-state connection: send me these byte ranges of the state
-    of sync ``sync``."""
-
-    protocol_version: int
-    peer_id: int
-    sync: int
-    ranges: tuple[SharedStateRange, ...]
-    frame_bytes: int  # the largest data-frame payload the requester accepts
-
-    def _validate(self) -> None:
-        if self.frame_bytes == 0:
-            raise RemoteProtocolError("SharedStateRequest.frame_bytes: must be at least 1")
-
-
-@message(131, P2P)
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class SharedStateResponse(Message):
-    """The answer to a request: ``error`` empty means the ranges follow as data frames,
-    in the order asked (header: the range's index, the sync, its offset, the length)."""
-
-    error: str = ""
-
-
-@message(132, P2P)
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class BenchmarkRequest(Message):
-    """On a benchmark connection: send me ``nbytes`` of data frames (each at most
-    ``frame_bytes`` of payload), to measure the link from you to me."""
-
-    protocol_version: int
-    peer_id: int
-    nbytes: int
-    frame_bytes: int
-
-    def _validate(self) -> None:
-        if not 1 <= self.nbytes <= MAX_BENCHMARK_BYTES:
-            raise RemoteProtocolError(
-                f"BenchmarkRequest.nbytes: {self.nbytes} is not in 1..{MAX_BENCHMARK_BYTES}"
-            )
-        if self.frame_bytes == 0:
-            raise RemoteProtocolError("BenchmarkRequest.frame_bytes: must be at least 1")

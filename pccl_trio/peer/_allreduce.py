@@ -664,14 +664,8 @@ class AllReduceAttempt:
         every slice of it has left and every slice of the incoming stream has arrived.
         Not before: a reader's forward may still be sending when the sender threads
         are done, and ending the attempt then (the verdict can come as soon as the
-        bytes are out) would cut the connection under it.
-
-        Small unquantized all-reduces over worker threads (at most
-        ``FORWARD_MAX_BYTES``) *forward*: each slice is sent by the thread that made it
-        ready, the reader that completed the slice it forwards (or this task, for what
-        is ready at the start), so a ring hop costs no wake-up of another thread. A
-        reader sends only what cannot block it (``_send_now``); anything else starts
-        the sender threads, which skip what was sent already.
+        bytes are out) would cut the connection under it. Small unquantized
+        all-reduces over worker threads *forward* (the module docstring).
 
         Raises:
             LocalFailure: a link broke or a frame was bad.

@@ -1,7 +1,8 @@
 """What tests may observe and replace inside a communicator, named in one place.
 
 Fault-injection tests need to see a communicator's insides (its p2p listener, its
-connections, an all-reduce attempt mid-flight, whether the running call has voted), to
+connections, an all-reduce attempt mid-flight, whether the running call has voted, when
+the master link is lost), to
 replace four of its steps (measuring a link, fetching shared state from a distributor,
 sending a vote, serving shared state), to switch the master link's keepalive thread off,
 and to announce a link measurement as a master would. ``PeerSeam`` is that
@@ -134,6 +135,11 @@ class PeerSeam:
     @keepalive.setter
     def keepalive(self, on: bool) -> None:
         self._comm._session.keepalive = on
+
+    def on_master_lost(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` whenever the master link is lost (the absence begins), after
+        the session dropped what no call may take any more."""
+        self._comm._session.on_away(hook)
 
     @property
     def vote(self) -> Vote:

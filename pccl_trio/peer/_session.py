@@ -34,8 +34,12 @@ communicator (``Lifecycle.fail``) with the master's reason.
 **Losing the master.** If the master sends nothing for the liveness timeout, closes
 the link or breaks the protocol, a peer that is not a member yet fails (it has no
 place in the run to come back to), and so does a member with ``Config.master_grace``
-0. Otherwise the session is *away* for at most the grace. It drops every message of
-the lost master from the inbox and wakes the calls waiting for one: they get
+0. Otherwise the session is *away* for at most the grace. It wakes the calls waiting
+for the master. A call whose outcome the lost master had decided and sent (a vote's
+result, an attempt's verdict: ``_DECIDED``) takes it from the inbox as if nothing had
+happened, since the master sent it to every peer concerned at once and the others may
+have taken theirs already; the rest of the lost master's messages are dropped, and so
+is whatever is left of them once a master takes the peer back. The other calls get
 ``MasterLost``, which an all-reduce turns into ``CollectiveAborted`` with its input
 restored and a membership call into a retry once the master is back (its vote died
 with the master). ``send`` waits until the master is back; so does every call started
@@ -70,10 +74,14 @@ from .._core.identity import fingerprint
 from .._core.messages import (
     M2C,
     PROTOCOL_VERSION,
+    CollectiveVerdict,
     Heartbeat,
     Kick,
     Message,
+    P2PEstablishResult,
+    PeersPendingResult,
     Register,
+    SharedStateComplete,
     StatusReply,
     Welcome,
     body_limits,
@@ -101,6 +109,12 @@ _M = TypeVar("_M", bound=Message)
 #: Fields of master messages that carry a number the master hands out in order (the
 #: last of a lease's block included).
 _NUMBERED = ("round", "seq", "sync", "optimization", "lease_last")
+
+#: How a vote or an attempt ended, as the master decided it: the same message went to
+#: every peer concerned at once. One that reached this peer before its master was lost
+#: is still taken by the call waiting for it, as the peers that took theirs in time
+#: did; dropping it would end this peer's call otherwise than theirs.
+_DECIDED = (PeersPendingResult, P2PEstablishResult, SharedStateComplete, CollectiveVerdict)
 
 
 class MasterLost(MasterConnectionError):
@@ -405,7 +419,8 @@ class MasterSession:
         """Take the first message of ``kind`` (and matching ``match``) from the inbox.
 
         Raises:
-            MasterLost: the master was lost before such a message came (or is lost now).
+            MasterLost: the master was lost before such a message came (or is lost now;
+                an outcome the lost master sent before, ``_DECIDED``, is still taken).
             MasterConnectionError, Kicked: the run is over for this peer.
         """
         epoch = self._epoch
@@ -499,7 +514,9 @@ class MasterSession:
             return
         self._epoch += 1
         self._away = True
-        self._inbox.clear()  # the lost master's: no new master will follow up on them
+        # The lost master's: no new master will follow up on them, but what it decided
+        # stands (``_DECIDED``) for the calls waiting for it.
+        self._inbox = [m for m in self._inbox if isinstance(m, _DECIDED)]
         self._inbox_lot.unpark_all()
         link, self._link = self._link, None
         if link is not None:
@@ -536,6 +553,9 @@ class MasterSession:
                     self._addresses.insert(0, addresses[index])
                 self._at = self._addresses.index(addresses[index])
                 self._welcomed(outcome)
+                # What the lost master decided and nobody took is nobody's now (only a
+                # call that voted before the loss waits for it, and those took theirs).
+                self._inbox.clear()
                 self._away = False
                 for hook in self._back_hooks:
                     hook()

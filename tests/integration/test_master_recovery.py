@@ -27,6 +27,7 @@ from pccl_trio._core.messages import (
     SharedStateVote,
     VoteEstablish,
     VoteOptimizeTopology,
+    VotePeersPending,
 )
 from pccl_trio._identity import load_identity
 from pccl_trio.peer._seam import Vote
@@ -306,6 +307,58 @@ async def test_a_membership_call_the_master_died_in_completes_once_it_is_back(
                 assert results == [None, None, None], results
         assert killed.is_set()
         assert all(c.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 3 for c in comms)
+        values = [np.full(1000, i + 1.0, np.float32) for i in range(3)]
+        await run_all(comms, lambda i, c: c.all_reduce(values[i]))
+        assert all(v.tobytes() == np.full(1000, 6.0, np.float32).tobytes() for v in values)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_an_answer_the_master_sent_before_it_died_still_ends_the_call(
+    masters: Masters, clock: object
+) -> None:
+    """The master answers every peer's ``are_peers_pending`` and dies at once; one peer
+    learns of the death before its call took the answer (held here after its vote until
+    its master link is lost). It must still return that answer, as the others did:
+    asking the next master again would put it a call behind them (the master refuses a
+    question while the others wait in ``sync_shared_state``)."""
+    with trio.fail_after(120):
+        address, scope = await masters.start("master")
+        port = int(address.rsplit(":", 1)[1])
+        comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
+        states = [
+            pccl.SharedState([pccl.TensorInfo("w", np.arange(1000, dtype=np.float32))])
+            for _ in comms
+        ]
+        await run_all(comms, lambda i, c: c.sync_shared_state(states[i]))
+        for state in states:
+            state.revision += 1
+        lost, killed = trio.Event(), trio.Event()
+        seam = PeerSeam(comms[0])
+        seam.on_master_lost(lost.set)
+        original = seam.vote
+
+        async def vote(message: Message) -> None:
+            await original(message)
+            if isinstance(message, VotePeersPending):
+                await lost.wait()  # the answer came, then the end of the link
+
+        seam.vote = vote
+
+        async def step(i: int, comm: pccl.Communicator) -> bool:
+            pending = await comm.are_peers_pending()
+            if i == 1 and not killed.is_set():
+                killed.set()  # answered, so every peer's answer was written
+                scope.cancel()
+            await comm.sync_shared_state(states[i])
+            return pending
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_when, killed, masters, port)
+            results = await run_all(comms, step)
+        assert results == [False, False, False], results
+        assert lost.is_set()
+        assert all(s.revision == 1 for s in states)
         values = [np.full(1000, i + 1.0, np.float32) for i in range(3)]
         await run_all(comms, lambda i, c: c.all_reduce(values[i]))
         assert all(v.tobytes() == np.full(1000, 6.0, np.float32).tobytes() for v in values)
