@@ -2,12 +2,12 @@
 
 Fault-injection tests need to see a communicator's insides (its p2p listener, its
 connections, an all-reduce attempt mid-flight, whether the running call has voted, when
-the master link is lost), to
-replace four of its steps (measuring a link, fetching shared state from a distributor,
-sending a vote, serving shared state), to switch the master link's keepalive thread off,
-and to announce a link measurement as a master would. ``PeerSeam`` is that
-surface: a test asks ``pccl_trio.testing.PeerSeam(comm)`` for it instead of reaching
-into private attributes, so the communicator's parts can change without its tests.
+the master link is lost), to replace four of its steps (measuring a link, fetching
+shared state from a distributor, sending a vote, serving shared state), to switch the
+master link's keepalive thread off, and to announce a link measurement as a master
+would. ``PeerSeam`` is that surface: a test asks ``pccl_trio.testing.PeerSeam(comm)``
+for it instead of reaching into private attributes, so the communicator's parts can
+change without its tests.
 """
 
 from __future__ import annotations
