@@ -25,16 +25,25 @@ pytestmark = pytest.mark.process
 FAILOVER = Path(__file__).resolve().parents[2] / "benchmarks" / "failover.py"
 
 
+def failed(output: str, logs: Path, lines: int = 40) -> str:
+    """The benchmark's output, then the end of every peer's log: what a failure needs."""
+    tails = [
+        f"--- {log.name} (last {lines} lines)\n" + "\n".join(log.read_text().splitlines()[-lines:])
+        for log in sorted(logs.glob("*.log"))
+    ]
+    return "\n".join([output, *tails])
+
+
 async def test_restart_and_standby_keep_the_run_going(tmp_path: Path) -> None:
     summary = tmp_path / "failover.json"
     with trio.fail_after(180):
         result = await trio.run_process(
             [sys.executable, str(FAILOVER), "--repeats", "1", "--steps-before", "5",
-             "--steps-after", "5", "--json", str(summary)],
+             "--steps-after", "5", "--json", str(summary), "--peer-logs", str(tmp_path)],
             capture_stdout=True, capture_stderr=True, check=False,
         )
     output = result.stdout.decode() + result.stderr.decode()
-    assert result.returncode == 0, output
+    assert result.returncode == 0, failed(output, tmp_path)
     figures = json.loads(summary.read_text())
     # Every peer stepped again in both cases (3 samples each), the restart one only
     # once the new master was up.
@@ -58,11 +67,12 @@ async def test_peers_elect_a_master_elect_again_and_hand_over_to_one_started_by_
     with trio.fail_after(300):
         result = await trio.run_process(
             [sys.executable, str(FAILOVER), "--cases", "elect,takeover", "--repeats", "1",
-             "--steps-before", "5", "--steps-after", "5", "--json", str(summary)],
+             "--steps-before", "5", "--steps-after", "5", "--json", str(summary),
+             "--peer-logs", str(tmp_path)],
             capture_stdout=True, capture_stderr=True, check=False,
         )
     output = result.stdout.decode() + result.stderr.decode()
-    assert result.returncode == 0, output
+    assert result.returncode == 0, failed(output, tmp_path)
     figures = json.loads(summary.read_text())
     assert len(figures["elect"]["samples"]) == 2  # both survivors stepped again
     assert len(figures["takeover"]["samples"]) == 3  # every peer went over
