@@ -119,6 +119,7 @@ class Membership:
                 f"the master refused the vote to establish the ring: {info.error}; the ring "
                 "is unchanged"
             )
+        epoch = self._session.epoch  # of the master running this round (P2PInfo is not kept)
         me = self._session.peer_id
         assert me is not None
         ring = info.ring
@@ -131,7 +132,8 @@ class Membership:
             successor, predecessor, {e.peer_id: e for e in info.neighbours}
         )
         await self._session.send(
-            P2PEstablished(round=info.round, success=not failed, failed_peers=tuple(failed))
+            P2PEstablished(round=info.round, success=not failed, failed_peers=tuple(failed)),
+            epoch=epoch,
         )
         result = await self._session.wait_for(P2PEstablishResult, lambda r: r.round == info.round)
         if result.success:

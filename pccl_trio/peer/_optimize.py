@@ -131,7 +131,7 @@ class TopologyOptimizer:
         (voting again after a round others needed); the report."""
         membership = self._membership
         while True:
-            await self._session.vote(VoteOptimizeTopology())
+            epoch = await self._session.vote(VoteOptimizeTopology())
             while not isinstance(
                 message := await self._session.wait_for(
                     (MeasureLink, ExpectBenchmark, TopologyOptimized)
@@ -140,7 +140,7 @@ class TopologyOptimizer:
             ):
                 # An announcement was applied as it arrived (``expect_benchmark``).
                 if isinstance(message, MeasureLink):
-                    await self._session.send(await self._report_link(message))
+                    await self._session.send(await self._report_link(message), epoch=epoch)
             if not message.rejoin:
                 return message
             # Peers of another group re-establish their ring after an aborted

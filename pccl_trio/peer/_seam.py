@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["PeerSeam"]
 
 MeasureLink = Callable[[PeerEndpoint, int], Coroutine[Any, Any, LinkMeasurement]]
-Vote = Callable[[Message], Coroutine[Any, Any, None]]
+Vote = Callable[[Message], Coroutine[Any, Any, int]]
 ServeSharedState = Callable[[FramedStream, SharedStateRequest], Coroutine[Any, Any, None]]
 FetchFrom = Callable[[PeerEndpoint, Fetcher], Awaitable[None]]
 
@@ -144,7 +144,7 @@ class PeerSeam:
     @property
     def vote(self) -> Vote:
         """How the communicator sends a vote to the master; assign a replacement
-        (which must call the original) to observe votes."""
+        (which must call the original and return what it returns) to observe votes."""
         return self._comm._session.vote
 
     @vote.setter

@@ -36,10 +36,12 @@ the link or breaks the protocol, a peer that is not a member yet fails (it has n
 place in the run to come back to), and so does a member with ``Config.master_grace``
 0. Otherwise the session is *away* for at most the grace. It wakes the calls waiting
 for the master. A call whose outcome the lost master had decided and sent (a vote's
-result, an attempt's verdict: ``_DECIDED``) takes it from the inbox as if nothing had
-happened, since the master sent it to every peer concerned at once and the others may
+result or refusal, an attempt's verdict: ``_decided``) takes it from the inbox and ends
+with it, since the master sent it to every peer concerned at once and the others may
 have taken theirs already; the rest of the lost master's messages are dropped, and so
-is whatever is left of them once a master takes the peer back. The other calls get
+is whatever is left of them once a master takes the peer back. A step's follow-ups
+(``send`` with the ``epoch`` of its vote) are never sent to another master: they raise
+``MasterLost`` instead. The other calls get
 ``MasterLost``, which an all-reduce turns into ``CollectiveAborted`` with its input
 restored and a membership call into a retry once the master is back (its vote died
 with the master). ``send`` waits until the master is back; so does every call started
@@ -82,7 +84,9 @@ from .._core.messages import (
     PeersPendingResult,
     Register,
     SharedStateComplete,
+    SharedStatePlan,
     StatusReply,
+    TopologyOptimized,
     Welcome,
     body_limits,
     message_kinds,
@@ -115,6 +119,17 @@ _NUMBERED = ("round", "seq", "sync", "optimization", "lease_last")
 #: is still taken by the call waiting for it, as the peers that took theirs in time
 #: did; dropping it would end this peer's call otherwise than theirs.
 _DECIDED = (PeersPendingResult, P2PEstablishResult, SharedStateComplete, CollectiveVerdict)
+
+
+def _decided(message: Message) -> bool:
+    """Whether ``message`` ends a call as the master decided it (``_DECIDED``, or the
+    refusal of a sync or an optimization vote: their plans, when not refused, start
+    work that only the lost master could have finished)."""
+    if isinstance(message, _DECIDED):
+        return True
+    if isinstance(message, SharedStatePlan | TopologyOptimized):
+        return bool(message.error)
+    return False
 
 
 class MasterLost(MasterConnectionError):
@@ -355,22 +370,40 @@ class MasterSession:
 
     # --- sending -------------------------------------------------------------------------
 
-    async def send(self, message: Message) -> None:
-        """Send one message to the master (once it is back, if it is lost).
+    @property
+    def epoch(self) -> int:
+        """Which master link this is: it changes each time the link is lost."""
+        return self._epoch
+
+    async def send(self, message: Message, *, epoch: int | None = None) -> int:
+        """Send one message to the master (once it is back, if it is lost); the
+        ``epoch`` of the link it went out on.
+
+        ``epoch``: the message follows up a step of the master of that link (a round's
+        ``P2PEstablished``, a sync's ``SharedStateDone``, a ``LinkMeasured``): if that
+        master was lost, the step died with it, and the message is not sent to another
+        (which would take it for a protocol error).
 
         Raises:
-            MasterLost: the link broke while sending; the master is being got back.
+            MasterLost: the link broke while sending, or (``epoch``) before; the master
+                is being got back.
             MasterConnectionError: the master is gone for good (the communicator fails).
         """
+        if epoch is not None and (self._away or self._epoch != epoch):
+            self._life.raise_if_failed()
+            raise MasterLost(
+                f"lost the master at {self.address} before sending {type(message).__name__}; "
+                "the step it belonged to ended with that master"
+            )
         await self.until_back()
-        link, epoch = self._link, self._epoch
+        link, link_epoch = self._link, self._epoch
         assert link is not None
         try:
             await link.send_message(message)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             self._lost(
                 MasterConnectionError(f"lost the connection to the master at {self.address} ({exc})"),
-                epoch,
+                link_epoch,
             )
             self._life.raise_if_failed()
             raise MasterLost(f"lost the master at {self.address} while sending ({exc})") from exc
@@ -383,11 +416,14 @@ class MasterSession:
                     )
                 )
             raise
+        return link_epoch
 
-    async def vote(self, message: Message) -> None:
-        """Send a vote; from then on the running call must see it through."""
-        await self.send(message)
+    async def vote(self, message: Message) -> int:
+        """Send a vote; from then on the running call must see it through. The
+        ``epoch`` of the link it went out on (for the step's follow-ups, ``send``)."""
+        epoch = await self.send(message)
         self._life.voted = True
+        return epoch
 
     async def until_back(self) -> None:
         """Return once the master link is up (at once if it is).
@@ -420,7 +456,7 @@ class MasterSession:
 
         Raises:
             MasterLost: the master was lost before such a message came (or is lost now;
-                an outcome the lost master sent before, ``_DECIDED``, is still taken).
+                an outcome the lost master sent before, ``_decided``, is still taken).
             MasterConnectionError, Kicked: the run is over for this peer.
         """
         epoch = self._epoch
@@ -515,8 +551,8 @@ class MasterSession:
         self._epoch += 1
         self._away = True
         # The lost master's: no new master will follow up on them, but what it decided
-        # stands (``_DECIDED``) for the calls waiting for it.
-        self._inbox = [m for m in self._inbox if isinstance(m, _DECIDED)]
+        # stands (``_decided``) for the calls waiting for it.
+        self._inbox = [m for m in self._inbox if _decided(m)]
         self._inbox_lot.unpark_all()
         link, self._link = self._link, None
         if link is not None:
@@ -535,6 +571,10 @@ class MasterSession:
         lost_at = trio.current_time()
         deadline = lost_at + grace
         tried: list[str] = []
+        # The calls ``_lost`` woke run first (they were scheduled before this task, and
+        # this checkpoint puts it after them): one that takes what the lost master
+        # decided (a round's ring, a sync's revision) changes the standing reported below.
+        await trio.lowlevel.checkpoint()
         while self._life.failure is None:
             # A fresh list may come meanwhile (``retarget``): this round tries this one.
             addresses, start = list(self._addresses), self._at

@@ -129,7 +129,7 @@ class SharedStateSync:
             serving = sharing.Serving(tensors)
             self._serving = serving
             try:
-                await self._session.vote(vote)
+                epoch = await self._session.vote(vote)
                 plan = await self._session.wait_for(SharedStatePlan)
                 if plan.error:
                     raise SharedStateSyncFailed(
@@ -144,7 +144,8 @@ class SharedStateSync:
                 if plan.fetches:
                     received, failure = await self._fetch(plan, tensors)
                 await self._session.send(
-                    SharedStateDone(sync=plan.sync, success=not failure, reason=bounded(failure))
+                    SharedStateDone(sync=plan.sync, success=not failure, reason=bounded(failure)),
+                    epoch=epoch,  # for the master that planned it, or for none
                 )
                 await self._session.wait_for(SharedStateComplete, lambda m: m.sync == plan.sync)
             finally:

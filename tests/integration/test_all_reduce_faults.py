@@ -336,11 +336,12 @@ async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
                     while b_establish_votes < 2 and PeerSeam(a).attempt(0) is None:
                         await trio.lowlevel.checkpoint()
 
-        async def vote(message: Message) -> None:
+        async def vote(message: Message) -> int:
             nonlocal b_establish_votes
-            await real_vote(message)
+            epoch = await real_vote(message)
             if isinstance(message, VoteEstablish):
                 b_establish_votes += 1
+            return epoch
 
         monkeypatch.setattr(AllReduceAttempt, "send_all", send_all)
         monkeypatch.setattr(ReduceResult, "get", get)
@@ -406,10 +407,11 @@ async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort
                     held = True
                     await b_establishing.wait()
 
-        async def vote(message: Message) -> None:
-            await real_vote(message)
+        async def vote(message: Message) -> int:
+            epoch = await real_vote(message)
             if isinstance(message, VoteEstablish):
                 b_establishing.set()
+            return epoch
 
         monkeypatch.setattr(AllReduceAttempt, "send_all", send_all)
         monkeypatch.setattr(ReduceResult, "get", get)

@@ -99,10 +99,10 @@ def spy_votes(comm: pccl.Communicator) -> list[SharedStateVote]:
     original = seam.vote
     votes: list[SharedStateVote] = []
 
-    async def vote(message: Message) -> None:
+    async def vote(message: Message) -> int:
         if isinstance(message, SharedStateVote):
             votes.append(message)
-        await original(message)
+        return await original(message)
 
     seam.vote = vote
     return votes
@@ -243,13 +243,13 @@ async def test_a_vote_that_breaks_the_digest_rule_gets_its_peer_kicked(
         seam = PeerSeam(comms[1])
         original = seam.vote
 
-        async def vote(message: Message) -> None:
+        async def vote(message: Message) -> int:
             if isinstance(message, SharedStateVote):
                 message = dataclasses.replace(message, entries=tuple(
                     dataclasses.replace(e, digest=b"" if digests else bytes(32))
                     for e in message.entries
                 ))
-            await original(message)
+            return await original(message)
 
         seam.vote = vote
         states = [model(1), model(1)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ import pccl_trio as pccl
 from pccl_trio._core.identity import public_bytes
 from pccl_trio._core.messages import (
     Message,
+    PeerEndpoint,
     SharedStateVote,
     VoteEstablish,
     VoteOptimizeTopology,
@@ -255,14 +257,14 @@ def kill_when_all_voted(
         seam = PeerSeam(comm)
         original = seam.vote
 
-        async def vote(message: Message, original: Vote = original) -> None:
+        async def vote(message: Message, original: Vote = original) -> int:
             if isinstance(message, kind) and not killed.is_set():
                 voted[0] += 1
                 if voted[0] == len(comms):
                     scope.cancel()
                     killed.set()
                     await trio.lowlevel.checkpoint()  # let the master die first
-            await original(message)
+            return await original(message)
 
         seam.vote = vote
 
@@ -338,10 +340,11 @@ async def test_an_answer_the_master_sent_before_it_died_still_ends_the_call(
         seam.on_master_lost(lost.set)
         original = seam.vote
 
-        async def vote(message: Message) -> None:
-            await original(message)
+        async def vote(message: Message) -> int:
+            epoch = await original(message)
             if isinstance(message, VotePeersPending):
                 await lost.wait()  # the answer came, then the end of the link
+            return epoch
 
         seam.vote = vote
 
@@ -359,6 +362,50 @@ async def test_an_answer_the_master_sent_before_it_died_still_ends_the_call(
         assert results == [False, False, False], results
         assert lost.is_set()
         assert all(s.revision == 1 for s in states)
+        values = [np.full(1000, i + 1.0, np.float32) for i in range(3)]
+        await run_all(comms, lambda i, c: c.all_reduce(values[i]))
+        assert all(v.tobytes() == np.full(1000, 6.0, np.float32).tobytes() for v in values)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_a_fetch_the_master_died_during_is_not_reported_to_the_next_master(
+    masters: Masters, clock: object
+) -> None:
+    """A peer fetches the shared state (its copy diverged) when the master dies; once
+    the fetch ends, its report of it (``SharedStateDone``) belonged to the dead
+    master's sync and must not reach the next master, which knows no such sync (it
+    would kick the peer for it). The sync is made again once the master is back, and
+    completes everywhere."""
+    with trio.fail_after(120):
+        address, scope = await masters.start("master")
+        port = int(address.rsplit(":", 1)[1])
+        comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
+        weights = [np.arange(20_000, dtype=np.float32) for _ in range(2)]
+        weights.append(np.zeros(20_000, dtype=np.float32))  # the third diverged
+        states = [pccl.SharedState([pccl.TensorInfo("w", w)]) for w in weights]
+        lost, killed = trio.Event(), trio.Event()
+        seam = PeerSeam(comms[2])
+        seam.on_master_lost(lost.set)
+        fetch_from = seam.fetch_from
+
+        async def fetch_once_the_master_is_gone(
+            endpoint: PeerEndpoint, fetcher: Any
+        ) -> None:
+            if not killed.is_set():
+                killed.set()
+                scope.cancel()
+                await lost.wait()
+            await fetch_from(endpoint, fetcher)
+
+        seam.fetch_from = fetch_once_the_master_is_gone
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(restart_when, killed, masters, port)
+            results = await run_all(comms, lambda i, c: c.sync_shared_state(states[i]))
+        assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in results), results
+        assert killed.is_set() and lost.is_set()
+        assert all(w.tobytes() == np.arange(20_000, dtype=np.float32).tobytes() for w in weights)
+        assert all(s.revision == 0 for s in states)
         values = [np.full(1000, i + 1.0, np.float32) for i in range(3)]
         await run_all(comms, lambda i, c: c.all_reduce(values[i]))
         assert all(v.tobytes() == np.full(1000, 6.0, np.float32).tobytes() for v in values)

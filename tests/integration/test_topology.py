@@ -371,9 +371,10 @@ async def test_an_all_reduce_during_optimize_topology_is_refused(
         voted = trio.Event()
         vote = PeerSeam(comms[0]).vote
 
-        async def vote_and_tell(message: Message) -> None:
-            await vote(message)
+        async def vote_and_tell(message: Message) -> int:
+            epoch = await vote(message)
             voted.set()
+            return epoch
 
         PeerSeam(comms[0]).vote = vote_and_tell
         async with trio.open_nursery() as nursery:
