@@ -351,7 +351,12 @@ async def test_votes_after_a_rejection_line_up_on_every_peer(
 ) -> None:
     """A rejected collective beside a successful one leaves every ring stale; whichever
     peer happened to finish the rejected one last, every peer's next vote
-    (``are_peers_pending``, ``update_topology``) first re-establishes the ring."""
+    (``are_peers_pending``, ``update_topology``) first re-establishes the ring.
+
+    Each peer goes on to its vote as soon as its own handles are done, as separate
+    processes do: a peer whose last attempt of the set was aborted (not rejected)
+    re-establishes the ring inside that call, which then ends only once the others
+    vote too."""
     with trio.fail_after(120):
         comms = await make_run(cluster, 3, SMALL)
         for vote in ("are_peers_pending", "update_topology"):
@@ -361,8 +366,8 @@ async def test_votes_after_a_rejection_line_up_on_every_peer(
 
             async def both(
                 i: int, comm: pccl.Communicator,
-                good: list[np.ndarray] = good, bad: list[np.ndarray] = bad,
-            ) -> list[object]:
+                good: list[np.ndarray] = good, bad: list[np.ndarray] = bad, vote: str = vote,
+            ) -> tuple[list[object], object]:
                 quantization = options(MIN_MAX, U8)
                 handles = [
                     comm.all_reduce_async(good[i], tag=1, quantization=quantization),
@@ -374,21 +379,22 @@ async def test_votes_after_a_rejection_line_up_on_every_peer(
                         outcomes.append(await handle.wait())
                     except pccl.PCCLError as exc:
                         outcomes.append(exc)
-                return outcomes
+                return outcomes, await getattr(comm, vote)()
 
-            results = await run_all(comms, both)
+            steps = await run_all(comms, both)
+            assert all(isinstance(step, tuple) for step in steps), steps
+            results = [step[0] for step in steps]  # type: ignore[index]
             for outcome in results:
-                assert isinstance(outcome, list), results
                 assert isinstance(outcome[1], pccl.InvalidArgument), results
             # The abort may cut connections the other tag shares, aborting it too; one
             # verdict for every peer either way.
-            assert len({type(outcome[0]) for outcome in results}) == 1, results  # type: ignore[index]
-            if isinstance(results[0][0], pccl.ReduceInfo):  # type: ignore[index]
+            assert len({type(outcome[0]) for outcome in results}) == 1, results
+            if isinstance(results[0][0], pccl.ReduceInfo):
                 assert all((g == 3).all() for g in good)
             else:
-                assert isinstance(results[0][0], pccl.CollectiveAborted), results  # type: ignore[index]
+                assert isinstance(results[0][0], pccl.CollectiveAborted), results
                 assert all((g == i).all() for i, g in enumerate(good))
-            voted = await run_all(comms, lambda i, c, vote=vote: getattr(c, vote)())
+            voted = [step[1] for step in steps]  # type: ignore[index]
             assert voted == [False, False, False] if vote == "are_peers_pending" else [None] * 3
             arrays = [np.full(64, i, dtype=np.float32) for i in range(3)]
             results = await reduce_each(comms, arrays)
