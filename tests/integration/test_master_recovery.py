@@ -275,6 +275,34 @@ async def restart_when(killed: trio.Event, masters: Masters, port: int) -> None:
     await masters.start("master", port=port)
 
 
+async def synced_run(
+    masters: Masters, elements: int
+) -> tuple[trio.CancelScope, int, list[pccl.Communicator], list[pccl.SharedState]]:
+    """Three peers with a master, their shared state synced once and its revision
+    advanced: the master's kill scope, its port, the communicators and their states."""
+    address, scope = await masters.start("master")
+    port = int(address.rsplit(":", 1)[1])
+    comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
+    states = [
+        pccl.SharedState([pccl.TensorInfo("w", np.arange(elements, dtype=np.float32))])
+        for _ in comms
+    ]
+    await run_all(comms, lambda i, c: c.sync_shared_state(states[i]))
+    for state in states:
+        state.revision += 1
+    return scope, port, comms, states
+
+
+async def all_reduce_then_close(comms: list[pccl.Communicator]) -> None:
+    """One all-reduce, exact on every peer (the run goes on), then close every peer."""
+    values = [np.full(1000, i + 1.0, np.float32) for i in range(len(comms))]
+    await run_all(comms, lambda i, c: c.all_reduce(values[i]))
+    expected = np.full(1000, sum(range(1, len(comms) + 1)), np.float32).tobytes()
+    assert all(v.tobytes() == expected for v in values)
+    for comm in comms:
+        await comm.aclose()
+
+
 @pytest.mark.parametrize("call", ["update_topology", "sync_shared_state", "optimize_topology"])
 async def test_a_membership_call_the_master_died_in_completes_once_it_is_back(
     masters: Masters, clock: object, call: str
@@ -283,16 +311,7 @@ async def test_a_membership_call_the_master_died_in_completes_once_it_is_back(
     call is made again with the new master and completes everywhere, as if nothing
     had happened: the sync moves no byte and advances the revision by one."""
     with trio.fail_after(120):
-        address, scope = await masters.start("master")
-        port = int(address.rsplit(":", 1)[1])
-        comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
-        states = [
-            pccl.SharedState([pccl.TensorInfo("w", np.arange(10_000, dtype=np.float32))])
-            for _ in comms
-        ]
-        await run_all(comms, lambda i, c: c.sync_shared_state(states[i]))
-        for state in states:
-            state.revision += 1
+        scope, port, comms, states = await synced_run(masters, 10_000)
         killed = trio.Event()
         kind = {"update_topology": VoteEstablish, "sync_shared_state": SharedStateVote,
                 "optimize_topology": VoteOptimizeTopology}[call]
@@ -309,11 +328,7 @@ async def test_a_membership_call_the_master_died_in_completes_once_it_is_back(
                 assert results == [None, None, None], results
         assert killed.is_set()
         assert all(c.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 3 for c in comms)
-        values = [np.full(1000, i + 1.0, np.float32) for i in range(3)]
-        await run_all(comms, lambda i, c: c.all_reduce(values[i]))
-        assert all(v.tobytes() == np.full(1000, 6.0, np.float32).tobytes() for v in values)
-        for comm in comms:
-            await comm.aclose()
+        await all_reduce_then_close(comms)
 
 
 async def test_an_answer_the_master_sent_before_it_died_still_ends_the_call(
@@ -325,16 +340,7 @@ async def test_an_answer_the_master_sent_before_it_died_still_ends_the_call(
     asking the next master again would put it a call behind them (the master refuses a
     question while the others wait in ``sync_shared_state``)."""
     with trio.fail_after(120):
-        address, scope = await masters.start("master")
-        port = int(address.rsplit(":", 1)[1])
-        comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
-        states = [
-            pccl.SharedState([pccl.TensorInfo("w", np.arange(1000, dtype=np.float32))])
-            for _ in comms
-        ]
-        await run_all(comms, lambda i, c: c.sync_shared_state(states[i]))
-        for state in states:
-            state.revision += 1
+        scope, port, comms, states = await synced_run(masters, 1000)
         lost, killed = trio.Event(), trio.Event()
         seam = PeerSeam(comms[0])
         seam.on_master_lost(lost.set)
@@ -362,11 +368,7 @@ async def test_an_answer_the_master_sent_before_it_died_still_ends_the_call(
         assert results == [False, False, False], results
         assert lost.is_set()
         assert all(s.revision == 1 for s in states)
-        values = [np.full(1000, i + 1.0, np.float32) for i in range(3)]
-        await run_all(comms, lambda i, c: c.all_reduce(values[i]))
-        assert all(v.tobytes() == np.full(1000, 6.0, np.float32).tobytes() for v in values)
-        for comm in comms:
-            await comm.aclose()
+        await all_reduce_then_close(comms)
 
 
 async def test_a_fetch_the_master_died_during_is_not_reported_to_the_next_master(
@@ -406,11 +408,7 @@ async def test_a_fetch_the_master_died_during_is_not_reported_to_the_next_master
         assert killed.is_set() and lost.is_set()
         assert all(w.tobytes() == np.arange(20_000, dtype=np.float32).tobytes() for w in weights)
         assert all(s.revision == 0 for s in states)
-        values = [np.full(1000, i + 1.0, np.float32) for i in range(3)]
-        await run_all(comms, lambda i, c: c.all_reduce(values[i]))
-        assert all(v.tobytes() == np.full(1000, 6.0, np.float32).tobytes() for v in values)
-        for comm in comms:
-            await comm.aclose()
+        await all_reduce_then_close(comms)
 
 
 async def test_an_all_reduce_the_master_died_in_is_aborted_with_its_input_restored(
