@@ -45,8 +45,9 @@ Quantized (with a ``Codec``), every slice travels as one encoded block. In the
 reduce-scatter a sender encodes the slice's current partial result afresh; the
 receiver decodes it and combines it into its own values. The owner of a chunk encodes
 its final value once, on the last reduce step, and adopts the decoded block as its own
-result; in the all-gather the blocks are kept and forwarded byte for byte, and every
-receiver decodes the same bytes. So every peer ends with the same bits.
+result; in the all-gather the blocks are kept (``_blocks.BlockStore``) and forwarded byte
+for byte, and every receiver decodes the same bytes. So every peer ends with the same
+bits.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from .._types import ReduceOp
 from ..ops import Codec, NonFiniteData, combine_into, copy_into, finalize_average, reduce_into
 from ..transport import Connection, SocketLink
 from ._agreement import Agreement
+from ._blocks import BlockStore
 from ._protocol import Protocol as IOProtocol
 from ._protocol import SendData, Wait, run_protocol
 from ._staging import Sender, Staging
@@ -204,20 +206,11 @@ class AllReduceAttempt:
         # Whether the data moved in worker threads (TCP), so restoring may too; on the
         # in-memory network everything stays in trio tasks (virtual time).
         self.uses_threads = False
-        # Quantized: the encoded blocks of the all-gather segments this peer sends, in
-        # send order (the owner's own block first, then the ones it forwards).
-        self._blocks: Any = None
-        self._block_starts: dict[int, int] = {}
-        if codec is not None:
-            total = 0
-            for segment in self.schedule.send[world - 1:]:
-                self._block_starts[segment.index] = total
-                total += sum(
-                    self._payload_size(b - a)
-                    for a, b in map(partial(self.schedule.slice_range, segment),
-                                    range(self.schedule.slice_count(segment)))
-                )
-            self._blocks = staging.host_pool.take(total)
+        # Quantized: the encoded blocks of the all-gather segments this peer sends.
+        self._blocks = (
+            None if codec is None
+            else BlockStore(codec, self.schedule, self.itemsize, staging.host_pool)
+        )
 
     def under_lease(self, seq: int) -> Agreement:
         """Run as attempt ``seq`` of a lease: no commence comes, and its members agree
@@ -366,17 +359,12 @@ class AllReduceAttempt:
 
     def _payload_size(self, nbytes: int) -> int:
         """Bytes on the wire for a slice of ``nbytes`` in the buffer."""
-        if self.codec is None:
-            return nbytes
-        return self.codec.block_bytes(nbytes // self.itemsize)
+        return nbytes if self._blocks is None else self._blocks.payload_size(nbytes)
 
     def _block(self, send_segment: int, index: int) -> Any:
         """The stored block of slice ``index`` of all-gather send segment ``send_segment``."""
-        segment = self.schedule.send[send_segment]
-        first = self._payload_size(self.schedule.slice_bytes)
-        start = self._block_starts[send_segment] + index * first
-        a, b = self.schedule.slice_range(segment, index)
-        return self._blocks[start:start + self._payload_size(b - a)]
+        assert self._blocks is not None
+        return self._blocks.block(send_segment, index)
 
     def _write_block(self, segment: Segment, index: int, start: int, stop: int, block: Any) -> None:
         """``_write`` for an encoded slice: decode and combine it (reduce-scatter), or
@@ -475,8 +463,7 @@ class AllReduceAttempt:
             self.staging.pool.give(self._backup)
             self._backup = None
         if self._blocks is not None:
-            self.staging.host_pool.give(self._blocks)
-            self._blocks = None
+            self._blocks.release()
 
     # --- send side -----------------------------------------------------------------
 
