@@ -514,7 +514,7 @@ def _fetch_piece(fetcher: Fetcher, piece: Piece, landers: dict[int, Lander]) -> 
 
 
 class Backup:
-    """The old bytes of the tensors to fetch, to put back if the fetch fails.
+    """The old bytes of the tensors to fetch, to put back if the sync does not complete.
 
     Kept chunk by chunk, and a chunk of zeros (a joiner's fresh state) is remembered as
     zeros rather than copied: copying means touching as much new memory as the state,

@@ -11,8 +11,9 @@ own plan before answering). A distributor's plan names the peers that fetch from
 what they fetch; it serves them only, from the hosts the master knows them at
 (``_shared_state.Serving``). The master's plan names the tensors this peer must fetch
 and the distributors that hold them. Fetching spreads pieces over every distributor
-(``_shared_state.Fetcher``), with the old bytes kept aside (``Backup``) and put back if
-the fetch fails or does not verify against the hashes the master announced, or against
+(``_shared_state.Fetcher``), with the old bytes kept aside (``Backup``) until the sync
+completes, and put back if it does not (its master was lost, the call was cancelled), if
+the fetch fails, or if it does not verify against the hashes the master announced, or against
 the digests where it announced them (content with the popular simplehash but another
 digest fails the fetch just like a wrong hash). A distributor must keep up a minimum
 rate (``Config.shared_state_min_rate``, after ``Config.shared_state_grace``): one that
@@ -140,14 +141,27 @@ class SharedStateSync:
                 serving.distributor = not plan.fetches
                 serving.allow(plan.fetchers)
                 self._serving_lot.unpark_all()
-                received, failure = 0, ""
+                received, failure, backup = 0, "", None
                 if plan.fetches:
-                    received, failure = await self._fetch(plan, tensors)
-                await self._session.send(
-                    SharedStateDone(sync=plan.sync, success=not failure, reason=bounded(failure)),
-                    epoch=epoch,  # for the master that planned it, or for none
-                )
-                await self._session.wait_for(SharedStateComplete, lambda m: m.sync == plan.sync)
+                    received, failure, backup = await self._fetch(plan, tensors)
+                try:
+                    await self._session.send(
+                        SharedStateDone(
+                            sync=plan.sync, success=not failure, reason=bounded(failure)
+                        ),
+                        epoch=epoch,  # for the master that planned it, or for none
+                    )
+                    await self._session.wait_for(
+                        SharedStateComplete, lambda m: m.sync == plan.sync
+                    )
+                except BaseException:
+                    # Fetched, but the sync did not complete (its master was lost, the
+                    # run ended, the call was cancelled): the old bytes go back, to
+                    # match the revision, which stays as it was.
+                    if backup is not None:
+                        with trio.CancelScope(shield=True):
+                            await run_off_loop(backup.restore)
+                    raise
             finally:
                 await self._stop_serving(serving)
             if failure:
@@ -176,12 +190,13 @@ class SharedStateSync:
 
     async def _fetch(
         self, plan: SharedStatePlan, tensors: Sequence[sharing.Tensor]
-    ) -> tuple[int, str]:
+    ) -> tuple[int, str, sharing.Backup | None]:
         """Fetch the plan's tensors from its distributors.
 
         Returns:
-            the bytes received, and why the fetch failed (empty: it did not); after a
-            failure every fetched tensor holds its old bytes again.
+            the bytes received; why the fetch failed (empty: it did not), after which
+            every fetched tensor holds its old bytes again; and, when it did not fail,
+            the old bytes, for the caller to put back if the sync does not complete.
         """
         by_key = {t.key: t for t in tensors}
         unknown = [f.key for f in plan.fetches if f.key not in by_key]
@@ -189,7 +204,7 @@ class SharedStateSync:
             return 0, (
                 f"the master's plan names {len(unknown)} tensor(s) this peer's shared state "
                 f"does not have (first: {unknown[0]!r})"
-            )
+            ), None
         targets = [by_key[f.key] for f in plan.fetches]
         expected = {f.key: f for f in plan.fetches if f.verify}
         assert self._session.peer_id is not None
@@ -212,7 +227,8 @@ class SharedStateSync:
             with trio.CancelScope(shield=True):  # a cancellation must not skip it
                 await run_off_loop(backup.restore)
             log.warning("peer %s: shared-state fetch failed: %s", self._session.peer_id, failure)
-        return fetcher.received, failure
+            return fetcher.received, failure, None
+        return fetcher.received, failure, backup
 
     async def _transfer(
         self,

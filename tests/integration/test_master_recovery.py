@@ -411,6 +411,48 @@ async def test_a_fetch_the_master_died_during_is_not_reported_to_the_next_master
         await all_reduce_then_close(comms)
 
 
+async def test_a_sync_that_never_completes_leaves_the_fetched_bytes_as_they_were(
+    masters: Masters, clock: object
+) -> None:
+    """The diverged peer's fetch succeeds, then the master that planned the sync dies
+    before the peer reports it, and none comes back: the sync never completes. The
+    peer's call fails (after the grace) with its shared state as it was, bytes and
+    revision, not with the bytes of a sync it never completed."""
+    masters.config = dataclasses.replace(masters.config, master_grace=5.0)
+    with trio.fail_after(120):
+        address, scope = await masters.start("master")
+        comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
+        weights = [np.arange(20_000, dtype=np.float32) for _ in range(2)]
+        weights.append(np.zeros(20_000, dtype=np.float32))  # the third diverged
+        states = [pccl.SharedState([pccl.TensorInfo("w", w)]) for w in weights]
+        lost, fetched = trio.Event(), trio.Event()
+        seam = PeerSeam(comms[2])
+        seam.on_master_lost(lost.set)
+        fetch_from = seam.fetch_from
+
+        running = [0]
+
+        async def kill_the_master_once_fetched(endpoint: PeerEndpoint, fetcher: Any) -> None:
+            running[0] += 1
+            await fetch_from(endpoint, fetcher)
+            running[0] -= 1
+            if not running[0] and not fetcher.pieces and not fetched.is_set():
+                assert not fetcher.failures, fetcher.failures
+                fetched.set()
+                assert weights[2].any()  # the popular bytes, for now
+                scope.cancel()
+                await lost.wait()
+
+        seam.fetch_from = kill_the_master_once_fetched
+        results = await run_all(comms, lambda i, c: c.sync_shared_state(states[i]))
+        assert fetched.is_set()
+        assert all(isinstance(r, pccl.MasterConnectionError) for r in results), results
+        assert not weights[2].any(), "the fetched bytes of a sync that never completed stayed"
+        assert all(s.revision == 0 for s in states)
+        for comm in comms:
+            await comm.aclose()
+
+
 async def test_an_all_reduce_the_master_died_in_is_aborted_with_its_input_restored(
     masters: Masters, clock: object
 ) -> None:
