@@ -3,11 +3,11 @@
 Fault-injection tests need to see a communicator's insides (its p2p listener, its
 connections, an all-reduce attempt mid-flight, whether the running call has voted, when
 the master link is lost), to replace four of its steps (measuring a link, fetching
-shared state from a distributor, sending a vote, serving shared state), to switch the
-master link's keepalive thread off, and to announce a link measurement as a master
-would. ``PeerSeam`` is that surface: a test asks ``pccl_trio.testing.PeerSeam(comm)``
-for it instead of reaching into private attributes, so the communicator's parts can
-change without its tests.
+shared state from a distributor, sending a vote, serving shared state), to stop its
+serving of shared state at once, to switch the master link's keepalive thread off, and
+to announce a link measurement as a master would. ``PeerSeam`` is that surface: a test
+asks ``pccl_trio.testing.PeerSeam(comm)`` for it instead of reaching into private
+attributes, so the communicator's parts can change without its tests.
 """
 
 from __future__ import annotations
@@ -124,6 +124,12 @@ class PeerSeam:
         self._comm._optimizer.expect_benchmark(
             ExpectBenchmark(optimization=0, measurer=measurer, nbytes=nbytes)
         )
+
+    def stop_serving(self) -> None:
+        """Stop serving shared state now, from the trio thread, without waiting: as a
+        distributor that dies at this moment would (new requests are refused, the
+        connections being served are cut)."""
+        self._comm._sync.cut_serving()
 
     @property
     def keepalive(self) -> bool:

@@ -173,12 +173,19 @@ class SharedStateSync:
             self.next_revision = plan.revision + 1
             return SharedStateSyncInfo(tx_bytes=serving.tx_bytes, rx_bytes=received)
 
-    async def _stop_serving(self, serving: sharing.Serving) -> None:
-        serving.active = False
-        self._serving = None
+    def cut_serving(self) -> None:
+        """Stop serving shared state at once (any sync's): requests from now on are
+        refused, and the connections being served are cut."""
+        if self._serving is not None:
+            self._serving.active = False
+            self._serving = None
         self._serving_lot.unpark_all()
         for link in list(self._serving_links):
             link.close_now()
+
+    async def _stop_serving(self, serving: sharing.Serving) -> None:
+        serving.active = False
+        self.cut_serving()
         # Handlers count what they sent when their send returns: wait for them (cut
         # above, they end at once) so tx_bytes is complete.
         with trio.move_on_after(self._session.liveness_timeout) as cleanup:

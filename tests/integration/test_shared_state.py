@@ -10,6 +10,7 @@ import trio
 
 import pccl_trio as pccl
 from pccl_trio.peer import _shared_state as sharing
+from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, big_state, form_run, joined, run_all, same_content, state_bytes, sync_all
 
@@ -212,15 +213,23 @@ def kill_during_fetch(
     def count(self: sharing.Fetcher, nbytes: int) -> None:
         original(self, nbytes)
         frames.append(nbytes)
-        if len(frames) != after_pieces:
+        if len(frames) < after_pieces:
             return
-        if threading.current_thread() is threading.main_thread():
-            if cluster.memory is not None:  # dies right now, in virtual time
-                for host in victims:
-                    cluster.memory.kill(host)
-            nursery.start_soon(kill)
-        else:  # a worker thread: block the fetch until the victims are gone
-            token.run_sync_soon(nursery.start_soon, kill)
+        on_trio = threading.current_thread() is threading.main_thread()
+        if len(frames) == after_pieces:
+            if on_trio:
+                # The trio thread cannot wait for the kill: the victims stop serving
+                # right now, so the fetch cannot go on from them while they close.
+                for host, comm in victims.items():
+                    if cluster.memory is not None:  # dies right now, in virtual time
+                        cluster.memory.kill(host)
+                    PeerSeam(comm).stop_serving()
+                nursery.start_soon(kill)
+            else:
+                token.run_sync_soon(nursery.start_soon, kill)
+        if not on_trio:
+            # Every fetching thread (one per distributor) waits until the victims are
+            # gone: another victim's thread must not finish the fetch meanwhile.
             dead.wait(30)
 
     monkeypatch.setattr(sharing.Fetcher, "count", count)
