@@ -418,7 +418,7 @@ async def test_a_sync_that_never_completes_leaves_the_fetched_bytes_as_they_were
     before the peer reports it, and none comes back: the sync never completes. The
     peer's call fails (after the grace) with its shared state as it was, bytes and
     revision, not with the bytes of a sync it never completed."""
-    masters.config = dataclasses.replace(masters.config, master_grace=5.0)
+    masters.config = dataclasses.replace(masters.config, master_grace=1.0)
     with trio.fail_after(120):
         address, scope = await masters.start("master")
         comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
