@@ -129,6 +129,7 @@ class SharedStateSync:
                 )
             serving = sharing.Serving(tensors)
             self._serving = serving
+            kept: list[sharing.Backup] = []  # the fetched tensors' old bytes, until complete
             try:
                 epoch = await self._session.vote(vote)
                 plan = await self._session.wait_for(SharedStatePlan)
@@ -141,27 +142,22 @@ class SharedStateSync:
                 serving.distributor = not plan.fetches
                 serving.allow(plan.fetchers)
                 self._serving_lot.unpark_all()
-                received, failure, backup = 0, "", None
+                received, failure = 0, ""
                 if plan.fetches:
-                    received, failure, backup = await self._fetch(plan, tensors)
-                try:
-                    await self._session.send(
-                        SharedStateDone(
-                            sync=plan.sync, success=not failure, reason=bounded(failure)
-                        ),
-                        epoch=epoch,  # for the master that planned it, or for none
-                    )
-                    await self._session.wait_for(
-                        SharedStateComplete, lambda m: m.sync == plan.sync
-                    )
-                except BaseException:
-                    # Fetched, but the sync did not complete (its master was lost, the
-                    # run ended, the call was cancelled): the old bytes go back, to
-                    # match the revision, which stays as it was.
-                    if backup is not None:
-                        with trio.CancelScope(shield=True):
-                            await run_off_loop(backup.restore)
-                    raise
+                    received, failure = await self._fetch(plan, tensors, kept)
+                    if failure:
+                        await _put_back(kept)
+                await self._session.send(
+                    SharedStateDone(sync=plan.sync, success=not failure, reason=bounded(failure)),
+                    epoch=epoch,  # for the master that planned it, or for none
+                )
+                await self._session.wait_for(SharedStateComplete, lambda m: m.sync == plan.sync)
+            except BaseException:
+                # The sync did not complete (the fetch was cancelled, its master was
+                # lost, the run ended): the old bytes go back, to match the revision,
+                # which stays as it was.
+                await _put_back(kept)
+                raise
             finally:
                 await self._stop_serving(serving)
             if failure:
@@ -196,14 +192,14 @@ class SharedStateSync:
     # --- fetching --------------------------------------------------------------------------
 
     async def _fetch(
-        self, plan: SharedStatePlan, tensors: Sequence[sharing.Tensor]
-    ) -> tuple[int, str, sharing.Backup | None]:
-        """Fetch the plan's tensors from its distributors.
+        self, plan: SharedStatePlan, tensors: Sequence[sharing.Tensor],
+        kept: list[sharing.Backup],
+    ) -> tuple[int, str]:
+        """Fetch the plan's tensors from its distributors, their old bytes first added
+        to ``kept`` (for the caller to put back unless the sync completes).
 
         Returns:
-            the bytes received; why the fetch failed (empty: it did not), after which
-            every fetched tensor holds its old bytes again; and, when it did not fail,
-            the old bytes, for the caller to put back if the sync does not complete.
+            the bytes received, and why the fetch failed (empty: it did not).
         """
         by_key = {t.key: t for t in tensors}
         unknown = [f.key for f in plan.fetches if f.key not in by_key]
@@ -211,7 +207,7 @@ class SharedStateSync:
             return 0, (
                 f"the master's plan names {len(unknown)} tensor(s) this peer's shared state "
                 f"does not have (first: {unknown[0]!r})"
-            ), None
+            )
         targets = [by_key[f.key] for f in plan.fetches]
         expected = {f.key: f for f in plan.fetches if f.verify}
         assert self._session.peer_id is not None
@@ -222,20 +218,11 @@ class SharedStateSync:
             frame_bytes=min(max_payload(self._config.max_data_frame), sharing.FRAME_BYTES),
             whole=[f.key for f in plan.fetches if not f.verify],
         )
-        backup = await run_off_loop(lambda: sharing.Backup(targets))
-        try:
-            failure = await self._transfer(plan, fetcher, targets, expected)
-        except BaseException:
-            # Cancelled, or the run ended under us: the old bytes go back all the same.
-            with trio.CancelScope(shield=True):
-                await run_off_loop(backup.restore)
-            raise
+        kept.append(await run_off_loop(lambda: sharing.Backup(targets)))
+        failure = await self._transfer(plan, fetcher, targets, expected)
         if failure:
-            with trio.CancelScope(shield=True):  # a cancellation must not skip it
-                await run_off_loop(backup.restore)
             log.warning("peer %s: shared-state fetch failed: %s", self._session.peer_id, failure)
-            return fetcher.received, failure, None
-        return fetcher.received, failure, backup
+        return fetcher.received, failure
 
     async def _transfer(
         self,
@@ -368,3 +355,11 @@ class SharedStateSync:
         finally:
             serving.handlers -= 1
             self._serving_lot.unpark_all()
+
+
+async def _put_back(kept: list[sharing.Backup]) -> None:
+    """Restore the old bytes in ``kept`` (once: the list is emptied), shielded from
+    cancellation, which must not skip it."""
+    with trio.CancelScope(shield=True):
+        while kept:
+            await run_off_loop(kept.pop().restore)

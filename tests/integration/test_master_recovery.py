@@ -293,6 +293,14 @@ async def synced_run(
     return scope, port, comms, states
 
 
+def diverged_states() -> tuple[list[np.ndarray], list[pccl.SharedState]]:
+    """Three peers' weights and shared states (revision 0): the first two alike
+    (``arange``), the third diverged (zeros), so it fetches in a sync."""
+    weights = [np.arange(20_000, dtype=np.float32) for _ in range(2)]
+    weights.append(np.zeros(20_000, dtype=np.float32))
+    return weights, [pccl.SharedState([pccl.TensorInfo("w", w)]) for w in weights]
+
+
 async def all_reduce_then_close(comms: list[pccl.Communicator]) -> None:
     """One all-reduce, exact on every peer (the run goes on), then close every peer."""
     values = [np.full(1000, i + 1.0, np.float32) for i in range(len(comms))]
@@ -383,9 +391,7 @@ async def test_a_fetch_the_master_died_during_is_not_reported_to_the_next_master
         address, scope = await masters.start("master")
         port = int(address.rsplit(":", 1)[1])
         comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
-        weights = [np.arange(20_000, dtype=np.float32) for _ in range(2)]
-        weights.append(np.zeros(20_000, dtype=np.float32))  # the third diverged
-        states = [pccl.SharedState([pccl.TensorInfo("w", w)]) for w in weights]
+        weights, states = diverged_states()
         lost, killed = trio.Event(), trio.Event()
         seam = PeerSeam(comms[2])
         seam.on_master_lost(lost.set)
@@ -422,9 +428,7 @@ async def test_a_sync_that_never_completes_leaves_the_fetched_bytes_as_they_were
     with trio.fail_after(120):
         address, scope = await masters.start("master")
         comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
-        weights = [np.arange(20_000, dtype=np.float32) for _ in range(2)]
-        weights.append(np.zeros(20_000, dtype=np.float32))  # the third diverged
-        states = [pccl.SharedState([pccl.TensorInfo("w", w)]) for w in weights]
+        weights, states = diverged_states()
         lost, fetched = trio.Event(), trio.Event()
         seam = PeerSeam(comms[2])
         seam.on_master_lost(lost.set)
