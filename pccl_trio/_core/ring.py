@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 from collections.abc import Callable, Collection, Sequence
 
 from .errors import RemoteProtocolError
@@ -151,15 +152,24 @@ class RingSchedule:
         self.world = world
         self.rank = rank
         self.slice_bytes = max(itemsize, slice_bytes - slice_bytes % itemsize)
-        self.chunks = [
+        self.chunks = tuple(
             (start * itemsize, (stop - start) * itemsize)
             for start, stop in chunk_bounds(count, world)
-        ]
+        )
         self.send = self._segments(lambda k: (rank - k) % world)
         self.recv = self._segments(lambda k: (rank - k - 1) % world)
-        self._recv_starts = [s.stream_offset for s in self.recv]
+        self._recv_starts = tuple(s.stream_offset for s in self.recv)
 
-    def _segments(self, chunk_of: Callable[[int], int]) -> list[Segment]:
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(*, count: int, itemsize: int, world: int, rank: int, slice_bytes: int) -> RingSchedule:
+        """The schedule for these arguments, shared: a schedule is never changed once
+        made, and a training loop all-reduces the same shapes over and over."""
+        return RingSchedule(
+            count=count, itemsize=itemsize, world=world, rank=rank, slice_bytes=slice_bytes
+        )
+
+    def _segments(self, chunk_of: Callable[[int], int]) -> tuple[Segment, ...]:
         segments = []
         offset = 0
         for k in range(2 * (self.world - 1)):
@@ -172,7 +182,7 @@ class RingSchedule:
                 )
             )
             offset += nbytes
-        return segments
+        return tuple(segments)
 
     @property
     def stream_bytes(self) -> int:

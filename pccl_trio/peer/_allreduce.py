@@ -150,7 +150,7 @@ class AllReduceAttempt:
         self.result = result
         self.in_place = send is result
         self.itemsize = int(result.dtype.itemsize)
-        self.schedule = RingSchedule(
+        self.schedule = RingSchedule.of(
             count=int(result.size), itemsize=self.itemsize, world=world, rank=rank,
             slice_bytes=slice_bytes,
         )

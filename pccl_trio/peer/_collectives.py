@@ -346,17 +346,19 @@ class AllReduces:
         return await self._conclude(attempt, result, verdict, local_ok)
 
     async def _conclude(
-        self, attempt: AllReduceAttempt, result: ReduceResult, verdict: CollectiveVerdict,
-        local_ok: bool,
+        self, attempt: AllReduceAttempt, result: ReduceResult,
+        verdict: CollectiveVerdict | None, local_ok: bool,
     ) -> ReduceInfo:
-        """What an ended attempt's verdict means for the caller (step 5)."""
+        """What an ended attempt's verdict means for the caller (step 5); None: the
+        members of a leased attempt agreed that it succeeded."""
         tag = attempt.tag
         try:
-            if verdict.outcome == Outcome.SUCCESS and local_ok:
+            if (verdict is None or verdict.outcome == Outcome.SUCCESS) and local_ok:
                 return ReduceInfo(
                     world_size=len(attempt.ring), tx_bytes=attempt.tx_bytes,
                     rx_bytes=attempt.rx_bytes, clamped=attempt.clamped,
                 )
+            assert verdict is not None  # the members agree only on complete parts
             blocked = verdict.outcome == Outcome.BLOCKED
             never_ran = blocked or verdict.outcome == Outcome.REJECTED and not verdict.seq
             if not never_ran:
@@ -548,8 +550,6 @@ class AllReduces:
             raise
         self._end(attempt)
         self._leases.ended(attempt)
-        if verdict is None:
-            verdict = CollectiveVerdict(tag=attempt.tag, seq=attempt.seq, outcome=Outcome.SUCCESS)
         return await self._conclude(attempt, result, verdict, complete)
 
     async def _agree(self, attempt: AllReduceAttempt, complete: bool) -> CollectiveVerdict | None:

@@ -139,7 +139,8 @@ class Leases:
             return None
         if self._membership.stale or ring != lease.ring:
             return None
-        if dataclasses.replace(vote, lease=True) != lease.vote or lease.next > lease.last:
+        asked = vote if vote.lease else dataclasses.replace(vote, lease=True)
+        if asked != lease.vote or lease.next > lease.last:
             # Another descriptor, or no number left: this call asks the master, which
             # ends the lease for everyone.
             self._close(lease)

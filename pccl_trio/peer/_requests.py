@@ -15,6 +15,7 @@ on the request alone, so peers that passed the same kind of call vote alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -61,19 +62,26 @@ class ReduceRequest:
         peer's ``Config.slice_bytes``; ``lease``: ask for a lease on the tag)."""
         dtype = from_numpy_dtype(self.result.dtype)
         quantization = self.quantization
-        return CollectiveInitiate(
-            tag=self.tag,
-            count=int(self.result.size),
-            dtype=dtype.value,
-            op=self.op.value,
-            quantized_dtype=(quantization.quantized_datatype if quantization else dtype).value,
-            quantization=(
-                quantization.algorithm if quantization else QuantizationAlgorithm.NONE
-            ).value,
-            distribution_hint=self.hint.value if quantization else 0,
-            slice_bytes=slice_bytes,
-            lease=lease,
+        return _vote(
+            self.tag, int(self.result.size), dtype.value, self.op.value,
+            (quantization.quantized_datatype if quantization else dtype).value,
+            (quantization.algorithm if quantization else QuantizationAlgorithm.NONE).value,
+            self.hint.value if quantization else 0, slice_bytes, lease,
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _vote(
+    tag: int, count: int, dtype: int, op: int, quantized_dtype: int, quantization: int,
+    distribution_hint: int, slice_bytes: int, lease: bool,
+) -> CollectiveInitiate:
+    """A vote, made once per descriptor (messages are immutable, and a training loop
+    votes the same descriptors step after step)."""
+    return CollectiveInitiate(
+        tag=tag, count=count, dtype=dtype, op=op, quantized_dtype=quantized_dtype,
+        quantization=quantization, distribution_hint=distribution_hint,
+        slice_bytes=slice_bytes, lease=lease,
+    )
 
 
 def check_reduce_arguments(

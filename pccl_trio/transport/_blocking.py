@@ -34,8 +34,6 @@ import socket
 import struct
 import termios
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import trio
 
@@ -118,21 +116,27 @@ class SocketLink:
         """Whether this side cut the connection (or a send failed part-way)."""
         return self._cut
 
-    @contextmanager
-    def _use(self) -> Iterator[socket.socket]:
+    def _use(self) -> socket.socket:
+        """The socket, counted as in use until ``_done`` (a pair of calls rather than
+        a context manager: they run for every frame, on the data path's hot path).
+
+        Raises:
+            trio.ClosedResourceError: this side cut the connection.
+        """
         with self._state:
             if self._cut:
                 raise trio.ClosedResourceError("the connection was closed")
             self._users += 1
-        try:
-            yield self._sock
-        finally:
-            with self._state:
-                self._users -= 1
-                release = self._cut and not self._users and not self._released
-                self._released = self._released or release
-            if release:
-                self._sock.close()
+        return self._sock
+
+    def _done(self) -> None:
+        """The calling thread no longer uses the socket (after ``_use``)."""
+        with self._state:
+            self._users -= 1
+            release = self._cut and not self._users and not self._released
+            self._released = self._released or release
+        if release:
+            self._sock.close()
 
     def cut(self) -> None:
         """Shut the connection down now, from any thread; calls blocked on it return.
@@ -161,9 +165,12 @@ class SocketLink:
         # a call that waits this long with nothing moving fails with EAGAIN.
         whole = int(seconds or 0)
         timeval = struct.pack("ll", whole, int(((seconds or 0) - whole) * 1e6))
-        with self._use() as sock:
+        sock = self._use()
+        try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+        finally:
+            self._done()
 
     async def aclose(self) -> None:
         self.cut()
@@ -186,17 +193,19 @@ class SocketLink:
             self._send_locked(buffers)
 
     def _send_locked(self, buffers: list[memoryview]) -> None:
-        with self._use() as sock:
-            try:
-                while buffers:
-                    drop_sent(buffers, sock.sendmsg(buffers))
-            except OSError as exc:
-                error = self._error("send failed", exc)
-                self.cut()
-                raise error from exc
-            except BaseException:
-                self.cut()
-                raise
+        sock = self._use()
+        try:
+            while buffers:
+                drop_sent(buffers, sock.sendmsg(buffers))
+        except OSError as exc:
+            error = self._error("send failed", exc)
+            self.cut()
+            raise error from exc
+        except BaseException:
+            self.cut()
+            raise
+        finally:
+            self._done()
 
     def send_data(self, *, tag: int, seq: int, offset: int, payload: memoryview) -> None:
         """Send one data frame; the payload goes from the caller's memory to the kernel
@@ -226,11 +235,13 @@ class SocketLink:
         Raises:
             trio.ClosedResourceError: this side cut the connection.
         """
-        with self._use() as sock:
-            try:
-                queued: int = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, _INT))[0]
-            except OSError:
-                return False
+        sock = self._use()
+        try:
+            queued: int = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, _INT))[0]
+        except OSError:
+            return False
+        finally:
+            self._done()
         return queued + nbytes + _FRAME_ALLOWANCE <= self._send_buffer // 2
 
     def send_message(self, message: Message) -> None:
@@ -293,7 +304,8 @@ class SocketLink:
         """Fill ``view`` exactly (blocking)."""
         if view.itemsize != 1:
             view = view.cast("B")
-        with self._use() as sock:
+        sock = self._use()
+        try:
             received = 0
             total = len(view)
             while received < total:
@@ -305,10 +317,13 @@ class SocketLink:
                 if n == 0:
                     raise self._error("connection closed by the other side")
                 received += n
+        finally:
+            self._done()
 
     def _receive_scattered(self, buffers: list[memoryview]) -> None:
         """Fill every buffer of ``buffers`` exactly, in order (blocking)."""
-        with self._use() as sock:
+        sock = self._use()
+        try:
             while buffers:
                 try:
                     n = sock.recvmsg_into(buffers, 0, socket.MSG_WAITALL)[0]
@@ -317,13 +332,18 @@ class SocketLink:
                 if n == 0:
                     raise self._error("connection closed by the other side")
                 drop_sent(buffers, n)
+        finally:
+            self._done()
 
     def closed_by_peer(self) -> bool:
         """Whether the other side closed a connection we only send on."""
         if self._cut:
             return True
         try:
-            with self._use() as sock:
-                return readable_now(sock)
+            sock = self._use()
         except trio.ClosedResourceError:
             return True
+        try:
+            return readable_now(sock)
+        finally:
+            self._done()

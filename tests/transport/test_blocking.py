@@ -557,15 +557,17 @@ async def test_cut_inside_a_use_closes_when_the_last_user_leaves(
     link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
 ) -> None:
     link, counted, _ = link_and_peer
-    with link._use() as first:
-        with link._use():
-            link.cut()
-            link.cut()
-            assert counted.closes == 0 and first.fileno() != -1
-        assert counted.closes == 0 and first.fileno() != -1
-        with pytest.raises(trio.ClosedResourceError), link._use():
-            pass  # no new user once cut
-        assert counted.closes == 0 and first.fileno() != -1
+    first = link._use()
+    link._use()
+    link.cut()
+    link.cut()
+    assert counted.closes == 0 and first.fileno() != -1
+    link._done()
+    assert counted.closes == 0 and first.fileno() != -1
+    with pytest.raises(trio.ClosedResourceError):
+        link._use()  # no new user once cut
+    assert counted.closes == 0 and first.fileno() != -1
+    link._done()
     assert counted.closes == 1 and counted.fileno() == -1
     link.cut()
     assert counted.closes == 1
