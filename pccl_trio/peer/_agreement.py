@@ -21,8 +21,16 @@ fourth process and that process's time. The counts a member sends only grow, so
 ``W - 1`` notices at most per member and attempt.
 
 A notice must leave before anything of the member's next attempt can, or its
-successor could block on the next attempt's data ahead of it: ``send`` returns once
-the notice left, and the attempt ends only after its last notice was sent.
+successor could block on the next attempt's data ahead of it: a member's attempt
+ends only once its last notice was sent (``done``).
+
+Who sends. Over TCP the notices go from the data path's worker threads: the thread
+that completes this member's part sends the first, and the reader that hears a notice
+sends the next, each only if that cannot block (``send_now``). The trio thread is then
+woken once per attempt, when the members agreed, instead of once per notice and once
+at completion. A notice a thread could not send is left to the trio thread
+(``send``). One notice is in flight at a time (``claim``, then ``sent``), so the counts
+leave in order and none twice.
 """
 
 from __future__ import annotations
@@ -45,16 +53,20 @@ class Agreement:
 
     Args:
         world: the members of the ring.
-        lock: the attempt's lock; ``wake`` (called with it held) wakes the attempt's
-            task.
+        lock: the attempt's lock, which guards this too; ``wake`` (called with it
+            held) wakes the attempt's task.
     """
 
     def __init__(self, *, world: int, lock: threading.Lock, wake: Callable[[], None]) -> None:
         self.world = world
-        self._lock = lock
+        self.lock = lock
         self._wake = wake
         self.heard = 0  # the largest count the predecessor sent
         self.told = 0  # the largest count sent to the successor
+        self.sending = False  # a notice is on its way (``claim``d, not ``sent`` yet)
+        # The trio thread wants to hear of this member's completion, not only of the
+        # agreement (the master was told that the part runs: it must hear its end).
+        self.eager = False
         # The master's verdict, once the lease ended and the master resolved it.
         self.verdict: CollectiveVerdict | None = None
 
@@ -64,14 +76,33 @@ class Agreement:
         once it sends: a count is only heard from a member that completed)."""
         return 1 + self.heard >= self.world
 
-    def due(self) -> int:
-        """The count to tell the successor now (0: nothing new); call once this
-        member's part is complete."""
-        count = min(1 + self.heard, self.world - 1)
-        return count if count > self.told else 0
+    @property
+    def done(self) -> bool:
+        """The members agreed, and this member's last notice left (under the lock)."""
+        return self.agreed and self.told >= self.world - 1 and not self.sending
 
-    def on_notice(self, count: int) -> None:
-        """The predecessor's notice (any thread).
+    def claim(self) -> int:
+        """The count to tell the successor now, reserved for the caller, which sends it
+        and then calls ``sent``; 0: nothing new, or a notice is on its way. Under the
+        lock, once this member's part is complete."""
+        if self.sending:
+            return 0
+        count = min(1 + self.heard, self.world - 1)
+        if count <= self.told:
+            return 0
+        self.sending = True
+        return count
+
+    def sent(self, count: int, *, ok: bool) -> None:
+        """The claimed notice of ``count`` left (``ok``), or was not sent (under the
+        lock)."""
+        self.sending = False
+        if ok:
+            self.told = count
+
+    def on_notice(self, count: int) -> bool:
+        """The predecessor's notice (under the lock); True if it says more than the
+        ones before.
 
         Raises:
             RemoteProtocolError: the count is not one a member of this ring can send.
@@ -80,33 +111,48 @@ class Agreement:
             raise RemoteProtocolError(
                 f"completion notice of {count} members in a ring of {self.world}"
             )
-        with self._lock:
-            if count > self.heard:
-                self.heard = count
-                self._wake()
+        if count <= self.heard:
+            return False
+        self.heard = count
+        return True
 
     def deliver(self, verdict: CollectiveVerdict) -> None:
         """The master's verdict on the attempt (the trio thread)."""
-        with self._lock:
+        with self.lock:
             self.verdict = verdict
             self._wake()
 
-    async def send(self, connection: Connection, *, tag: int, seq: int, count: int) -> None:
-        """Tell the successor, on ``connection``, that ``count`` members completed.
+    @staticmethod
+    def send_now(connection: SocketLink, *, tag: int, seq: int, count: int) -> bool:
+        """Tell the successor, on ``connection``, that ``count`` members completed, if
+        that cannot block (any thread): True if the notice left.
 
         Raises:
             trio.BrokenResourceError, trio.ClosedResourceError: the connection is gone.
         """
-        self.told = count
-        if isinstance(connection, SocketLink) and connection.send_lock.acquire(blocking=False):
-            # A frame of no payload that fits in the socket's buffer: sent from here
-            # without blocking, and without handing it to a worker thread.
-            try:
-                if connection.has_room(0):
-                    connection.send_data_locked(tag=tag, seq=seq, offset=count, payload=_EMPTY)
-                    return
-            finally:
-                connection.send_lock.release()
+        if not connection.send_lock.acquire(blocking=False):
+            return False
+        # A frame of no payload that fits in the socket's buffer: sent from here
+        # without blocking, and without handing it to a worker thread.
+        try:
+            if not connection.has_room(0):
+                return False
+            connection.send_data_locked(tag=tag, seq=seq, offset=count, payload=_EMPTY)
+            return True
+        finally:
+            connection.send_lock.release()
+
+    async def send(self, connection: Connection, *, tag: int, seq: int, count: int) -> None:
+        """Tell the successor, on ``connection``, that ``count`` members completed
+        (the trio thread).
+
+        Raises:
+            trio.BrokenResourceError, trio.ClosedResourceError: the connection is gone.
+        """
+        if isinstance(connection, SocketLink) and self.send_now(
+            connection, tag=tag, seq=seq, count=count
+        ):
+            return
         await run_protocol(_notice(tag, seq, count), connection)
 
 

@@ -562,20 +562,26 @@ class AllReduces:
         unsure = not complete
         while agreement.verdict is None:
             if not unsure:
-                count = agreement.due()
+                with agreement.lock:
+                    count = agreement.claim()  # 0 too while a thread sends one
                 if count:
                     connections = self._p2p.successor_connections(attempt.successor)
+                    sent = False
                     try:
                         if not connections:
                             raise trio.ClosedResourceError("no open connection")
                         await agreement.send(
                             connections[0], tag=attempt.tag, seq=attempt.seq, count=count
                         )
+                        sent = True
                     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                         unsure = True
                         self._leases.unsure(attempt, f"its completion notice was not sent ({exc})")
+                    finally:
+                        with agreement.lock:
+                            agreement.sent(count, ok=sent)
                     continue
-                if agreement.agreed and not self._leases.told_running(attempt):
+                if agreement.done and not self._leases.told_running(attempt):
                     return None
                 if attempt.failure not in (None, _CANCELLED):
                     unsure = True  # e.g. the link from the predecessor broke

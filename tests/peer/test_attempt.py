@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from pccl_trio._types import ReduceOp
 from pccl_trio.peer import _allreduce
@@ -178,3 +179,112 @@ async def test_a_forward_still_sending_keeps_the_attempt_from_finishing(
 
 def _on_trio_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
+
+
+class _LeasedRun:
+    """A leased attempt of a two-peer ring over a socket pair, whose slices arrive in
+    worker threads as a reader's would; ``theirs`` reads what the attempt sends."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair()
+        self.link = SocketLink(mine, max_data_frame=1 << 20)
+        self.theirs = SocketLink(theirs, max_data_frame=1 << 20)
+        self.theirs.set_idle_timeout(10.0)  # a notice that never comes fails the test
+        data = np.arange(8, dtype=np.float32)
+        self.attempt = AllReduceAttempt(
+            staging=HostStaging(), send=data, result=data, op=ReduceOp.SUM, tag=7,
+            ring=(1, 2), rank=0, slice_bytes=8,
+        )
+        self.agreement = self.attempt.under_lease(5)
+        self.returned = trio.Event()
+
+    async def send_all(self) -> None:
+        await self.attempt.send_all([self.link])
+        self.returned.set()
+
+    def deliver_all(self) -> None:
+        """Every slice of the incoming stream (in a worker thread)."""
+        attempt = self.attempt
+        for segment in attempt.schedule.recv:
+            for index in range(attempt.schedule.slice_count(segment)):
+                start, stop = attempt.schedule.slice_range(segment, index)
+                claimed = attempt.claim(7, segment.stream_offset + start - segment.start,
+                                        stop - start)
+                attempt.on_slice(*claimed, np.ones(stop - start, dtype=np.uint8))
+
+    def frames(self) -> list[tuple[int, int, int, int]]:
+        """The headers of what the attempt sent, up to and with its first notice (a
+        worker thread): ``(tag, seq, offset, nbytes)``."""
+        headers = []
+        while True:
+            header = self.theirs.receive_data_header()
+            self.theirs.receive_payload(memoryview(bytearray(header[3])))
+            headers.append(header)
+            if not header[3]:
+                return headers
+
+    async def close(self) -> None:
+        self.attempt.stop()
+        await self.attempt.settle()
+        self.attempt.release()
+        self.link.cut()
+        self.theirs.cut()
+
+
+async def test_a_leased_part_completed_in_a_thread_tells_the_successor_from_there() -> None:
+    """Over TCP, the thread that completes a leased attempt's part sends its completion
+    notice, and the predecessor's notice is answered there too: the trio thread is woken
+    once, when the members agreed, not at completion (``_agreement``)."""
+    with trio.fail_after(20):
+        run = _LeasedRun()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.send_all)
+            await trio.to_thread.run_sync(run.deliver_all)
+            headers = await trio.to_thread.run_sync(run.frames)
+            # The notice, from the thread: "1 member (me) completed".
+            assert headers[-1] == (7, 5, 1, 0)
+            assert all(nbytes for _, _, _, nbytes in headers[:-1])
+            await trio.testing.wait_all_tasks_blocked()
+            assert run.attempt.complete and not run.returned.is_set()
+            # The predecessor's notice: every member of the ring completed.
+            await trio.to_thread.run_sync(run.attempt.on_notice, 1)
+            await run.returned.wait()
+        with run.attempt._lock:
+            assert run.agreement.done and run.agreement.claim() == 0
+        await run.close()
+
+
+async def test_a_leased_part_whose_master_knows_it_runs_wakes_the_trio_thread_at_completion(
+) -> None:
+    """Once the master was told that the part runs, its end must be reported whether
+    or not the members agree: the completion wakes the trio thread, which sends the
+    notice itself (``wake_on_completion``)."""
+    with trio.fail_after(20):
+        run = _LeasedRun()
+        run.attempt.wake_on_completion()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.send_all)
+            await trio.to_thread.run_sync(run.deliver_all)
+            await run.returned.wait()
+        with run.attempt._lock:
+            assert not run.agreement.agreed
+            assert run.agreement.claim() == 1  # not sent by a thread: the trio thread's
+        await run.close()
+
+
+async def test_a_notice_a_thread_cannot_send_is_left_to_the_trio_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No room in the socket for the notice in the completing thread: it wakes the trio
+    thread with the notice still due, never blocking."""
+    monkeypatch.setattr(SocketLink, "has_room", lambda link, nbytes: _on_trio_thread())
+    with trio.fail_after(20):
+        run = _LeasedRun()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.send_all)
+            await trio.to_thread.run_sync(run.deliver_all)
+            await run.returned.wait()
+        with run.attempt._lock:
+            assert run.attempt.complete and not run.agreement.sending
+            assert run.agreement.claim() == 1
+        await run.close()
