@@ -47,6 +47,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pccl_trio import Config
 from pccl_trio._bench import format_size, free_port, master_process, parse_size
 
 WORKLOADS = ("100x256KiB", "400x16KiB", "transformer")
@@ -233,8 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true",
                         help="the default bucket size only, 5 steps, 3 repeats")
-    parser.add_argument("--slice-bytes", type=parse_size, default=1 << 20,
-                        help="pccl_trio's Config.slice_bytes (default 1M, the library's)")
+    parser.add_argument("--slice-bytes", type=parse_size, default=Config().slice_bytes,
+                        help="pccl_trio's Config.slice_bytes (default: the library's)")
     parser.add_argument("--torch-threads", type=int, default=1,
                         help="torch.set_num_threads in the Gloo workers (0: torch's default; "
                              "W processes of torch's default on few cores oversubscribe them)")

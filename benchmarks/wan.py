@@ -2,7 +2,7 @@
 
 Usage (as root, with iproute2's ``ip`` and ``tc``):
     python benchmarks/wan.py [--world 3] [--rate 100mbit] [--sizes 64M] [--iters 3]
-                             [--repeats 3] [--quantize uint8,uint16]
+                             [--repeats 3] [--quantize uint8,uint16] [--slice-bytes 4M,1M]
 
 Topology: one network namespace per peer and one for the master, each joined by a
 veth pair to a bridge in a hub namespace (10.77.0.0/24). Every peer's link is shaped
@@ -135,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--protection", default="",
                         help="comma list of data protections (mac, encrypt) to compare with "
                              "a run without a secret")
+    parser.add_argument("--slice-bytes", default="4M",
+                        help="comma list of Config.slice_bytes; the first is the one the "
+                             "other variants use, each further one is a plain variant")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--prefix", default=f"pccl-wan{os.getpid()}",
                         help="names of the namespaces (removed first if they exist)")
@@ -144,10 +147,13 @@ def main(argv: list[str] | None = None) -> int:
         print("needs iproute2's ip and tc, and root", file=sys.stderr)
         return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    # (quantization, data protection) per variant, named after what differs.
-    choices = {"none": ("none", "none")}
-    choices.update({q: (q, "none") for q in args.quantize.split(",") if q})
-    choices.update({p: ("none", p) for p in args.protection.split(",") if p and p != "none"})
+    slices = [parse_size(s) for s in args.slice_bytes.split(",")]
+    # (quantization, data protection, slice bytes) per variant, named after what differs.
+    choices = {"none": ("none", "none", slices[0])}
+    choices.update({q: (q, "none", slices[0]) for q in args.quantize.split(",") if q})
+    choices.update({p: ("none", p, slices[0])
+                    for p in args.protection.split(",") if p and p != "none"})
+    choices.update({f"s{format_size(b).replace(' ', '')}": ("none", "none", b) for b in slices[1:]})
     variants = list(choices)
     times: dict[str, dict[int, list[float]]] = {v: {} for v in variants}
     print(f"# W={args.world}, every peer's link shaped to {args.rate} each way (tbf); "
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         for repeat in range(args.repeats):
             for variant in variants:
                 run = argparse.Namespace(
-                    iters=args.iters, warmup=args.warmup, pool=0, slice_bytes=1 << 20,
+                    iters=args.iters, warmup=args.warmup, pool=0, slice_bytes=choices[variant][2],
                     into_recv=False, timeout=args.timeout, quantize=choices[variant][0],
                     algorithm=args.algorithm,
                 )

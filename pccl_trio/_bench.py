@@ -44,6 +44,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._config import Config
+
 __all__ = ["bench_main"]
 
 PROTECTIONS = ("none", "mac", "encrypt")
@@ -193,7 +195,7 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--pool", type=int, default=0)
-    parser.add_argument("--slice-bytes", type=int, default=1 << 20)
+    parser.add_argument("--slice-bytes", type=int, default=Config().slice_bytes)
     parser.add_argument("--into-recv", action="store_true")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--quantize", default="none")
@@ -311,7 +313,7 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--pool", type=int, default=0, help="p2p connections per neighbour")
-    parser.add_argument("--slice-bytes", type=int, default=1 << 20)
+    parser.add_argument("--slice-bytes", type=int, default=Config().slice_bytes)
     parser.add_argument("--into-recv", action="store_true",
                         help="all_reduce(send, recv) instead of in place: no input to keep "
                              "for a restore, so one copy less per all-reduce (Gloo still runs "

@@ -45,10 +45,12 @@ class Config:
             rides out internally before raising ``UpdateTopologyFailed``.
         p2p_connection_pool_size: TCP connections per ring neighbour when the
             communicator is asked for "a good default" (0).
-        slice_bytes: payload of one all-reduce data frame; a slice is forwarded as
-            soon as it arrived, so smaller slices pipeline better and larger ones cost
-            less per byte (GPU buffers want 4 MiB, ``docs/gpu.md``). The same on every
-            peer: the master rejects an all-reduce whose members differ.
+        slice_bytes: payload of one all-reduce data frame (and the span of one
+            quantized block); a slice is forwarded as soon as it arrived. Each frame
+            costs the data path a fixed amount of work, so smaller slices cost more
+            per byte, and GPU buffers lose the most (``docs/gpu.md``); the default of
+            4 MiB was chosen by measurement (``docs/benchmarks.md``, "Slice size"). The
+            same on every peer: the master rejects an all-reduce whose members differ.
         bucket_bytes: (peers) ``all_reduce_multiple_with_retry`` packs tensors smaller
             than this, of one dtype, into buckets of up to this many bytes, each reduced
             as one all-reduce (``docs/allreduce.md``, "Fusion"); 0: no fusion, one
@@ -161,7 +163,7 @@ class Config:
     max_data_frame: int = (64 << 20) + 64
     establish_attempts: int = 5
     p2p_connection_pool_size: int = 1
-    slice_bytes: int = 1 << 20
+    slice_bytes: int = 4 << 20
     bucket_bytes: int = 25 << 20
     threaded_data_path: bool = True
     topology_solve_seconds: float = 1.0

@@ -616,8 +616,10 @@ class AllReduceAttempt:
         self, connection: Connection, slices: list[tuple[Segment, int]], sender: Sender
     ) -> IOProtocol[None]:
         scratch = self._scratch()
+        done = self._progress.done
         for position, (segment, index) in enumerate(slices, start=1):
-            if segment.index and not (yield Wait(
+            # A slice whose source arrived already needs no wait to drive.
+            if segment.index and not done[segment.index - 1][index] and not (yield Wait(
                 partial(self._arrived, segment.index - 1, index),
                 partial(self._arrived_blocking, segment.index - 1, index),
             )):

@@ -57,6 +57,7 @@ log = logging.getLogger("pccl_trio.peer")
 
 
 _EMPTY = memoryview(bytearray())  # writable: a notice's (empty) payload is received into it
+_RECEIVE_HEADER = ReceiveHeader()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -212,10 +213,16 @@ class DataReceiver:
         the attempt's staging (pinned memory for GPU buffers, see ``_staging``).
         """
         landing: dict[int, Any] = {}
+        by_seq = self._by_seq
         while True:
-            header = yield ReceiveHeader()
+            header = yield _RECEIVE_HEADER
             seq = header[1]
-            attempt = yield Wait(partial(self._attempt_for, seq), partial(self._attempt_for_blocking, seq))
+            # Most frames find their attempt running: no wait to drive.
+            attempt = by_seq.get(seq)
+            if attempt is None:
+                attempt = yield Wait(
+                    partial(self._attempt_for, seq), partial(self._attempt_for_blocking, seq)
+                )
             if not header[3]:  # a completion notice
                 yield ReceivePayload(_EMPTY)
                 if attempt is not None and attempt.agreement is not None:

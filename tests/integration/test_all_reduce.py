@@ -159,7 +159,8 @@ async def test_peers_with_different_slice_sizes_get_invalid_argument(
     reassemble each other's frames: the master refuses the all-reduce for all of them,
     saying which setting differs, instead of letting every attempt abort."""
     with trio.fail_after(120):
-        configs = [cluster.config, dataclasses.replace(cluster.config, slice_bytes=4 << 20)]
+        assert cluster.config.slice_bytes == 4 << 20
+        configs = [cluster.config, dataclasses.replace(cluster.config, slice_bytes=1 << 20)]
         comms = []
         for i in range(3):
             cluster.config = configs[i == 2]

@@ -101,7 +101,9 @@ async def test_a_joiner_gets_one_peers_copy_of_a_tensor_that_may_differ(
 # Distributors send frames no larger than the requester accepts (its
 # Config.max_data_frame travels in the request).
 async def test_sync_works_with_a_smaller_max_data_frame(cluster: Cluster, clock: object) -> None:
-    cluster.config = dataclasses.replace(cluster.config, max_data_frame=(1 << 20) + 64)
+    cluster.config = dataclasses.replace(
+        cluster.config, max_data_frame=(1 << 20) + 64, slice_bytes=1 << 20
+    )
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         states = [big_state(1), big_state(2)]
