@@ -36,7 +36,10 @@ leave in order and none twice.
 from __future__ import annotations
 
 import threading
+import typing
 from collections.abc import Callable
+
+import trio
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import CollectiveVerdict
@@ -48,19 +51,38 @@ __all__ = ["Agreement"]
 _EMPTY = memoryview(b"")
 
 
+class _Attempt(typing.Protocol):
+    """What an agreement reads of its attempt (under the attempt's lock)."""
+
+    tag: int
+    seq: int
+    failure: str | None
+    live: bool
+
+    @property
+    def complete(self) -> bool: ...
+
+
 class Agreement:
     """What one member of a leased attempt heard of the others' completion.
 
     Args:
         world: the members of the ring.
+        attempt: the attempt it is about.
         lock: the attempt's lock, which guards this too; ``wake`` (called with it
             held) wakes the attempt's task.
     """
 
-    def __init__(self, *, world: int, lock: threading.Lock, wake: Callable[[], None]) -> None:
+    def __init__(
+        self, *, world: int, attempt: _Attempt, lock: threading.Lock, wake: Callable[[], None]
+    ) -> None:
         self.world = world
         self.lock = lock
+        self._attempt = attempt
         self._wake = wake
+        # The connection to the successor, once the part starts over TCP: the data
+        # path's threads send the notices on it.
+        self.link: SocketLink | None = None
         self.heard = 0  # the largest count the predecessor sent
         self.told = 0  # the largest count sent to the successor
         self.sending = False  # a notice is on its way (``claim``d, not ``sent`` yet)
@@ -75,6 +97,12 @@ class Agreement:
         """Whether every member of the ring completed its part (this one included,
         once it sends: a count is only heard from a member that completed)."""
         return 1 + self.heard >= self.world
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the data path's threads send the notices and wake the trio thread
+        only once the members agreed (under the lock)."""
+        return self.link is not None and not self.eager
 
     @property
     def done(self) -> bool:
@@ -100,9 +128,8 @@ class Agreement:
         if ok:
             self.told = count
 
-    def on_notice(self, count: int) -> bool:
-        """The predecessor's notice (under the lock); True if it says more than the
-        ones before.
+    def on_notice(self, count: int) -> None:
+        """The predecessor's notice (a reader, any thread).
 
         Raises:
             RemoteProtocolError: the count is not one a member of this ring can send.
@@ -111,10 +138,51 @@ class Agreement:
             raise RemoteProtocolError(
                 f"completion notice of {count} members in a ring of {self.world}"
             )
-        if count <= self.heard:
-            return False
-        self.heard = count
-        return True
+        with self.lock:
+            if count <= self.heard:
+                return
+            self.heard = count
+            if not self.quiet:
+                self._wake()
+                return
+            if not self._attempt.complete:
+                return  # the thread that completes the part tells it
+        self.tell()
+
+    def wake_on_completion(self) -> None:
+        """From now on, wake the trio thread when the part completes, not only when the
+        members agreed (the trio thread)."""
+        with self.lock:
+            self.eager = True
+            self._wake()  # it may have completed already
+
+    def tell(self) -> None:
+        """The part is complete (quiet, a worker thread, not under the lock): send the
+        notice due if that cannot block, and wake the trio thread only when it has
+        something to do: the members agreed, or a notice is left to it."""
+        attempt, link = self._attempt, self.link
+        assert link is not None
+        while True:
+            with self.lock:
+                if attempt.failure is not None or not attempt.live:
+                    return  # whoever failed or stopped it woke the trio thread
+                count = self.claim()
+                if not count:
+                    if self.done:
+                        self._wake()
+                    return
+            ok = False
+            try:
+                ok = self.send_now(link, tag=attempt.tag, seq=attempt.seq, count=count)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the trio thread learns it when it tries
+            finally:
+                with self.lock:
+                    self.sent(count, ok=ok)
+                    if not ok:
+                        self._wake()  # it sends the notice, or fails trying
+            if not ok:
+                return
 
     def deliver(self, verdict: CollectiveVerdict) -> None:
         """The master's verdict on the attempt (the trio thread)."""

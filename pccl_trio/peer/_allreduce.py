@@ -201,10 +201,8 @@ class AllReduceAttempt:
         # whether a slice was left to sender threads.
         self._links: tuple[SocketLink, ...] = ()
         self._need_senders = False
-        # Under a lease: how its members agree on the outcome (``under_lease``), and
-        # the link the data path's threads send its completion notices on (TCP).
+        # Under a lease: how its members agree on the outcome (``under_lease``).
         self.agreement: Agreement | None = None
-        self._notice_link: SocketLink | None = None
         # Whether the data moved in worker threads (TCP), so restoring may too; on the
         # in-memory network everything stays in trio tasks (virtual time).
         self.uses_threads = False
@@ -219,67 +217,16 @@ class AllReduceAttempt:
         on the outcome among themselves (``_agreement``)."""
         self.seq = seq
         self.agreement = Agreement(
-            world=len(self.ring), lock=self._lock, wake=partial(self._wake, trio_too=True)
+            world=len(self.ring), attempt=self, lock=self._lock,
+            wake=partial(self._wake, trio_too=True),
         )
         return self.agreement
 
-    def on_notice(self, count: int) -> None:
-        """The predecessor's completion notice (a reader, any thread).
-
-        Raises:
-            RemoteProtocolError: the count is not one a member of this ring can send.
-        """
+    def _quiet_agreement(self) -> Agreement | None:
+        """The agreement, if the data path's threads tell its completion (under the
+        lock, once this part is complete: ``Agreement.quiet``)."""
         agreement = self.agreement
-        assert agreement is not None
-        with self._lock:
-            if not agreement.on_notice(count):
-                return
-            # Quiet: the thread that completes the part tells it (``_tell_successor``).
-            quiet = self._quiet()
-            if not quiet:
-                self._wake(trio_too=True)
-            tell = quiet and self.complete
-        if tell:
-            self._tell_successor()
-
-    def wake_on_completion(self) -> None:
-        """From now on, wake the trio thread when this part completes, not only when the
-        members agreed (the trio thread; under a lease)."""
-        assert self.agreement is not None
-        with self._lock:
-            self.agreement.eager = True
-            self._wake(trio_too=True)  # it may have completed already
-
-    def _quiet(self) -> bool:
-        """Whether the data path's threads send the completion notices and wake the
-        trio thread only once the members agreed (under the lock; see ``_agreement``)."""
-        agreement = self.agreement
-        return agreement is not None and self._notice_link is not None and not agreement.eager
-
-    def _tell_successor(self) -> None:
-        """This part is complete (under a lease, quiet): send the completion notice due,
-        if that cannot block, and wake the trio thread only when it has something to do:
-        the members agreed, or a notice is left to it. Not under the lock."""
-        agreement, link = self.agreement, self._notice_link
-        assert agreement is not None and link is not None
-        while True:
-            with self._lock:
-                if self.failure is not None or not self.live:
-                    return  # whoever failed or stopped it woke the trio thread
-                count = agreement.claim()
-                if not count:
-                    if agreement.done:
-                        self._wake(trio_too=True)
-                    return
-            try:
-                ok = agreement.send_now(link, tag=self.tag, seq=self.seq, count=count)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                ok = False  # the trio thread learns it when it tries
-            with self._lock:
-                agreement.sent(count, ok=ok)
-                if not ok:
-                    self._wake(trio_too=True)
-                    return
+        return agreement if agreement is not None and agreement.quiet else None
 
     # --- waking waiters ----------------------------------------------------------------
 
@@ -379,12 +326,11 @@ class AllReduceAttempt:
                 self.rx_bytes += self._payload_size(stop - start)
                 self._progress.remaining -= 1
             complete = self.complete
-            quiet = complete and self._quiet()
-            self._wake(trio_too=complete and not quiet or not self._writers and not self.live)
-            tell = quiet and written
+            quiet = self._quiet_agreement() if complete else None
+            self._wake(trio_too=complete and quiet is None or not self._writers and not self.live)
             forward = written and self._links and segment.index + 1 < len(self._sent)
-        if tell:
-            self._tell_successor()
+        if quiet is not None and written:
+            quiet.tell()
         if forward:
             # This reader forwards the slice it completed: no other thread to wake.
             if not self._send_now(segment.index + 1, index, wait=FORWARD_LOCK_WAIT):
@@ -661,11 +607,11 @@ class AllReduceAttempt:
         with self._lock:
             self.tx_bytes += nbytes
             self._unsent -= 1
-            tell = self.complete and self._quiet()
-            if self.complete and not tell:
+            quiet = self._quiet_agreement() if self.complete else None
+            if self.complete and quiet is None:
                 self._wake(trio_too=True)
-        if tell:
-            self._tell_successor()
+        if quiet is not None:
+            quiet.tell()
 
     def _send_now(self, segment_index: int, index: int, *, wait: float) -> bool:
         """Send outgoing slice ``index`` of ``segment_index`` (which is ready) from the
@@ -734,7 +680,7 @@ class AllReduceAttempt:
         links = tuple(c for c in connections if isinstance(c, SocketLink))
         if self.agreement is not None and isinstance(connections[0], SocketLink):
             with self._lock:  # before any slice leaves: none can complete the part yet
-                self._notice_link = connections[0]
+                self.agreement.link = connections[0]
         forward = (
             self.codec is None and self.xp is np and len(links) == len(connections)
             and len(self._result_bytes) <= FORWARD_MAX_BYTES

@@ -289,9 +289,10 @@ class Leases:
         if lease.told is _Told.NOTHING:
             report = self._report_of(lease, lease.tag, lease.first)
             lease.told = _Told.RUNNING if report.state == LeaseState.RUNNING else _Told.FINAL
-            if lease.told is _Told.RUNNING and lease.attempt is not None:
+            agreement = lease.attempt.agreement if lease.attempt is not None else None
+            if lease.told is _Told.RUNNING and agreement is not None:
                 # Its CollectiveComplete is due when the part ends, agreed or not.
-                lease.attempt.wake_on_completion()
+                agreement.wake_on_completion()
             return report
         if lease.told is _Told.RUNNING:
             state = self._state(lease)

@@ -226,7 +226,7 @@ class DataReceiver:
             if not header[3]:  # a completion notice
                 yield ReceivePayload(_EMPTY)
                 if attempt is not None and attempt.agreement is not None:
-                    attempt.on_notice(header[2])
+                    attempt.agreement.on_notice(header[2])
                 continue
             staging = None if attempt is None else attempt.staging
             buffer = landing.get(id(staging))

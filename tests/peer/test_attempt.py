@@ -247,7 +247,7 @@ async def test_a_leased_part_completed_in_a_thread_tells_the_successor_from_ther
             await trio.testing.wait_all_tasks_blocked()
             assert run.attempt.complete and not run.returned.is_set()
             # The predecessor's notice: every member of the ring completed.
-            await trio.to_thread.run_sync(run.attempt.on_notice, 1)
+            await trio.to_thread.run_sync(run.agreement.on_notice, 1)
             await run.returned.wait()
         with run.attempt._lock:
             assert run.agreement.done and run.agreement.claim() == 0
@@ -261,7 +261,7 @@ async def test_a_leased_part_whose_master_knows_it_runs_wakes_the_trio_thread_at
     notice itself (``wake_on_completion``)."""
     with trio.fail_after(20):
         run = _LeasedRun()
-        run.attempt.wake_on_completion()
+        run.agreement.wake_on_completion()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run.send_all)
             await trio.to_thread.run_sync(run.deliver_all)
