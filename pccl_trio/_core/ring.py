@@ -9,6 +9,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Collection, Sequence
 
 from .errors import RemoteProtocolError
@@ -159,6 +160,11 @@ class RingSchedule:
         self.send = self._segments(lambda k: (rank - k) % world)
         self.recv = self._segments(lambda k: (rank - k - 1) % world)
         self._recv_starts = tuple(s.stream_offset for s in self.recv)
+        #: Slices per segment of each stream, and where each send segment's first
+        #: slice stands in the stream of slices.
+        self.recv_slices = tuple(self.slice_count(s) for s in self.recv)
+        self.send_slices = tuple(self.slice_count(s) for s in self.send)
+        self.send_positions = tuple(itertools.accumulate(self.send_slices[:-1], initial=0))
 
     @staticmethod
     @functools.lru_cache(maxsize=256)

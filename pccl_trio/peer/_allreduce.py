@@ -53,7 +53,6 @@ bits.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -172,7 +171,7 @@ class AllReduceAttempt:
         self._trio_thread = threading.get_ident()
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        counts = [self.schedule.slice_count(s) for s in self.schedule.recv]
+        counts = self.schedule.recv_slices
         self._progress = _Progress(
             claimed=[bytearray(n) for n in counts],
             done=[bytearray(n) for n in counts],
@@ -192,11 +191,9 @@ class AllReduceAttempt:
         # Send side: which outgoing slices were taken by a sender (set once, under the
         # lock, so every slice is sent exactly once), how many are not sent yet, and
         # each send segment's first position in the stream of slices (for striping).
-        self._sent = [bytearray(self.schedule.slice_count(s)) for s in self.schedule.send]
-        self._unsent = sum(len(flags) for flags in self._sent)
-        self._positions = list(itertools.accumulate(
-            (len(flags) for flags in self._sent[:-1]), initial=0
-        ))
+        self._sent = [bytearray(n) for n in self.schedule.send_slices]
+        self._unsent = sum(self.schedule.send_slices)
+        self._positions = self.schedule.send_positions
         # Forwarding (see ``send_all``): the outgoing links while readers forward, and
         # whether a slice was left to sender threads.
         self._links: tuple[SocketLink, ...] = ()

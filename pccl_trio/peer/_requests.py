@@ -60,27 +60,33 @@ class ReduceRequest:
     def vote(self, slice_bytes: int, *, lease: bool = False) -> CollectiveInitiate:
         """The descriptor every peer of the group must vote alike (``slice_bytes``: this
         peer's ``Config.slice_bytes``; ``lease``: ask for a lease on the tag)."""
-        dtype = from_numpy_dtype(self.result.dtype)
-        quantization = self.quantization
         return _vote(
-            self.tag, int(self.result.size), dtype.value, self.op.value,
-            (quantization.quantized_datatype if quantization else dtype).value,
-            (quantization.algorithm if quantization else QuantizationAlgorithm.NONE).value,
-            self.hint.value if quantization else 0, slice_bytes, lease,
+            self.tag, int(self.result.size), self.result.dtype, self.op, self.quantization,
+            self.hint, slice_bytes, lease,
         )
 
 
 @functools.lru_cache(maxsize=1024)
 def _vote(
-    tag: int, count: int, dtype: int, op: int, quantized_dtype: int, quantization: int,
-    distribution_hint: int, slice_bytes: int, lease: bool,
+    tag: int, count: int, dtype: np.dtype[Any], op: ReduceOp,
+    quantization: QuantizationOptions | None, hint: DistributionHint, slice_bytes: int,
+    lease: bool,
 ) -> CollectiveInitiate:
     """A vote, made once per descriptor (messages are immutable, and a training loop
     votes the same descriptors step after step)."""
+    data_type = from_numpy_dtype(dtype)
     return CollectiveInitiate(
-        tag=tag, count=count, dtype=dtype, op=op, quantized_dtype=quantized_dtype,
-        quantization=quantization, distribution_hint=distribution_hint,
-        slice_bytes=slice_bytes, lease=lease,
+        tag=tag,
+        count=count,
+        dtype=data_type.value,
+        op=op.value,
+        quantized_dtype=(quantization.quantized_datatype if quantization else data_type).value,
+        quantization=(
+            quantization.algorithm if quantization else QuantizationAlgorithm.NONE
+        ).value,
+        distribution_hint=hint.value if quantization else 0,
+        slice_bytes=slice_bytes,
+        lease=lease,
     )
 
 
