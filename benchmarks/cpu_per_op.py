@@ -15,6 +15,8 @@ SUM, in place) back to back, with no barrier between them, and reports per all-r
 
 ``--leases both`` adds pccl_trio without leases (``Config(leases=False)``: every
 all-reduce through the master) as a third library; ``off`` runs only that.
+``--slice-bytes 4M,1M`` adds pccl_trio with 1 MiB slices (``Config.slice_bytes``) as
+another.
 
 Launches alternate (pccl_trio, Gloo, pccl_trio, ...), ``--repeats`` of each, fresh
 processes each time; the table shows medians over launches. The data are zeros (so
@@ -39,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pccl_trio import Config
 from pccl_trio._bench import format_size, free_port, master_process, parse_size
 
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -59,14 +62,16 @@ def own_cpu() -> float:
 
 
 async def _pccl_worker(
-    master: str, master_pid: int, world: int, size: int, iters: int, leases: bool
+    master: str, master_pid: int, world: int, size: int, iters: int, leases: bool,
+    slice_bytes: int,
 ) -> None:
     import numpy as np
 
     import pccl_trio as pccl
 
     config = pccl.Config(
-        liveness_timeout=10.0, heartbeat_interval=1.0, insecure=True, leases=leases
+        liveness_timeout=10.0, heartbeat_interval=1.0, insecure=True, leases=leases,
+        slice_bytes=slice_bytes,
     )
     async with pccl.Communicator(master, 0, 0, config=config, p2p_host="127.0.0.1") as comm:
         while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
@@ -143,7 +148,9 @@ def _collect(workers: list[subprocess.Popen[str]], iters: int, *, master: bool) 
     return launch
 
 
-def launch_pccl(world: int, size: int, iters: int, leases: bool) -> dict[str, Any]:
+def launch_pccl(
+    world: int, size: int, iters: int, leases: bool, slice_bytes: int
+) -> dict[str, Any]:
     with master_process(
         "--liveness-timeout", "10", "--heartbeat-interval", "1", stderr=subprocess.DEVNULL
     ) as (master, address):
@@ -151,7 +158,8 @@ def launch_pccl(world: int, size: int, iters: int, leases: bool) -> dict[str, An
             subprocess.Popen(
                 [sys.executable, __file__, "--role", "pccl", "--master", address,
                  "--master-pid", str(master.pid), "--world", str(world), "--size", str(size),
-                 "--iters", str(iters), *([] if leases else ["--no-leases"])],
+                 "--iters", str(iters), "--slice-bytes", str(slice_bytes),
+                 *([] if leases else ["--no-leases"])],
                 stdout=subprocess.PIPE, text=True,
             )
             for _ in range(world)
@@ -174,12 +182,19 @@ def launch_gloo(world: int, size: int, iters: int) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> None:
     size = parse_size(args.size)
-    variants = {"on": {"pccl_trio": True}, "off": {"pccl_trio": False},
-                "both": {"pccl_trio": True, "no_leases": False}}[args.leases]
+    slices = [parse_size(s) for s in args.slice_bytes.split(",")]
+    # Per variant: (leases, slice bytes).
+    variants = {"on": {"pccl_trio": (True, slices[0])}, "off": {"pccl_trio": (False, slices[0])},
+                "both": {"pccl_trio": (True, slices[0]), "no_leases": (False, slices[0])},
+                }[args.leases]
+    variants.update({f"slices_{format_size(b).replace(' ', '')}": (args.leases != "off", b)
+                     for b in slices[1:]})
     launches: dict[str, list[dict[str, Any]]] = {**{v: [] for v in variants}, "gloo": []}
     for repeat in range(args.repeats):
-        for variant, leases in variants.items():
-            launches[variant].append(launch_pccl(args.world, size, args.iters, leases))
+        for variant, (leases, slice_bytes) in variants.items():
+            launches[variant].append(
+                launch_pccl(args.world, size, args.iters, leases, slice_bytes)
+            )
         launches["gloo"].append(launch_gloo(args.world, size, args.iters))
         print(f"launch {repeat + 1}/{args.repeats}: " + ", ".join(
             f"{name} {runs[-1]['wall_ms']:.2f} ms" for name, runs in launches.items()
@@ -216,6 +231,9 @@ if __name__ == "__main__":
     parser.add_argument("--json", default=None)
     parser.add_argument("--leases", choices=["on", "off", "both"], default="on",
                         help="Config.leases for pccl_trio; both: a run without them too")
+    parser.add_argument("--slice-bytes", default=str(Config().slice_bytes),
+                        help="comma list of Config.slice_bytes: the first for pccl_trio, "
+                             "each further one a variant (leases as pccl_trio's)")
     parser.add_argument("--no-leases", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--role", choices=["pccl", "gloo"], default=None, help=argparse.SUPPRESS)
     parser.add_argument("--master", help=argparse.SUPPRESS)
@@ -227,7 +245,8 @@ if __name__ == "__main__":
         import trio
 
         trio.run(_pccl_worker, parsed.master, parsed.master_pid, parsed.world,
-                 parse_size(parsed.size), parsed.iters, not parsed.no_leases)
+                 parse_size(parsed.size), parsed.iters, not parsed.no_leases,
+                 parse_size(parsed.slice_bytes))
     elif parsed.role == "gloo":
         _gloo_worker(parsed.rank, parsed.world, parsed.port, parse_size(parsed.size),
                      parsed.iters)
