@@ -159,25 +159,31 @@ class Agreement:
     def tell(self) -> None:
         """The part is complete (quiet, a worker thread, not under the lock): send the
         notice due if that cannot block, and wake the trio thread only when it has
-        something to do: the members agreed, or a notice is left to it."""
+        something to do: the members agreed, a notice is left to it, or the attempt
+        failed or stopped."""
         attempt, link = self._attempt, self.link
         assert link is not None
         while True:
+            # The notice is sent under the lock: once ``stop`` (which takes it) has
+            # returned, no notice of this attempt can leave, and none can follow the
+            # next attempt's frames.
             with self.lock:
                 if attempt.failure is not None or not attempt.live:
-                    return  # whoever failed or stopped it woke the trio thread
+                    # The trio thread decides: after a cancellation the part still
+                    # agrees (and the trio thread sends the notices from now on).
+                    self._wake()
+                    return
                 count = self.claim()
                 if not count:
                     if self.done:
                         self._wake()
                     return
-            ok = False
-            try:
-                ok = self.send_now(link, tag=attempt.tag, seq=attempt.seq, count=count)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the trio thread learns it when it tries
-            finally:
-                with self.lock:
+                ok = False
+                try:
+                    ok = self.send_now(link, tag=attempt.tag, seq=attempt.seq, count=count)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the trio thread learns it when it tries
+                finally:
                     self.sent(count, ok=ok)
                     if not ok:
                         self._wake()  # it sends the notice, or fails trying

@@ -701,6 +701,8 @@ class AllReduceAttempt:
                         ))
         while not self.complete and self.failure is None and self.live:
             await self._lot.park()
+        if self.complete:
+            return  # whatever happened since (a leased part waits here for its agreement)
         if self.failure is not None:
             raise LocalFailure(self.failure)
         if not self.live:

@@ -565,9 +565,9 @@ class AllReduces:
                 with agreement.lock:
                     count = agreement.claim()  # 0 too while a thread sends one
                 if count:
-                    connections = self._p2p.successor_connections(attempt.successor)
                     sent = False
                     try:
+                        connections = self._p2p.successor_connections(attempt.successor)
                         if not connections:
                             raise trio.ClosedResourceError("no open connection")
                         await agreement.send(

@@ -15,6 +15,7 @@ import trio.testing
 
 from pccl_trio._types import ReduceOp
 from pccl_trio.peer import _allreduce
+from pccl_trio.peer._agreement import Agreement
 from pccl_trio.peer._allreduce import AllReduceAttempt
 from pccl_trio.peer._staging import BufferPool, HostStaging
 from pccl_trio.transport import SocketLink
@@ -254,30 +255,43 @@ async def test_a_leased_part_completed_in_a_thread_tells_the_successor_from_ther
         await run.close()
 
 
+@pytest.mark.parametrize("told", ["before", "after"])
 async def test_a_leased_part_whose_master_knows_it_runs_wakes_the_trio_thread_at_completion(
+    told: str,
 ) -> None:
     """Once the master was told that the part runs, its end must be reported whether
-    or not the members agree: the completion wakes the trio thread, which sends the
-    notice itself (``wake_on_completion``)."""
+    or not the members agree: the completion wakes the trio thread
+    (``wake_on_completion``), also when the part completed quietly just before."""
     with trio.fail_after(20):
         run = _LeasedRun()
-        run.agreement.wake_on_completion()
+        if told == "before":
+            run.agreement.wake_on_completion()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run.send_all)
             await trio.to_thread.run_sync(run.deliver_all)
+            if told == "after":
+                headers = await trio.to_thread.run_sync(run.frames)
+                assert headers[-1] == (7, 5, 1, 0)  # quiet: the thread sent it
+                run.agreement.wake_on_completion()
             await run.returned.wait()
         with run.attempt._lock:
             assert not run.agreement.agreed
-            assert run.agreement.claim() == 1  # not sent by a thread: the trio thread's
+            # Before: no thread sent the notice, it is the trio thread's to send.
+            assert run.agreement.claim() == (1 if told == "before" else 0)
         await run.close()
 
 
 async def test_a_notice_a_thread_cannot_send_is_left_to_the_trio_thread(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """No room in the socket for the notice in the completing thread: it wakes the trio
-    thread with the notice still due, never blocking."""
-    monkeypatch.setattr(SocketLink, "has_room", lambda link, nbytes: _on_trio_thread())
+    """The completing thread cannot send the notice without blocking: it wakes the
+    trio thread with the notice still due, never blocking."""
+    original = Agreement.send_now
+
+    def send_now(connection: SocketLink, **notice: int) -> bool:
+        return _on_trio_thread() and original(connection, **notice)
+
+    monkeypatch.setattr(Agreement, "send_now", staticmethod(send_now))
     with trio.fail_after(20):
         run = _LeasedRun()
         async with trio.open_nursery() as nursery:
@@ -287,4 +301,31 @@ async def test_a_notice_a_thread_cannot_send_is_left_to_the_trio_thread(
         with run.attempt._lock:
             assert run.attempt.complete and not run.agreement.sending
             assert run.agreement.claim() == 1
+        await run.close()
+
+
+async def test_a_notice_heard_after_a_cancellation_wakes_the_trio_thread() -> None:
+    """The caller cancelled after the part completed quietly (the part still agrees,
+    and the trio thread takes the notices over): a notice heard then must wake it, or
+    it would wait for an agreement that has come."""
+    with trio.fail_after(20):
+        run = _LeasedRun()
+        woken = trio.Event()
+
+        async def wait_changed() -> None:
+            await run.attempt.wait_changed()
+            woken.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run.send_all)
+            await trio.to_thread.run_sync(run.deliver_all)
+            await trio.to_thread.run_sync(run.frames)  # the thread's notice
+            run.attempt.fail("cancelled")
+            await run.returned.wait()  # complete: the part's sending is over
+            nursery.start_soon(wait_changed)
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.to_thread.run_sync(run.agreement.on_notice, 1)
+            await woken.wait()
+        with run.attempt._lock:
+            assert run.agreement.done
         await run.close()
