@@ -33,7 +33,7 @@ the result buffer has its connection cut), and ``settle`` waits for the writers 
 were already running, so ``restore`` never races a late write.
 
 For an in-place all-reduce every slice is copied to a backup just before its first
-write, so an aborted attempt restores exactly the caller's input.
+write (``_inputs``), so an aborted attempt restores exactly the caller's input.
 
 GPU buffers run this same code: the attempt's ``staging`` (``_staging``) hands senders
 the host bytes of a slice (copied from the device into pinned memory, the next one
@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 from collections.abc import Sequence
 from functools import partial
 from typing import Any, Protocol
@@ -69,6 +68,7 @@ from ..ops import Codec, NonFiniteData, combine_into, copy_into, finalize_averag
 from ..transport import Connection, SocketLink
 from ._agreement import Agreement
 from ._blocks import BlockStore
+from ._inputs import InputBackup
 from ._protocol import Protocol as IOProtocol
 from ._protocol import SendData, Wait, run_protocol
 from ._staging import Sender, Staging
@@ -161,7 +161,6 @@ class AllReduceAttempt:
         # collective fails as an invalid argument rather than a fault.
         self.invalid: str | None = None
         self.clamped = 0
-        self.restore_seconds = 0.0  # spent putting the input back (``restore``)
         self.tx_bytes = 0
         self.rx_bytes = 0
         # Trio tasks wait on the lot; worker threads on the condition, which shares
@@ -179,11 +178,8 @@ class AllReduceAttempt:
         )
         # Readers and reductions writing into the result buffer right now.
         self._writers = 0
-        # In place: the caller's input of every slice overwritten so far, kept at the
-        # same offsets of a pooled buffer (fresh memory would cost a page fault per
-        # page on first touch, slower than the copy itself).
-        self._backup: Any = None
-        self._backed_up: list[tuple[int, int]] = []
+        # In place: the caller's input of every slice overwritten so far.
+        self._input = InputBackup(staging, self._result_bytes, lock=self._lock) if self.in_place else None
         # Connections receiving a slice straight into the result buffer right now,
         # and (threads) connections a sender is writing a frame of ours on.
         self._direct_readers: set[_Cuttable] = set()
@@ -337,12 +333,8 @@ class AllReduceAttempt:
 
     def _back_up(self, segment: Segment, start: int, stop: int) -> None:
         """In place: keep the caller's input of a slice about to be first written."""
-        if self.in_place and (segment.reduce or segment.chunk == self.schedule.rank):
-            with self._lock:
-                if self._backup is None:
-                    self._backup = self.staging.pool.take(len(self._result_bytes))
-                self._backed_up.append((start, stop))
-            self._backup[start:stop] = self._result_bytes[start:stop]
+        if self._input is not None and (segment.reduce or segment.chunk == self.schedule.rank):
+            self._input.keep(start, stop)
 
     def _write(self, segment: Segment, start: int, stop: int, payload: Any) -> None:
         with self.staging.working():
@@ -454,22 +446,21 @@ class AllReduceAttempt:
             while self._writers:
                 await self._lot.park()
 
+    @property
+    def restore_seconds(self) -> float:
+        """Time spent putting the input back (``restore``)."""
+        return self._input.restore_seconds if self._input is not None else 0.0
+
     def restore(self) -> None:
         """Put the caller's input back (in place); call only after ``settle``."""
         assert not self.live and not self._writers
-        started = time.perf_counter()
-        with self.staging.working():
-            for start, stop in self._backed_up:
-                self._result_bytes[start:stop] = self._backup[start:stop]
-        if self._backed_up:
-            self.restore_seconds += time.perf_counter() - started
-        self._backed_up.clear()
+        if self._input is not None:
+            self._input.restore()
 
     def release(self) -> None:
         """Return pooled memory; the attempt is over."""
-        if self._backup is not None:
-            self.staging.pool.give(self._backup)
-            self._backup = None
+        if self._input is not None:
+            self._input.release()
         if self._blocks is not None:
             self._blocks.release()
 

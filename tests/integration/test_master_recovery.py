@@ -301,6 +301,13 @@ def diverged_states() -> tuple[list[np.ndarray], list[pccl.SharedState]]:
     return weights, [pccl.SharedState([pccl.TensorInfo("w", w)]) for w in weights]
 
 
+def watched(comm: pccl.Communicator) -> tuple[PeerSeam, trio.Event]:
+    """``comm``'s seam, and an event set once it lost the master."""
+    seam, lost = PeerSeam(comm), trio.Event()
+    seam.on_master_lost(lost.set)
+    return seam, lost
+
+
 async def all_reduce_then_close(comms: list[pccl.Communicator]) -> None:
     """One all-reduce, exact on every peer (the run goes on), then close every peer."""
     values = [np.full(1000, i + 1.0, np.float32) for i in range(len(comms))]
@@ -392,9 +399,8 @@ async def test_a_fetch_the_master_died_during_is_not_reported_to_the_next_master
         port = int(address.rsplit(":", 1)[1])
         comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
         weights, states = diverged_states()
-        lost, killed = trio.Event(), trio.Event()
-        seam = PeerSeam(comms[2])
-        seam.on_master_lost(lost.set)
+        killed = trio.Event()
+        seam, lost = watched(comms[2])
         fetch_from = seam.fetch_from
 
         async def fetch_once_the_master_is_gone(
@@ -429,9 +435,8 @@ async def test_a_sync_that_never_completes_leaves_the_fetched_bytes_as_they_were
         address, scope = await masters.start("master")
         comms = await form_run([], [masters.communicator(f"p{i}", address) for i in range(3)])
         weights, states = diverged_states()
-        lost, fetched = trio.Event(), trio.Event()
-        seam = PeerSeam(comms[2])
-        seam.on_master_lost(lost.set)
+        fetched = trio.Event()
+        seam, lost = watched(comms[2])
         fetch_from = seam.fetch_from
 
         running = [0]
