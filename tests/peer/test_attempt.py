@@ -203,6 +203,12 @@ class _LeasedRun:
         await self.attempt.send_all([self.link])
         self.returned.set()
 
+    async def start(self, nursery: trio.Nursery) -> None:
+        """Start the part, and let it send its own chunk and wait: every slice it
+        still sends, and its completion, then come from the delivering thread."""
+        nursery.start_soon(self.send_all)
+        await trio.testing.wait_all_tasks_blocked()
+
     def deliver_all(self) -> None:
         """Every slice of the incoming stream (in a worker thread)."""
         attempt = self.attempt
@@ -239,7 +245,7 @@ async def test_a_leased_part_completed_in_a_thread_tells_the_successor_from_ther
     with trio.fail_after(20):
         run = _LeasedRun()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run.send_all)
+            await run.start(nursery)
             await trio.to_thread.run_sync(run.deliver_all)
             headers = await trio.to_thread.run_sync(run.frames)
             # The notice, from the thread: "1 member (me) completed".
@@ -267,7 +273,7 @@ async def test_a_leased_part_whose_master_knows_it_runs_wakes_the_trio_thread_at
         if told == "before":
             run.agreement.wake_on_completion()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run.send_all)
+            await run.start(nursery)
             await trio.to_thread.run_sync(run.deliver_all)
             if told == "after":
                 headers = await trio.to_thread.run_sync(run.frames)
@@ -295,7 +301,7 @@ async def test_a_notice_a_thread_cannot_send_is_left_to_the_trio_thread(
     with trio.fail_after(20):
         run = _LeasedRun()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run.send_all)
+            await run.start(nursery)
             await trio.to_thread.run_sync(run.deliver_all)
             await run.returned.wait()
         with run.attempt._lock:
@@ -317,7 +323,7 @@ async def test_a_notice_heard_after_a_cancellation_wakes_the_trio_thread() -> No
             woken.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(run.send_all)
+            await run.start(nursery)
             await trio.to_thread.run_sync(run.deliver_all)
             await trio.to_thread.run_sync(run.frames)  # the thread's notice
             run.attempt.fail("cancelled")
