@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy
 
 from .._errors import InvalidArgument
-from ._dtypes import SUPPORTED, SUPPORTED_NAMES, from_numpy_dtype
+from ._dtypes import _SEEN, SUPPORTED, SUPPORTED_NAMES, from_numpy_dtype
 
 __all__ = ["Array", "ArrayModule", "as_array", "byte_view"]
 
@@ -57,6 +57,11 @@ def as_array(obj: object, *, name: str) -> tuple[ArrayModule, Array]:
         InvalidArgument: ``obj`` is of an unsupported kind or dtype, not C-contiguous, read-only, or
             on a GPU while cupy is not installed.
     """
+    if type(obj) is numpy.ndarray:
+        # The common case, checked with the fewest calls (a step passes hundreds).
+        flags = obj.flags
+        if flags.c_contiguous and flags.writeable and obj.dtype in _SEEN:
+            return numpy, obj if obj.ndim == 1 else obj.reshape(-1)
     if isinstance(obj, numpy.ndarray):
         # A subclass's __array_ufunc__ must not run inside the reduction kernels.
         array = obj if type(obj) is numpy.ndarray else obj.view(numpy.ndarray)

@@ -96,6 +96,31 @@ def test_unsupported_dtypes_are_rejected(dtype: Any) -> None:
     assert "bfloat16" in str(info.value)  # the message lists what would have worked
 
 
+class _Subclass(numpy.ndarray):
+    pass
+
+
+def test_known_dtypes_are_checked_as_fully_as_new_ones() -> None:
+    # Once float32 was seen, a plain array of it takes the short path: it must still
+    # refuse what the full check refuses, and leave subclasses to the full check.
+    as_array(numpy.zeros(2, numpy.float32), name="send")
+    with pytest.raises(InvalidArgument, match=r"^send: .*not C-contiguous"):
+        as_array(numpy.zeros(10, numpy.float32)[::2], name="send")
+    read_only = numpy.zeros(4, numpy.float32)
+    read_only.setflags(write=False)
+    with pytest.raises(InvalidArgument, match=r"^send: .*read-only"):
+        as_array(read_only, name="send")
+    with pytest.raises(InvalidArgument, match=r"^send: dtype >f4 is not supported"):
+        as_array(numpy.zeros(3, ">f4"), name="send")
+    subclass = numpy.zeros((2, 2), numpy.float32).view(_Subclass)
+    xp, view = as_array(subclass, name="send")
+    assert_flat_view_of(xp, view, subclass)
+    one_dimensional = numpy.zeros(5, numpy.float32)
+    _, view = as_array(one_dimensional, name="send")
+    view += 2
+    assert one_dimensional.tolist() == [2.0] * 5
+
+
 @pytest.mark.parametrize("obj", [[1.0, 2.0], b"abcd", bytearray(4), 3.0, None, memoryview(bytearray(4))])
 def test_other_objects_are_rejected(obj: object) -> None:
     with pytest.raises(InvalidArgument, match=r"^send: expected .*numpy.ndarray.*__dlpack__.*, got"):
