@@ -51,7 +51,7 @@ class Config:
             per byte, and GPU buffers lose the most (``docs/gpu.md``); the default of
             4 MiB was chosen by measurement (``docs/benchmarks.md``, "Slice size"). The
             same on every peer: the master rejects an all-reduce whose members differ.
-        bucket_bytes: (peers) ``all_reduce_multiple_with_retry`` packs tensors smaller
+        bucket_bytes: (peers) ``all_reduce_multiple_with_retry`` fuses tensors smaller
             than this, of one dtype, into buckets of up to this many bytes, each reduced
             as one all-reduce (``docs/allreduce.md``, "Fusion"); 0: no fusion, one
             all-reduce per tensor. Every peer of a group must use the same value (its

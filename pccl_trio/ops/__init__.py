@@ -13,6 +13,7 @@ from ._dtypes import from_numpy_dtype as from_numpy_dtype
 from ._dtypes import to_numpy_dtype as to_numpy_dtype
 from ._hash import simplehash as simplehash
 from ._kernels import combine_into as combine_into
+from ._kernels import combine_parts as combine_parts
 from ._kernels import copy_into as copy_into
 from ._kernels import finalize_average as finalize_average
 from ._kernels import reduce_into as reduce_into

@@ -14,6 +14,8 @@ around cupy calls.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy
 
 from .._errors import InvalidArgument
@@ -21,7 +23,7 @@ from .._types import DataType, ReduceOp
 from ._buffers import Array, ArrayModule
 from ._dtypes import from_numpy_dtype
 
-__all__ = ["UFUNC_NAMES", "combine_into", "copy_into", "finalize_average", "reduce_into"]
+__all__ = ["UFUNC_NAMES", "combine_into", "combine_parts", "copy_into", "finalize_average", "reduce_into"]
 
 #: The numpy/cupy ufunc of each reduction. AVG accumulates as SUM; finalize_average
 #: divides once, after the last reduce step.
@@ -69,6 +71,19 @@ def combine_into(xp: ArrayModule, dst: Array, local: Array, src: Array, op: Redu
     ufunc = getattr(xp, UFUNC_NAMES[op])
     with numpy.errstate(all="ignore"):
         ufunc(local, src, out=dst)
+
+
+def combine_parts(
+    xp: ArrayModule, dst: Array, parts: Iterable[tuple[Array, int, int]], src: Array, op: ReduceOp
+) -> None:
+    """``combine_into`` with the local operand in parts: ``dst[a:b] = part OP src[a:b]``
+    for each ``(part, a, b)``, the same operands in the same order, so the same bits.
+    For many small parts (a fused bucket's tensors): the checks are the caller's.
+    """
+    ufunc = getattr(xp, UFUNC_NAMES[op])
+    with numpy.errstate(all="ignore"):
+        for part, a, b in parts:
+            ufunc(part, src[a:b], out=dst[a:b])
 
 
 def copy_into(xp: ArrayModule, dst: Array, src: Array) -> None:

@@ -68,6 +68,7 @@ from ..ops import Codec, NonFiniteData, combine_into, copy_into, finalize_averag
 from ..transport import Connection, SocketLink
 from ._agreement import Agreement
 from ._blocks import BlockStore
+from ._gathered import Gathered
 from ._inputs import InputBackup
 from ._protocol import Protocol as IOProtocol
 from ._protocol import SendData, Wait, run_protocol
@@ -113,7 +114,8 @@ class AllReduceAttempt:
     Args:
         staging: how bytes move between the buffers and the sockets (its ``xp`` is
             the buffers' array module).
-        send: the caller's input, a flat array.
+        send: the caller's input, a flat array, or a fused bucket's ``Gathered``
+            members (not in place, unquantized, host memory).
         result: where the result goes (``send`` itself for in place).
         op: the reduction.
         tag: the user's tag.
@@ -145,7 +147,6 @@ class AllReduceAttempt:
         self.ring = ring
         self.predecessor, self.successor = ring[rank - 1], ring[(rank + 1) % len(ring)]
         world = len(ring)
-        self.send_array = send
         self.result = result
         self.in_place = send is result
         self.itemsize = int(result.dtype.itemsize)
@@ -153,8 +154,10 @@ class AllReduceAttempt:
             count=int(result.size), itemsize=self.itemsize, world=world, rank=rank,
             slice_bytes=slice_bytes,
         )
-        self._send_bytes = send.view(np.uint8)
         self._result_bytes = result.view(np.uint8)
+        # A gathered input sends its own chunk from the result buffer (``send_all``).
+        self._gathered = send if isinstance(send, Gathered) else None
+        self._send_bytes = self._result_bytes if self._gathered else send.view(np.uint8)
         self.live = True
         self.failure: str | None = None
         # Set when this peer's data cannot be reduced (quantizing NaN or inf): the
@@ -200,10 +203,8 @@ class AllReduceAttempt:
         # in-memory network everything stays in trio tasks (virtual time).
         self.uses_threads = False
         # Quantized: the encoded blocks of the all-gather segments this peer sends.
-        self._blocks = (
-            None if codec is None
-            else BlockStore(codec, self.schedule, self.itemsize, staging.host_pool)
-        )
+        self._blocks = None if codec is None else BlockStore(
+            codec, self.schedule, self.itemsize, staging.host_pool)
 
     def under_lease(self, seq: int) -> Agreement:
         """Run as attempt ``seq`` of a lease: no commence comes, and its members agree
@@ -348,6 +349,8 @@ class AllReduceAttempt:
         if segment.reduce:
             if self.in_place:
                 reduce_into(self.xp, target, incoming, self.op)
+            elif self._gathered is not None:
+                self._gathered.combine(target, incoming, start, self.op)
             else:
                 # Not in place: the local contribution comes from the send buffer.
                 local = self._send_bytes[start:stop].view(dtype)
@@ -435,8 +438,7 @@ class AllReduceAttempt:
             self._wake(trio_too=True)
 
     async def wait_changed(self) -> None:
-        """Wait until something about the attempt may have changed (a slice, a notice,
-        a failure, a stop, a verdict): callers check again what they wait for."""
+        """Wait until something may have changed (a slice, notice, failure, stop, verdict)."""
         await self._lot.park()
 
     async def settle(self) -> None:
@@ -467,13 +469,9 @@ class AllReduceAttempt:
     # --- send side -----------------------------------------------------------------
 
     def _plan(self, connections: int) -> list[list[tuple[Segment, int]]]:
-        plan: list[list[tuple[Segment, int]]] = [[] for _ in range(connections)]
-        position = 0
-        for segment in self.schedule.send:
-            for index in range(self.schedule.slice_count(segment)):
-                plan[position % connections].append((segment, index))
-                position += 1
-        return plan
+        """The stream's slices dealt round-robin over ``connections``, in order."""
+        stream = [(s, i) for s in self.schedule.send for i in range(self.schedule.slice_count(s))]
+        return [stream[k::connections] for k in range(connections)]
 
     def _source(self, segment: Segment, index: int) -> Any:
         """The bytes of an outgoing slice in the buffers: segment 0 is our own input,
@@ -508,9 +506,8 @@ class AllReduceAttempt:
 
     def _scratch(self) -> Any:
         """Host room for one outgoing encoded block (None unquantized)."""
-        if self.codec is None:
-            return None
-        return self.staging.host_empty(self._payload_size(self.schedule.slice_bytes))
+        size = self._payload_size(self.schedule.slice_bytes)
+        return None if self.codec is None else self.staging.host_empty(size)
 
     def _prefetch(self, sender: Sender, slices: list[tuple[Segment, int]], position: int) -> None:
         """Start staging the sender's slice at ``position`` if it is ready."""
@@ -665,6 +662,9 @@ class AllReduceAttempt:
             self.fail(self.failure or "no open connection to the next peer")
             raise LocalFailure(self.failure or "")
         self.uses_threads = any(isinstance(c, SocketLink) for c in connections)
+        if self._gathered is not None:  # before any slice of it leaves (``_gathered``)
+            own = self.schedule.send[0]
+            self._gathered.gather(self._result_bytes, own.start, own.start + own.nbytes)
         links = tuple(c for c in connections if isinstance(c, SocketLink))
         if self.agreement is not None and isinstance(connections[0], SocketLink):
             with self._lock:  # before any slice leaves: none can complete the part yet

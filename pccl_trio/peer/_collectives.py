@@ -277,11 +277,6 @@ class AllReduces:
                           request.quantization.quantized_datatype, request.hint)
         staging = staging_for(request.xp, gpu_of(request.xp, request.result))
         staging.check_slices(self._config.slice_bytes, int(request.result.nbytes))
-        if request.fill is not None:
-            # Before the attempt is reachable: a reader thread combines a frame into the
-            # input the moment its number is known (a commence may be applied while the
-            # vote is still being sent; an attempt under a lease is numbered at once).
-            request.fill()
         attempt = AllReduceAttempt(
             staging=staging, send=request.send, result=request.result, op=request.op, tag=request.tag,
             ring=ring, rank=ring.index(self._session.peer_id),

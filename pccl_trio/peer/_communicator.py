@@ -597,7 +597,7 @@ class Communicator:
     ) -> ReduceInfo:
         """All-reduce every tensor in place, fused into buckets, retrying after dropouts.
 
-        Tensors smaller than ``Config.bucket_bytes`` are packed by dtype, in order, into
+        Tensors smaller than ``Config.bucket_bytes`` are fused by dtype, in order, into
         buckets of up to that size (not when quantized); the others go alone, zero-copy.
         Each bucket is one all-reduce, its tag the bucket's index (with no fusion: the
         tensor's index); every peer must pass the same list. At most ``max_in_flight``

@@ -12,17 +12,15 @@ fused with others would be quantized with their range, and its error would depen
 its neighbours and on ``bucket_bytes`` (see ``docs/allreduce.md``).
 
 A bucket of one tensor is that tensor's own request: zero-copy, the caller's buffer
-is the all-reduce buffer, as without fusion. A bucket of several is a view of one
-staging buffer, taken for the whole call from a pool that keeps its pages between
-steps; the members are copied into it when the bucket's attempt is made, before it can
-move a byte (a retry copies them again, unchanged). Each bucket is one
-all-reduce whose tag is the bucket's index (``RetriedReduces.run``
-retries it as it retries a tensor), from the packed input into a second view of the
-staging buffer: the input is never written, so a retry starts from it, and no backup
-is taken, which makes up for the copy of packing. The caller's tensors are not
-written until the bucket succeeded; then, and only then, its result is copied back
-into its members. Each tensor therefore ends with its input, the old world's result or the
-new world's, as without fusion.
+is the all-reduce buffer, as without fusion. A bucket of several is one all-reduce
+whose tag is the bucket's index (``RetriedReduces.run`` retries it as it retries a
+tensor). Its input is its members where they lie (``_gathered.Gathered``: the ring
+reads them in place, nothing packs them), its result a view of one staging buffer,
+taken for the whole call from a pool that keeps its pages between steps. The caller's
+tensors are not written until the bucket succeeded, so a retry reads the same input
+again and no backup is taken; then, and only then, the result is copied into the
+members. Each tensor therefore ends with its input, the old world's result or the new
+world's, as without fusion.
 """
 
 from __future__ import annotations
@@ -35,6 +33,7 @@ import numpy as np
 
 from .._core.buckets import plan_buckets
 from .._types import ReduceInfo
+from ._gathered import Gathered
 from ._requests import ReduceRequest
 from ._retry import RetriedReduces
 from ._staging import BufferPool
@@ -48,26 +47,6 @@ _ALIGN = 64
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class _Packed:
-    """A bucket of several tensors: its two views of the staging buffer (the packed
-    inputs, the result), and where each member's elements lie in them."""
-
-    send: np.ndarray
-    result: np.ndarray
-    members: tuple[ReduceRequest, ...]
-    starts: tuple[int, ...]  # element offsets (the members, packed in order)
-
-    def pack(self) -> None:
-        np.concatenate([member.send for member in self.members], out=self.send)
-
-    def unpack(self) -> None:
-        result = self.result
-        for member, start in zip(self.members, self.starts, strict=True):
-            # Item assignment of equal dtypes: a plain copy, cheaper to call than copyto.
-            member.result[...] = result[start:start + member.result.size]
 
 
 class Fusion:
@@ -104,11 +83,8 @@ class Fusion:
                 nbytes = sum(int(requests[i].result.nbytes) for i in members)
                 layout.append((total, nbytes))
                 total += _aligned(nbytes)
-        # Inputs in the first half, results in the second: a bucket is reduced into
-        # its result half, so its packed input stays as it is for a retry, and no
-        # backup of it is taken (an in-place all-reduce would copy it once more).
-        staging = self._staging.take(2 * total) if total else None
-        packed: dict[int, _Packed] = {}
+        staging = self._staging.take(total) if total else None
+        several: dict[int, Gathered] = {}
         bucket_requests: list[ReduceRequest] = []
         offsets = iter(layout)
         for index, members in enumerate(buckets):
@@ -119,24 +95,16 @@ class Fusion:
             assert staging is not None
             offset, nbytes = next(offsets)
             dtype = first.result.dtype
-            send = staging[offset:offset + nbytes].view(dtype)
-            result = staging[total + offset:total + offset + nbytes].view(dtype)
-            starts, start = [], 0
-            for i in members:
-                starts.append(start)
-                start += int(requests[i].result.size)
-            bucket = packed[index] = _Packed(
-                send=send, result=result, members=tuple(requests[i] for i in members),
-                starts=tuple(starts),
-            )
-            bucket_requests.append(
-                dataclasses.replace(first, tag=index, send=send, result=result, fill=bucket.pack)
-            )
+            result = staging[offset:offset + nbytes].view(dtype)
+            # In place (``requests[i].send is requests[i].result``): the members are
+            # the input, and where the result goes once the bucket succeeded.
+            send = several[index] = Gathered([requests[i].send for i in members])
+            bucket_requests.append(dataclasses.replace(first, tag=index, send=send, result=result))
 
         def written(index: int) -> None:
-            bucket = packed.get(index)
+            bucket = several.get(index)
             if bucket is not None:
-                bucket.unpack()
+                bucket.scatter(bucket_requests[index].result)
 
         info = await self._retried.run(
             bucket_requests, max_in_flight, members=buckets, on_success=written

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,13 +39,10 @@ class ReduceRequest:
 
     Attributes:
         xp: the array module of the buffers.
-        send: the input, a flat array; result: where the result goes (``send`` itself
-            for in place).
+        send: the input, a flat array (or a fused bucket's members, ``_gathered``);
+            result: where the result goes (``send`` itself for in place).
         quantization: None when the call is not quantized (``QuantizationAlgorithm.NONE``
             included).
-        fill: None, or what fills ``send`` when an attempt is made, before it can
-            receive or send a byte (fusion packs a bucket then); called before each
-            attempt, it must give the same bytes each time.
     """
 
     tag: int
@@ -56,7 +52,6 @@ class ReduceRequest:
     op: ReduceOp
     quantization: QuantizationOptions | None
     hint: DistributionHint
-    fill: Callable[[], None] | None = None
 
     def vote(self, slice_bytes: int, *, lease: bool = False) -> CollectiveInitiate:
         """The descriptor every peer of the group must vote alike (``slice_bytes``: this

@@ -18,9 +18,7 @@ import pytest
 import trio
 
 import pccl_trio as pccl
-from pccl_trio._core.messages import CollectiveCommence
-from pccl_trio.peer._fusion import _Packed
-from pccl_trio.peer._receiver import DataReceiver
+from pccl_trio.peer._gathered import Gathered
 from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, die_mid_all_reduce, fine, form_run, run_all
@@ -357,40 +355,23 @@ async def test_a_peer_without_leases_keeps_the_tag_with_the_master(
             await comm.aclose()
 
 
-async def test_a_bucket_is_packed_before_its_attempt_can_take_a_frame(
+async def test_a_bucket_reads_its_tensors_in_place_through_the_master_and_leased(
     cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A fused bucket's input is packed before its attempt can be reached by a frame:
-    when the master's commence numbers it (the commence may be applied while the vote
-    is still being sent) and when a lease numbers it. A reader thread combines a frame
-    into the input the moment its attempt is reachable; a pack after that would mix the
-    staging buffer's old bytes into the result (it did, one launch in a few, on TCP)."""
+    """A fused bucket's input is its tensors where they lie: of the input, only this
+    peer's own chunk is copied (into the result buffer, to be sent from there), once
+    per attempt, before any of it leaves. Exact through the master and under a lease,
+    whose part starts the moment the attempt is made (a reader thread may combine a
+    frame into the result at once)."""
     cluster.config = dataclasses.replace(cluster.config, bucket_bytes=64 << 10)
-    packed: set[int] = set()
-    unpacked_reachable: list[int] = []
-    real_pack, real_start, real_commence = _Packed.pack, DataReceiver.start_leased, \
-        DataReceiver.on_commence
+    copied: list[tuple[int, int]] = []  # (bytes gathered, bytes of the bucket)
+    real_gather = Gathered.gather
 
-    def pack(self: _Packed) -> None:
-        real_pack(self)
-        packed.add(id(self.send))
+    def gather(self: Gathered, out: np.ndarray, start: int, stop: int) -> None:
+        copied.append((stop - start, self.nbytes))
+        real_gather(self, out, start, stop)
 
-    def check(attempt: object) -> None:
-        send = getattr(attempt, "send_array", None)
-        if send is not None and send.base is not None and id(send) not in packed:
-            unpacked_reachable.append(getattr(attempt, "tag", -1))
-
-    def start_leased(self: DataReceiver, attempt: object, first: int, seq: int) -> None:
-        check(attempt)
-        real_start(self, attempt, first, seq)
-
-    def on_commence(self: DataReceiver, message: CollectiveCommence) -> None:
-        check(self.by_tag.get(message.tag))
-        real_commence(self, message)
-
-    monkeypatch.setattr(_Packed, "pack", pack)
-    monkeypatch.setattr(DataReceiver, "start_leased", start_leased)
-    monkeypatch.setattr(DataReceiver, "on_commence", on_commence)
+    monkeypatch.setattr(Gathered, "gather", gather)
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
         rng = np.random.default_rng(7)
@@ -406,6 +387,9 @@ async def test_a_bucket_is_packed_before_its_attempt_can_take_a_frame(
                 want = data[0][t] + data[1][t] + data[2][t]
                 assert all((tensors[i][t] == want).all() for i in range(3)), (step, t)
         assert PeerSeam(comms[0]).leased(0)
-        assert unpacked_reachable == []
+        # 40 x 8000 bytes in 64 KiB buckets: 5 buckets of 8 tensors, each peer copying
+        # a third of each (its own chunk), once per bucket and step.
+        assert len(copied) == 3 * 5 * 3
+        assert all(3 * chunk <= whole + 3 * 4 and whole == 8 * 8000 for chunk, whole in copied)
         for comm in comms:
             await comm.aclose()

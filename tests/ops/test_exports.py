@@ -5,8 +5,8 @@ from __future__ import annotations
 import pccl_trio.ops as ops
 
 PUBLIC = {
-    "Array", "ArrayModule", "as_array", "byte_view", "combine_into", "copy_into", "finalize_average",
-    "from_numpy_dtype", "reduce_into", "to_numpy_dtype", "Codec", "NonFiniteData",
+    "Array", "ArrayModule", "as_array", "byte_view", "combine_into", "combine_parts", "copy_into",
+    "finalize_average", "from_numpy_dtype", "reduce_into", "to_numpy_dtype", "Codec", "NonFiniteData",
     "check_quantization", "META_BYTES", "simplehash", "CROSSINGS",
 }
 

@@ -1,0 +1,106 @@
+"""A fused bucket's input, read where its tensors lie.
+
+Theory of operation
+-------------------
+A bucket of several tensors is one all-reduce over their concatenation. Its result
+needs a buffer of its own (the tensors are written only once the bucket succeeded,
+``_fusion``), but its input does not: the ring reads a peer's input in two places
+only, and both can read the tensors themselves.
+
+* The reduce-scatter combines a received slice with the same bytes of the input,
+  ``result = input OP received``. ``combine`` does that piece by piece, one ufunc call
+  per tensor the slice overlaps, with the same operands in the same order as one call
+  over a packed copy would: the same bits.
+* Segment 0 of the send stream is this peer's own chunk of the input, sent as it is.
+  Sending wants one contiguous buffer, so ``gather`` copies that chunk into the
+  result buffer at its own offsets before the first byte leaves. Nothing else
+  writes there until the all-gather brings the chunk's final value, which depends on
+  this peer's chunk having arrived at the next peer, so the bytes were sent by then.
+
+Once the bucket succeeded, ``scatter`` copies its result into the members (the
+tensors, as the caller passed them: in place).
+
+Packing the whole bucket would copy every byte once more before the ring could start:
+on a two-core host that pass over memory was about a quarter of a fused step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._types import ReduceOp
+from ..ops import combine_parts
+
+__all__ = ["Gathered"]
+
+
+class Gathered:
+    """The concatenation of ``members`` (flat host arrays of one dtype), unpacked.
+
+    Offsets are bytes of the concatenation (the layout of the bucket's result buffer).
+    """
+
+    def __init__(self, members: Sequence[np.ndarray]) -> None:
+        if not members:
+            raise ValueError("a gathered input needs at least one member")
+        self.dtype: np.dtype[Any] = members[0].dtype
+        self.itemsize = int(self.dtype.itemsize)
+        self.members = tuple(members)
+        starts, size = [], 0
+        for member in self.members:
+            if member.dtype != self.dtype or member.ndim != 1:
+                raise ValueError("gathered members must be flat arrays of one dtype")
+            starts.append(size)
+            size += int(member.size)
+        self._starts = starts  # element offsets of the members
+        self.size = size
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.itemsize
+
+    def _pieces(self, first: int, last: int) -> list[tuple[np.ndarray, int, int]]:
+        """``(member part, a, b)`` covering elements ``[first, last)`` of the input,
+        ``[a, b)`` counted from ``first``."""
+        pieces = []
+        members, starts = self.members, self._starts
+        index = bisect.bisect_right(starts, first) - 1
+        at = first
+        while at < last:
+            member, offset = members[index], starts[index]
+            end = min(last, offset + int(member.size))
+            whole = at == offset and end - offset == member.size
+            pieces.append((member if whole else member[at - offset:end - offset], at - first, end - first))
+            at = end
+            index += 1
+        return pieces
+
+    def _elements(self, start: int, stop: int) -> tuple[int, int]:
+        if start % self.itemsize or stop % self.itemsize or not 0 <= start <= stop <= self.nbytes:
+            raise ValueError(f"bytes [{start}, {stop}) are not whole elements of the input")
+        return start // self.itemsize, stop // self.itemsize
+
+    def gather(self, out: np.ndarray, start: int, stop: int) -> None:
+        """Copy bytes ``[start, stop)`` of the input to the same bytes of ``out`` (a
+        uint8 array as long as the input)."""
+        first, last = self._elements(start, stop)
+        target = out[start:stop].view(self.dtype)
+        for part, a, b in self._pieces(first, last):
+            target[a:b] = part
+
+    def scatter(self, source: np.ndarray) -> None:
+        """Copy ``source`` (an array of the input's dtype and size) into the members."""
+        for member, start in zip(self.members, self._starts, strict=True):
+            # Item assignment of equal dtypes: a plain copy, cheaper to call than copyto.
+            member[...] = source[start:start + member.size]
+
+    def combine(self, target: np.ndarray, incoming: np.ndarray, start: int, op: ReduceOp) -> None:
+        """``target = input[start:...] OP incoming`` elementwise, ``target`` and
+        ``incoming`` being arrays of the input's dtype and ``start`` a byte offset:
+        ``ops.combine_into``'s operands in its order, in parts, so the same bits."""
+        first, last = self._elements(start, start + int(target.size) * self.itemsize)
+        combine_parts(np, target, self._pieces(first, last), incoming, op)
