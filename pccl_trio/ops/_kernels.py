@@ -77,7 +77,9 @@ def combine_parts(
     xp: ArrayModule, dst: Array, parts: Iterable[tuple[Array, int, int]], src: Array, op: ReduceOp
 ) -> None:
     """``combine_into`` with the local operand in parts: ``dst[a:b] = part OP src[a:b]``
-    for each ``(part, a, b)``, the same operands in the same order, so the same bits.
+    for each ``(part, a, b)``, the same operands in the same order, so the same values
+    (where both operands are NaN, which NaN's payload is kept may differ: numpy's
+    vector and tail loops keep different ones).
     For many small parts (a fused bucket's tensors): the checks are the caller's.
     """
     ufunc = getattr(xp, UFUNC_NAMES[op])

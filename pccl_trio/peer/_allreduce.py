@@ -155,9 +155,10 @@ class AllReduceAttempt:
             slice_bytes=slice_bytes,
         )
         self._result_bytes = result.view(np.uint8)
-        # A gathered input sends its own chunk from the result buffer (``send_all``).
+        # A gathered input (host, unquantized) sends its own chunk from the result.
         self._gathered = send if isinstance(send, Gathered) else None
-        self._send_bytes = self._result_bytes if self._gathered else send.view(np.uint8)
+        assert self._gathered is None or (codec is None and self.xp is np)
+        self._send_bytes = self._result_bytes if self._gathered is not None else send.view(np.uint8)
         self.live = True
         self.failure: str | None = None
         # Set when this peer's data cannot be reduced (quantizing NaN or inf): the
@@ -449,8 +450,7 @@ class AllReduceAttempt:
                 await self._lot.park()
 
     @property
-    def restore_seconds(self) -> float:
-        """Time spent putting the input back (``restore``)."""
+    def restore_seconds(self) -> float:  # spent putting the input back (``restore``)
         return self._input.restore_seconds if self._input is not None else 0.0
 
     def restore(self) -> None:

@@ -600,8 +600,10 @@ class Communicator:
         Tensors smaller than ``Config.bucket_bytes`` are fused by dtype, in order, into
         buckets of up to that size (not when quantized); the others go alone, zero-copy.
         Each bucket is one all-reduce, its tag the bucket's index (with no fusion: the
-        tensor's index); every peer must pass the same list. At most ``max_in_flight``
-        buckets run at once, launched in order on every peer. When a peer drops,
+        tensor's index); every peer must pass the same list, of tensors that share no
+        memory (one listed twice, or overlapping views, would be read by one bucket
+        while another writes it). At most ``max_in_flight`` buckets run at once,
+        launched in order on every peer. When a peer drops,
         every all-reduce in flight is aborted together (inputs restored); the
         unfinished ones run again with the survivors, so each tensor ends as the
         reduction over the old world or over the new one, identical on every survivor.

@@ -83,7 +83,8 @@ class Fusion:
                 nbytes = sum(int(requests[i].result.nbytes) for i in members)
                 layout.append((total, nbytes))
                 total += _aligned(nbytes)
-        staging = self._staging.take(total) if total else None
+        # (Buckets of empty tensors only are empty all-reduces, of an empty result.)
+        staging = self._staging.take(total) if total else np.empty(0, np.uint8)
         several: dict[int, Gathered] = {}
         bucket_requests: list[ReduceRequest] = []
         offsets = iter(layout)
@@ -92,7 +93,6 @@ class Fusion:
             if len(members) == 1:
                 bucket_requests.append(dataclasses.replace(first, tag=index))
                 continue
-            assert staging is not None
             offset, nbytes = next(offsets)
             dtype = first.result.dtype
             result = staging[offset:offset + nbytes].view(dtype)
@@ -110,6 +110,6 @@ class Fusion:
             bucket_requests, max_in_flight, members=buckets, on_success=written
         )
         # Only after a normal return: every attempt is over, nothing writes to it.
-        if staging is not None:
+        if total:
             self._staging.give(staging)
         return info

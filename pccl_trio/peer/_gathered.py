@@ -10,7 +10,10 @@ only, and both can read the tensors themselves.
 * The reduce-scatter combines a received slice with the same bytes of the input,
   ``result = input OP received``. ``combine`` does that piece by piece, one ufunc call
   per tensor the slice overlaps, with the same operands in the same order as one call
-  over a packed copy would: the same bits.
+  over a packed copy would: the same values. (Only where both operands are NaN may the
+  payload of the NaN kept differ, as it already did with where slices end: numpy's
+  vector and tail loops keep different ones. Peers still agree: a chunk is combined
+  at one peer and its bytes copied to the others.)
 * Segment 0 of the send stream is this peer's own chunk of the input, sent as it is.
   Sending wants one contiguous buffer, so ``gather`` copies that chunk into the
   result buffer at its own offsets before the first byte leaves. Nothing else
@@ -101,6 +104,6 @@ class Gathered:
     def combine(self, target: np.ndarray, incoming: np.ndarray, start: int, op: ReduceOp) -> None:
         """``target = input[start:...] OP incoming`` elementwise, ``target`` and
         ``incoming`` being arrays of the input's dtype and ``start`` a byte offset:
-        ``ops.combine_into``'s operands in its order, in parts, so the same bits."""
+        ``ops.combine_into``'s operands in its order, in parts (see the module docstring)."""
         first, last = self._elements(start, start + int(target.size) * self.itemsize)
         combine_parts(np, target, self._pieces(first, last), incoming, op)

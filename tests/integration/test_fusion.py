@@ -322,3 +322,17 @@ async def test_a_bad_tensor_is_named_by_its_index_before_anything_runs(
         assert bool((good == 1).all())
         for comm in comms:
             await comm.aclose()
+
+
+async def test_a_bucket_of_empty_tensors_is_an_empty_all_reduce(
+    cluster: Cluster, clock: object
+) -> None:
+    with trio.fail_after(60):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        tensors = [[np.zeros(0, np.float32), np.zeros((2, 0), np.float32),
+                    np.full(5, rank + 1, np.int32)] for rank in range(2)]
+        infos = await run_all(comms, lambda i, c: c.all_reduce_multiple_with_retry(tensors[i]))
+        assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+        assert all(row[2].tolist() == [3] * 5 and row[0].size == row[1].size == 0 for row in tensors)
+        for comm in comms:
+            await comm.aclose()
