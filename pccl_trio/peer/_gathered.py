@@ -10,10 +10,13 @@ only, and both can read the tensors themselves.
 * The reduce-scatter combines a received slice with the same bytes of the input,
   ``result = input OP received``. ``combine`` does that piece by piece, one ufunc call
   per tensor the slice overlaps, with the same operands in the same order as one call
-  over a packed copy would: the same values. (Only where both operands are NaN may the
-  payload of the NaN kept differ, as it already did with where slices end: numpy's
-  vector and tail loops keep different ones. Peers still agree: a chunk is combined
-  at one peer and its bytes copied to the others.)
+  over a packed copy would: the same values. (Only where both operands are NaN may
+  the payload of the NaN kept differ, as it already did with where slices end:
+  numpy's vector and tail loops keep different ones. Peers still agree: a chunk is
+  combined at one peer and its bytes copied to the others.) When the slice covers
+  many small tensors, whose calls would cost more than their bytes, it copies them
+  into the result first (one call) and combines there (one call), the same operands
+  again.
 * Segment 0 of the send stream is this peer's own chunk of the input, sent as it is.
   Sending wants one contiguous buffer, so ``gather`` copies that chunk into the
   result buffer at its own offsets before the first byte leaves. Nothing else
@@ -36,9 +39,14 @@ from typing import Any
 import numpy as np
 
 from .._types import ReduceOp
-from ..ops import combine_parts
+from ..ops import combine_parts, reduce_into
 
 __all__ = ["Gathered"]
+
+#: Below this many bytes per tensor on average, a range's tensors are combined by
+#: copying them into place first (one call) and combining once: a call per tensor
+#: costs microseconds, as much as copying tens of kilobytes.
+SMALL_PIECES = 64 << 10
 
 
 class Gathered:
@@ -91,9 +99,9 @@ class Gathered:
         """Copy bytes ``[start, stop)`` of the input to the same bytes of ``out`` (a
         uint8 array as long as the input)."""
         first, last = self._elements(start, stop)
-        target = out[start:stop].view(self.dtype)
-        for part, a, b in self._pieces(first, last):
-            target[a:b] = part
+        if last > first:
+            parts = [part for part, _, _ in self._pieces(first, last)]
+            np.concatenate(parts, out=out[start:stop].view(self.dtype))
 
     def scatter(self, source: np.ndarray) -> None:
         """Copy ``source`` (an array of the input's dtype and size) into the members."""
@@ -106,4 +114,11 @@ class Gathered:
         ``incoming`` being arrays of the input's dtype and ``start`` a byte offset:
         ``ops.combine_into``'s operands in its order, in parts (see the module docstring)."""
         first, last = self._elements(start, start + int(target.size) * self.itemsize)
-        combine_parts(np, target, self._pieces(first, last), incoming, op)
+        pieces = self._pieces(first, last)
+        if len(pieces) > 1 and target.nbytes < len(pieces) * SMALL_PIECES:
+            # Many small tensors: copy them into place, then combine in one call
+            # (``reduce_into`` takes the local operand first, as ``combine_into`` does).
+            np.concatenate([part for part, _, _ in pieces], out=target)
+            reduce_into(np, target, incoming, op)
+        else:
+            combine_parts(np, target, pieces, incoming, op)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from pccl_trio import ReduceOp
 from pccl_trio.ops import combine_into
+from pccl_trio.peer import _gathered
 from pccl_trio.peer._gathered import Gathered
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.float64, np.int32, np.int8]
@@ -23,6 +24,7 @@ def _members(rng: np.random.Generator, sizes: list[int], dtype: Any) -> list[np.
     return [rng.standard_normal(size).astype(dtype) for size in sizes]
 
 
+@pytest.mark.parametrize("small_pieces", [0, 1 << 30], ids=["per-tensor", "copied-first"])
 @settings(derandomize=True, database=None, deadline=None, max_examples=80)
 @given(
     sizes=st.lists(st.integers(0, 40), min_size=1, max_size=12),
@@ -32,6 +34,19 @@ def _members(rng: np.random.Generator, sizes: list[int], dtype: Any) -> list[np.
     seed=st.integers(0, 2**16),
 )
 def test_a_range_reads_as_the_packed_input_would(
+    small_pieces: int, sizes: list[int], dtype: Any, op: ReduceOp, cut: tuple[float, float],
+    seed: int,
+) -> None:
+    # Both ways of combining: a kernel call per tensor, and the tensors copied into
+    # the target first (below ``SMALL_PIECES`` bytes per tensor).
+    saved, _gathered.SMALL_PIECES = _gathered.SMALL_PIECES, small_pieces
+    try:
+        _check_a_range(sizes, dtype, op, cut, seed)
+    finally:
+        _gathered.SMALL_PIECES = saved
+
+
+def _check_a_range(
     sizes: list[int], dtype: Any, op: ReduceOp, cut: tuple[float, float], seed: int
 ) -> None:
     rng = np.random.default_rng(seed)
