@@ -470,7 +470,7 @@ class AllReduceAttempt:
 
     def _plan(self, connections: int) -> list[list[tuple[Segment, int]]]:
         """The stream's slices dealt round-robin over ``connections``, in order."""
-        stream = [(s, i) for s in self.schedule.send for i in range(self.schedule.slice_count(s))]
+        stream = [(s, i) for s in self.schedule.send for i in range(self.schedule.send_slices[s.index])]
         return [stream[k::connections] for k in range(connections)]
 
     def _source(self, segment: Segment, index: int) -> Any:

@@ -76,35 +76,37 @@ class Fusion:
         """All-reduce every tensor of ``requests`` in its bucket, retrying after
         dropouts; the results are in the tensors (see ``RetriedReduces.run``)."""
         buckets = self.plan(requests)
-        layout: list[tuple[int, int]] = []  # per bucket of several: (offset, nbytes)
+        # A bucket of several tensors: its input is its members (in place, so also
+        # where its result goes once it succeeded), its result a view of the staging
+        # buffer, at an offset of its own.
+        several = {
+            index: Gathered([requests[i].send for i in members])
+            for index, members in enumerate(buckets) if len(members) > 1
+        }
+        offsets: dict[int, int] = {}
         total = 0
-        for members in buckets:
-            if len(members) > 1:
-                nbytes = sum(int(requests[i].result.nbytes) for i in members)
-                layout.append((total, nbytes))
-                total += _aligned(nbytes)
+        for index, bucket in several.items():
+            offsets[index] = total
+            total += _aligned(bucket.nbytes)
         # (Buckets of empty tensors only are empty all-reduces, of an empty result.)
         staging = self._staging.take(total) if total else np.empty(0, np.uint8)
-        several: dict[int, Gathered] = {}
         bucket_requests: list[ReduceRequest] = []
-        offsets = iter(layout)
         for index, members in enumerate(buckets):
             first = requests[members[0]]
-            if len(members) == 1:
+            gathered = several.get(index)
+            if gathered is None:
                 bucket_requests.append(dataclasses.replace(first, tag=index))
                 continue
-            offset, nbytes = next(offsets)
-            dtype = first.result.dtype
-            result = staging[offset:offset + nbytes].view(dtype)
-            # In place (``requests[i].send is requests[i].result``): the members are
-            # the input, and where the result goes once the bucket succeeded.
-            send = several[index] = Gathered([requests[i].send for i in members])
-            bucket_requests.append(dataclasses.replace(first, tag=index, send=send, result=result))
+            offset = offsets[index]
+            result = staging[offset:offset + gathered.nbytes].view(gathered.dtype)
+            bucket_requests.append(
+                dataclasses.replace(first, tag=index, send=gathered, result=result)
+            )
 
         def written(index: int) -> None:
-            bucket = several.get(index)
-            if bucket is not None:
-                bucket.scatter(bucket_requests[index].result)
+            done = several.get(index)
+            if done is not None:
+                done.scatter(bucket_requests[index].result)
 
         info = await self._retried.run(
             bucket_requests, max_in_flight, members=buckets, on_success=written
