@@ -1,7 +1,10 @@
-"""Pure ring math: ordering peers into a ring that avoids unreachable links.
+"""Pure ring math: ordering peers into a ring that avoids unreachable links, and the
+schedule of a collective over a ring.
 
 A ring is a list of peer ids; member ``i`` sends to ``ring[(i + 1) % n]`` and
-receives from ``ring[i - 1]``. Only those directed edges must be reachable.
+receives from ``ring[i - 1]``. Only those directed edges must be reachable. What a
+member sends and receives in a collective, and what it does with each byte it
+receives, is its ``RingSchedule``.
 """
 
 from __future__ import annotations
@@ -107,13 +110,22 @@ class Segment:
     """One chunk's worth of a peer's send or receive stream.
 
     Attributes:
-        index: position in the stream, 0 .. 2W-3.
+        index: position in its stream.
         chunk: which chunk of the buffer it carries.
         start: byte offset of that chunk in the buffer.
         nbytes: its length in bytes.
         stream_offset: where the segment starts in the stream.
-        reduce: received data is combined into the buffer (reduce-scatter) rather
-            than copied over it (all-gather).
+        reduce: the data is a partial result, combined into the buffer where it
+            arrives (``local OP incoming``), rather than a final value copied over it.
+        forwards: (a send segment) the received segment whose slices it sends, each
+            once it arrived and was written; None: it sends this peer's input.
+        forwarded_by: (a received segment) the send segment that forwards it; None:
+            its data goes no further.
+        first_write: (a received segment) its bytes of the buffer are written for the
+            first time in the collective: an in-place input is kept just before.
+        completes: (a received segment) combining it makes the chunk's final value,
+            here, once: an average is divided here, and a codec encodes the block
+            every peer then decodes.
     """
 
     index: int
@@ -122,43 +134,72 @@ class Segment:
     nbytes: int
     stream_offset: int
     reduce: bool
+    forwards: int | None = None
+    forwarded_by: int | None = None
+    first_write: bool = False
+    completes: bool = False
 
 
 class RingSchedule:
-    """Who sends which bytes when, for one peer of a ring all-reduce.
+    """Who sends which bytes when, for one peer of a ring collective.
 
-    Theory of operation: reduce-scatter then all-gather, fused into one stream per
-    direction. Rank ``r`` of ``W`` sends ``2(W-1)`` segments to ``r+1``: segment 0 is
-    its own chunk ``r``; segment ``k`` is chunk ``r-k``, i.e. exactly what it received
-    as segment ``k-1``, once combined (``k-1 < W-1``) or copied (``k-1 >= W-1``). So a
-    slice may be forwarded as soon as the same slice of the previous segment arrived,
-    and the whole operation pipelines slice by slice. The accumulation order of chunk
-    ``c`` is fixed (it starts at rank ``c`` and is combined at ``c+1, ..., c+W-1``, in
-    the form ``local OP incoming``), and its final value is computed once, by its
-    owner ``c-1``, and copied everywhere else: every peer ends bit-identical.
+    Theory of operation: a ring collective is, at each peer, two streams of bytes:
+    what it sends to its successor and what it receives from its predecessor, each a
+    sequence of *segments* (one chunk of the buffer apiece). A received segment says
+    what the receiver does with it: combine it into the buffer (``reduce``) or copy
+    it there, and whether it is sent on (``forwarded_by``). A send segment sends
+    either this peer's input or, slice for slice, a received segment once each slice
+    of it is written (``forwards``): so a collective pipelines slice by slice, and the
+    data path (``peer/_attempt.py``) runs any collective given its schedule. The
+    schedule of rank ``r``'s send stream is the schedule of rank ``r+1``'s receive
+    stream, segment for segment.
 
     Every segment is cut into slices of ``slice_bytes`` (a multiple of the item size);
     a slice travels as one data frame whose offset is its position in the stream.
+
+    The all-reduce (``all_reduce``) is reduce-scatter then all-gather, fused into
+    one stream per direction. Rank ``r`` of ``W`` sends ``2(W-1)`` segments to ``r+1``:
+    segment 0 is its own chunk ``r``; segment ``k`` is chunk ``r-k``, i.e. exactly what
+    it received as segment ``k-1``, once combined (``k-1 < W-1``) or copied
+    (``k-1 >= W-1``). The accumulation order of chunk ``c`` is fixed (it starts at rank
+    ``c`` and is combined at ``c+1, ..., c+W-1``, in the form ``local OP incoming``), and
+    its final value is computed once, by its owner ``c-1``, and copied everywhere
+    else: every peer ends bit-identical.
+
+    Args:
+        world: the ring's size; rank: this peer's position in it.
+        itemsize: the bytes of one element (slices hold whole elements).
+        slice_bytes: the largest slice, rounded down to whole elements.
+        send, recv: the two streams' segments, in stream order.
+
+    Raises:
+        ValueError: the segments do not make a schedule (not contiguous, or a
+            forward that does not match what it forwards).
     """
 
     def __init__(
-        self, *, count: int, itemsize: int, world: int, rank: int, slice_bytes: int
+        self,
+        *,
+        world: int,
+        rank: int,
+        itemsize: int,
+        slice_bytes: int,
+        send: Sequence[Segment],
+        recv: Sequence[Segment],
     ) -> None:
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in a ring of {world}")
         if itemsize < 1 or slice_bytes < 1:
             raise ValueError("itemsize and slice_bytes must be positive")
-        self.count = count
-        self.itemsize = itemsize
         self.world = world
         self.rank = rank
+        self.itemsize = itemsize
         self.slice_bytes = max(itemsize, slice_bytes - slice_bytes % itemsize)
-        self.chunks = tuple(
-            (start * itemsize, (stop - start) * itemsize)
-            for start, stop in chunk_bounds(count, world)
-        )
-        self.send = self._segments(lambda k: (rank - k) % world)
-        self.recv = self._segments(lambda k: (rank - k - 1) % world)
+        self.send = tuple(send)
+        self.recv = tuple(recv)
+        _check_stream(self.send, itemsize)
+        _check_stream(self.recv, itemsize)
+        _check_forwards(self.send, self.recv)
         self._recv_starts = tuple(s.stream_offset for s in self.recv)
         #: Slices per segment of each stream, and where each send segment's first
         #: slice stands in the stream of slices.
@@ -168,39 +209,46 @@ class RingSchedule:
 
     @staticmethod
     @functools.lru_cache(maxsize=256)
-    def of(*, count: int, itemsize: int, world: int, rank: int, slice_bytes: int) -> RingSchedule:
-        """The schedule for these arguments, shared: a schedule is never changed once
-        made, and a training loop all-reduces the same shapes over and over."""
+    def all_reduce(
+        *, count: int, itemsize: int, world: int, rank: int, slice_bytes: int
+    ) -> RingSchedule:
+        """The all-reduce of ``count`` elements at ``rank`` (see the class docstring),
+        shared: a schedule is never changed once made, and a training loop
+        all-reduces the same shapes over and over."""
+        chunks = tuple(
+            (start * itemsize, (stop - start) * itemsize)
+            for start, stop in chunk_bounds(count, world)
+        )
+        steps = 2 * (world - 1)
+
+        def segments(chunk_of: Callable[[int], int], *, receiving: bool) -> list[Segment]:
+            out = []
+            offset = 0
+            for k in range(steps):
+                chunk = chunk_of(k)
+                start, nbytes = chunks[chunk]
+                reduce = k < world - 1
+                out.append(Segment(
+                    index=k, chunk=chunk, start=start, nbytes=nbytes, stream_offset=offset,
+                    reduce=reduce,
+                    forwards=None if receiving or k == 0 else k - 1,
+                    forwarded_by=k + 1 if receiving and k + 1 < steps else None,
+                    # Written first: each chunk this peer combines, and its own chunk
+                    # when the all-gather brings its final value.
+                    first_write=receiving and (reduce or chunk == rank),
+                    completes=receiving and k == world - 2,
+                ))
+                offset += nbytes
+            return out
+
         return RingSchedule(
-            count=count, itemsize=itemsize, world=world, rank=rank, slice_bytes=slice_bytes
+            world=world, rank=rank, itemsize=itemsize, slice_bytes=slice_bytes,
+            send=segments(lambda k: (rank - k) % world, receiving=False),
+            recv=segments(lambda k: (rank - k - 1) % world, receiving=True),
         )
 
-    def _segments(self, chunk_of: Callable[[int], int]) -> tuple[Segment, ...]:
-        segments = []
-        offset = 0
-        for k in range(2 * (self.world - 1)):
-            chunk = chunk_of(k)
-            start, nbytes = self.chunks[chunk]
-            segments.append(
-                Segment(
-                    index=k, chunk=chunk, start=start, nbytes=nbytes, stream_offset=offset,
-                    reduce=k < self.world - 1,
-                )
-            )
-            offset += nbytes
-        return tuple(segments)
-
-    @property
-    def stream_bytes(self) -> int:
-        """Bytes each peer sends (and receives) in one all-reduce."""
-        return sum(s.nbytes for s in self.send)
-
-    @property
-    def owned_chunk(self) -> int:
-        """The chunk whose final value this rank computes."""
-        return (self.rank + 1) % self.world
-
     def slice_count(self, segment: Segment) -> int:
+        """How many slices ``segment`` is cut into."""
         return -(-segment.nbytes // self.slice_bytes)
 
     def slice_range(self, segment: Segment, index: int) -> tuple[int, int]:
@@ -243,3 +291,33 @@ class RingSchedule:
                 f"the slice needs {expected}"
             )
         return segment, index
+
+
+def _check_stream(segments: Sequence[Segment], itemsize: int) -> None:
+    """Segments numbered in order, each starting where the one before ended."""
+    offset = 0
+    for position, segment in enumerate(segments):
+        if segment.index != position or segment.stream_offset != offset:
+            raise ValueError(f"segment {segment} is not at position {position}, offset {offset}")
+        if segment.nbytes < 0 or segment.start % itemsize or segment.nbytes % itemsize:
+            raise ValueError(f"segment {segment} does not hold whole elements of {itemsize} bytes")
+        offset += segment.nbytes
+
+
+def _check_forwards(send: Sequence[Segment], recv: Sequence[Segment]) -> None:
+    """Each forward names the other side, and carries exactly the bytes it forwards."""
+    for segment in send:
+        if segment.forwards is None:
+            continue
+        source = recv[segment.forwards] if 0 <= segment.forwards < len(recv) else None
+        if (
+            source is None or source.forwarded_by != segment.index
+            or (source.start, source.nbytes) != (segment.start, segment.nbytes)
+        ):
+            raise ValueError(f"send segment {segment.index} does not forward {source}")
+    for segment in recv:
+        if segment.forwarded_by is not None and (
+            not 0 <= segment.forwarded_by < len(send)
+            or send[segment.forwarded_by].forwards != segment.index
+        ):
+            raise ValueError(f"received segment {segment.index} is not forwarded as it says")

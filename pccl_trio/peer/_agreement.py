@@ -35,15 +35,12 @@ leave in order and none twice.
 
 from __future__ import annotations
 
-import threading
-import typing
-from collections.abc import Callable
-
 import trio
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import CollectiveVerdict
 from ..transport import Connection, SocketLink
+from ._ledger import Ledger
 from ._protocol import Protocol, SendData, run_protocol
 
 __all__ = ["Agreement"]
@@ -51,35 +48,18 @@ __all__ = ["Agreement"]
 _EMPTY = memoryview(b"")
 
 
-class _Attempt(typing.Protocol):
-    """What an agreement reads of its attempt (under the attempt's lock)."""
-
-    tag: int
-    seq: int
-    failure: str | None
-    live: bool
-
-    @property
-    def complete(self) -> bool: ...
-
-
 class Agreement:
     """What one member of a leased attempt heard of the others' completion.
 
     Args:
         world: the members of the ring.
-        attempt: the attempt it is about.
-        lock: the attempt's lock, which guards this too; ``wake`` (called with it
-            held) wakes the attempt's task.
+        ledger: the attempt's ledger, whose lock guards this too.
     """
 
-    def __init__(
-        self, *, world: int, attempt: _Attempt, lock: threading.Lock, wake: Callable[[], None]
-    ) -> None:
+    def __init__(self, *, world: int, ledger: Ledger) -> None:
         self.world = world
-        self.lock = lock
-        self._attempt = attempt
-        self._wake = wake
+        self.lock = ledger.lock
+        self._ledger = ledger
         # The connection to the successor, once the part starts over TCP: the data
         # path's threads send the notices on it.
         self.link: SocketLink | None = None
@@ -145,7 +125,7 @@ class Agreement:
             if not self.quiet:
                 self._wake()
                 return
-            if not self._attempt.complete:
+            if not self._ledger.complete:
                 return  # the thread that completes the part tells it
         self.tell()
 
@@ -161,14 +141,14 @@ class Agreement:
         notice due if that cannot block, and wake the trio thread only when it has
         something to do: the members agreed, a notice is left to it, or the attempt
         failed or stopped."""
-        attempt, link = self._attempt, self.link
+        ledger, link = self._ledger, self.link
         assert link is not None
         while True:
             # The notice is sent under the lock: once ``stop`` (which takes it) has
             # returned, no notice of this attempt can leave, and none can follow the
             # next attempt's frames.
             with self.lock:
-                if attempt.failure is not None or not attempt.live:
+                if ledger.failure is not None or not ledger.live:
                     # The trio thread decides: after a cancellation the part still
                     # agrees (and the trio thread sends the notices from now on).
                     self._wake()
@@ -180,7 +160,7 @@ class Agreement:
                     return
                 ok = False
                 try:
-                    ok = self.send_now(link, tag=attempt.tag, seq=attempt.seq, count=count)
+                    ok = self.send_now(link, tag=ledger.tag, seq=ledger.seq, count=count)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # the trio thread learns it when it tries
                 finally:
@@ -195,6 +175,10 @@ class Agreement:
         with self.lock:
             self.verdict = verdict
             self._wake()
+
+    def _wake(self) -> None:
+        """Wake the attempt's task (with the lock held)."""
+        self._ledger.wake(trio_too=True)
 
     @staticmethod
     def send_now(connection: SocketLink, *, tag: int, seq: int, count: int) -> bool:

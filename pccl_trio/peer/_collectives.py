@@ -14,7 +14,7 @@ whatever happens). One call is one *attempt*:
 3. The vote (``CollectiveInitiate``) carries the call's descriptor; the master answers
    with ``CollectiveCommence`` once every peer of the group voted alike, or at once with
    a verdict (the peers disagree, a peer votes for something else, the ring is stale).
-4. Commenced, this peer sends its part (``AllReduceAttempt.send_all``); the master's
+4. Commenced, this peer sends its part (``RingAttempt.send_all``); the master's
    ``CollectiveAbort``, the loss of the master and the end of the run stop it where it
    is (routes and hooks of the session, run as each arrives: no task watches for them).
    It reports ``CollectiveComplete`` and waits for the verdict, which is the same on
@@ -66,6 +66,7 @@ from .._core.messages import (
     Outcome,
     bounded,
 )
+from .._core.ring import RingSchedule
 from .._errors import (
     CollectiveAborted,
     InvalidArgument,
@@ -79,9 +80,10 @@ from .._types import (
 )
 from ..ops import Codec
 from ..transport import run_in_thread
-from ._allreduce import AllReduceAttempt, LocalFailure
+from ._attempt import RingAttempt
 from ._context import PeerContext
 from ._leases import Leases
+from ._ledger import LocalFailure
 from ._membership import Membership
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
@@ -226,7 +228,7 @@ class AllReduces:
     # --- one attempt -----------------------------------------------------------------------
 
     async def _run(
-        self, request: ReduceRequest, result: ReduceResult, attempt: AllReduceAttempt | None
+        self, request: ReduceRequest, result: ReduceResult, attempt: RingAttempt | None
     ) -> None:
         """The task behind a handle; every outcome ends up in ``result``. ``attempt``:
         made and registered at launch (None: made here)."""
@@ -264,7 +266,7 @@ class AllReduces:
             attempt.restore_seconds if attempt is not None else 0.0,
         )
 
-    def _prepare(self, request: ReduceRequest, result: ReduceResult) -> AllReduceAttempt:
+    def _prepare(self, request: ReduceRequest, result: ReduceResult) -> RingAttempt:
         """Make the attempt on the ring as it is and register it with the receive path
         (before the vote; from now on this peer re-establishes no ring before it ends)."""
         ring = self.membership.ring
@@ -277,10 +279,14 @@ class AllReduces:
                           request.quantization.quantized_datatype, request.hint)
         staging = staging_for(request.xp, gpu_of(request.xp, request.result))
         staging.check_slices(self._config.slice_bytes, int(request.result.nbytes))
-        attempt = AllReduceAttempt(
-            staging=staging, send=request.send, result=request.result, op=request.op, tag=request.tag,
-            ring=ring, rank=ring.index(self._session.peer_id),
-            slice_bytes=self._config.slice_bytes, codec=codec,
+        schedule = RingSchedule.all_reduce(
+            count=int(request.result.size), itemsize=int(request.result.dtype.itemsize),
+            world=len(ring), rank=ring.index(self._session.peer_id),
+            slice_bytes=self._config.slice_bytes,
+        )
+        attempt = RingAttempt(
+            schedule=schedule, staging=staging, send=request.send, result=request.result,
+            op=request.op, tag=request.tag, ring=ring, codec=codec,
         )
         self._receiver.add(attempt)
         result.attempt = attempt
@@ -295,7 +301,7 @@ class AllReduces:
         return attempt
 
     async def _attempt(
-        self, request: ReduceRequest, result: ReduceResult, attempt: AllReduceAttempt | None
+        self, request: ReduceRequest, result: ReduceResult, attempt: RingAttempt | None
     ) -> ReduceInfo:
         if attempt is None:
             await self.membership.ensure_ring()
@@ -341,7 +347,7 @@ class AllReduces:
         return await self._conclude(attempt, result, verdict, local_ok)
 
     async def _conclude(
-        self, attempt: AllReduceAttempt, result: ReduceResult,
+        self, attempt: RingAttempt, result: ReduceResult,
         verdict: CollectiveVerdict | None, local_ok: bool,
     ) -> ReduceInfo:
         """What an ended attempt's verdict means for the caller (step 5); None: the
@@ -396,7 +402,7 @@ class AllReduces:
         finally:
             attempt.release()
 
-    async def _after_abort(self, attempt: AllReduceAttempt, result: ReduceResult) -> None:
+    async def _after_abort(self, attempt: RingAttempt, result: ReduceResult) -> None:
         """An aborted attempt (the ring is marked stale already): restore the input
         (then the buffers are final); the last attempt of the failed set also
         re-establishes the ring, unless that was done since, so a retry runs at once on
@@ -426,7 +432,7 @@ class AllReduces:
         if ring_error is not None:
             raise ring_error
 
-    def _abandon(self, attempt: AllReduceAttempt, error: Exception) -> None:
+    def _abandon(self, attempt: RingAttempt, error: Exception) -> None:
         """This peer voted for a collective and then failed unexpectedly (a bug). The
         others count on its part, and after the abort on its vote to re-establish the
         ring; it can promise neither, so it leaves the run, and the master tells them."""
@@ -438,7 +444,7 @@ class AllReduces:
             )
         )
 
-    def _end(self, attempt: AllReduceAttempt) -> None:
+    def _end(self, attempt: RingAttempt) -> None:
         """The attempt is over: no more writes, no more frames or aborts routed to it."""
         attempt.stop()
         self._receiver.remove(attempt)
@@ -449,7 +455,7 @@ class AllReduces:
         self._session.discard(stale_abort)
         self._life.notify()
 
-    async def _complete(self, attempt: AllReduceAttempt, ok: bool) -> None:
+    async def _complete(self, attempt: RingAttempt, ok: bool) -> None:
         """Report this peer's part to the master. Cancellable until the master link is
         up, shielded from then on: a frame half-sent would end the link."""
         await self._session.until_back()
@@ -461,7 +467,7 @@ class AllReduces:
                 )
             )
 
-    async def _run_ring(self, attempt: AllReduceAttempt) -> bool:
+    async def _run_ring(self, attempt: RingAttempt) -> bool:
         """This peer's part of a commenced attempt, reported to the master with
         ``CollectiveComplete``; True if it completed locally. The master's abort stops
         the part where it is (``_on_abort``), and it is reported aborted; the loss of
@@ -517,7 +523,7 @@ class AllReduces:
     # --- an attempt under a lease ----------------------------------------------------------
 
     async def _leased(
-        self, request: ReduceRequest, result: ReduceResult, attempt: AllReduceAttempt
+        self, request: ReduceRequest, result: ReduceResult, attempt: RingAttempt
     ) -> ReduceInfo:
         """An attempt under a lease (see the module docstring): its part, then the
         members' agreement, or the master's verdict once the lease ended."""
@@ -547,7 +553,7 @@ class AllReduces:
         self._leases.ended(attempt)
         return await self._conclude(attempt, result, verdict, complete)
 
-    async def _agree(self, attempt: AllReduceAttempt, complete: bool) -> CollectiveVerdict | None:
+    async def _agree(self, attempt: RingAttempt, complete: bool) -> CollectiveVerdict | None:
         """Wait until every member completed its part (None), telling the successor
         what this peer heard (``_agreement``); or for the master's verdict, when the
         master was told this part ran (then only it decides), when this part is not
@@ -624,7 +630,7 @@ class _Part:
     """A commenced attempt's part while it runs: ``stop`` ends the attempt and
     cancels the task sending it."""
 
-    def __init__(self, attempt: AllReduceAttempt) -> None:
+    def __init__(self, attempt: RingAttempt) -> None:
         self.attempt = attempt
         self.scope = trio.CancelScope()
         self.master_lost = False

@@ -54,7 +54,7 @@ from .._core.messages import (
     bounded,
 )
 from .._errors import PCCLError
-from ._allreduce import AllReduceAttempt
+from ._attempt import RingAttempt
 from ._context import PeerContext
 from ._membership import Membership
 from ._receiver import DataReceiver
@@ -87,7 +87,7 @@ class Lease:
     told: _Told = _Told.NOTHING
     # The last attempt started under it while it runs here, and how it ended once it
     # did (COMPLETE or FAILED).
-    attempt: AllReduceAttempt | None = None
+    attempt: RingAttempt | None = None
     ended: LeaseState = LeaseState.NONE
     report_at: float = math.inf  # when its running attempt is reported as running long
 
@@ -147,7 +147,7 @@ class Leases:
             return None
         return lease
 
-    def start(self, lease: Lease, attempt: AllReduceAttempt) -> None:
+    def start(self, lease: Lease, attempt: RingAttempt) -> None:
         """``attempt`` runs under ``lease``, with its next number."""
         seq = lease.next
         lease.next += 1
@@ -160,13 +160,13 @@ class Leases:
             self._life.spawn(self._watch)
         self._watch_lot.unpark_all()
 
-    def told_running(self, attempt: AllReduceAttempt) -> bool:
+    def told_running(self, attempt: RingAttempt) -> bool:
         """Whether the master was told that ``attempt``'s part runs: then only its
         verdict ends it."""
         lease = self._lease_of(attempt)
         return lease is not None and lease.told is _Told.RUNNING
 
-    def part_ended(self, attempt: AllReduceAttempt) -> None:
+    def part_ended(self, attempt: RingAttempt) -> None:
         """``attempt``'s part ended (complete or not): the master hears it if it must."""
         lease = self._lease_of(attempt)
         if lease is None:
@@ -177,7 +177,7 @@ class Leases:
             self._close(lease)
             self._tell(lease)
 
-    def unsure(self, attempt: AllReduceAttempt, why: str) -> None:
+    def unsure(self, attempt: RingAttempt, why: str) -> None:
         """``attempt``'s part is complete, but it cannot learn (or tell) whether every
         member's is: the master must settle it."""
         lease = self._lease_of(attempt)
@@ -187,7 +187,7 @@ class Leases:
             self._close(lease)
             self._tell(lease)
 
-    def ended(self, attempt: AllReduceAttempt) -> None:
+    def ended(self, attempt: RingAttempt) -> None:
         """``attempt`` is over here (its caller has its outcome)."""
         lease = self._lease_of(attempt)
         if lease is not None:
@@ -195,7 +195,7 @@ class Leases:
             lease.ended = LeaseState.COMPLETE if attempt.complete else LeaseState.FAILED
             lease.report_at = math.inf
 
-    def _lease_of(self, attempt: AllReduceAttempt) -> Lease | None:
+    def _lease_of(self, attempt: RingAttempt) -> Lease | None:
         lease = self._by_tag.get(attempt.tag)
         return lease if lease is not None and lease.attempt is attempt else None
 

@@ -21,7 +21,7 @@ with no payload is a completion notice (``_agreement``), handed to its attempt.
 
 A frame for a running attempt is claimed (checked against the attempt's schedule),
 then received into a staging buffer and combined into the result, or, for all-gather
-data, straight into the result buffer (see ``AllReduceAttempt``). When a connection
+data, straight into the result buffer (see ``RingAttempt``). When a connection
 breaks, every live attempt receiving from that peer fails: its frames are lost. Not
 so for a connection that already left the pool (a newer one from the sender took its
 slot, or the sender is no longer the predecessor): that happens only in an
@@ -35,7 +35,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
-import threading
 from collections.abc import Generator
 from functools import partial
 from typing import Any
@@ -45,8 +44,8 @@ import trio
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import CollectiveCommence, P2PHello
-from ..transport import Connection, FramedStream, SocketLink
-from ._allreduce import AllReduceAttempt
+from ..transport import Connection, FramedStream, Signal, SocketLink
+from ._attempt import RingAttempt
 from ._lifecycle import Lifecycle
 from ._p2p import P2PConnections
 from ._protocol import Operation, Protocol, ReceiveHeader, ReceivePayload, Wait, run_protocol
@@ -75,14 +74,15 @@ class DataReceiver:
     def __init__(self, *, lifecycle: Lifecycle, p2p: P2PConnections) -> None:
         self._life = lifecycle
         self._p2p = p2p
-        self.by_tag: dict[int, AllReduceAttempt] = {}
-        self._by_seq: dict[int, AllReduceAttempt] = {}
+        self.by_tag: dict[int, RingAttempt] = {}
+        self._by_seq: dict[int, RingAttempt] = {}
         self._last_commenced = 0
         # Leases, by their first number (kept sorted in ``_firsts``).
         self._blocks: dict[int, _Block] = {}
         self._firsts: list[int] = []
-        self._commence_lot = trio.lowlevel.ParkingLot()  # readers that are trio tasks
-        self._commenced = threading.Condition()  # readers that are threads
+        # Readers waiting for a commence (trio tasks and threads); its lock guards
+        # the numbers and leases that threads read.
+        self._commenced = Signal()
         lifecycle.on_failure(self.wake)
 
     # --- the attempts ----------------------------------------------------------------------
@@ -92,11 +92,11 @@ class DataReceiver:
         """Whether any attempt is registered (launched and not ended)."""
         return bool(self.by_tag)
 
-    def add(self, attempt: AllReduceAttempt) -> None:
+    def add(self, attempt: RingAttempt) -> None:
         """Register a launched attempt, before it votes."""
         self.by_tag[attempt.tag] = attempt
 
-    def remove(self, attempt: AllReduceAttempt) -> None:
+    def remove(self, attempt: RingAttempt) -> None:
         """The attempt is over: no more frames are routed to it."""
         del self.by_tag[attempt.tag]
         self._by_seq.pop(attempt.seq, None)
@@ -116,23 +116,22 @@ class DataReceiver:
                     f"the master's ring {list(message.ring)} differs from this peer's "
                     f"{list(attempt.ring)}"
                 )
-        with self._commenced:
+        with self._commenced.lock:
             self._last_commenced = max(self._last_commenced, message.seq)
-            self._commenced.notify_all()
-        self._commence_lot.unpark_all()
+            self._commenced.notify()
 
     # --- leases (called by ``_leases``, in the trio thread) ------------------------------
 
     def lease_granted(self, first: int, last: int) -> None:
         """Numbers ``first`` to ``last`` belong to a lease of this peer."""
-        with self._commenced:
+        with self._commenced.lock:
             self._blocks[first] = _Block(last=last, next=first)
             bisect.insort(self._firsts, first)
         self.wake()
 
-    def start_leased(self, attempt: AllReduceAttempt, first: int, seq: int) -> None:
+    def start_leased(self, attempt: RingAttempt, first: int, seq: int) -> None:
         """Attempt ``seq`` of the lease from ``first`` starts here: its frames go to it."""
-        with self._commenced:
+        with self._commenced.lock:
             self._by_seq[seq] = attempt
             self._blocks[first].next = seq + 1
         self.wake()
@@ -140,7 +139,7 @@ class DataReceiver:
     def lease_closed(self, first: int, *, settled: bool = False) -> None:
         """No attempt starts under the lease from ``first`` any more, but the master
         may still commence the next one here (``settled``: it will not either)."""
-        with self._commenced:
+        with self._commenced.lock:
             block = self._blocks[first]
             block.open = False
             if settled:
@@ -149,14 +148,15 @@ class DataReceiver:
 
     def lease_forgotten(self, first: int) -> None:
         """The lease from ``first`` is over: its frames not taken yet are stale."""
-        with self._commenced:
+        with self._commenced.lock:
             if self._blocks.pop(first, None) is not None:
                 self._firsts.remove(first)
         self.wake()
 
     def _waits(self, seq: int) -> bool:
         """Whether a frame of attempt ``seq``, not running here, may still get an
-        attempt (see the module docstring); with ``_commenced`` held."""
+        attempt (see the module docstring); with ``_commenced.lock`` held, or in the
+        trio thread, which alone changes what it reads."""
         index = bisect.bisect_right(self._firsts, seq) - 1
         if index >= 0:
             first = self._firsts[index]
@@ -167,25 +167,24 @@ class DataReceiver:
 
     def wake(self) -> None:
         """Readers waiting for a commence must look at the communicator's state."""
-        self._commence_lot.unpark_all()
-        with self._commenced:
-            self._commenced.notify_all()
+        with self._commenced.lock:
+            self._commenced.notify()
 
-    async def _attempt_for(self, seq: int) -> AllReduceAttempt | None:
+    async def _attempt_for(self, seq: int) -> RingAttempt | None:
         """The attempt a data frame belongs to; None for a finished or aborted one."""
         while seq not in self._by_seq and self._waits(seq):
             if self._life.over:
                 raise trio.ClosedResourceError("the communicator is shutting down")
-            await self._commence_lot.park()
+            await self._commenced.wait()
         return self._by_seq.get(seq)
 
-    def _attempt_for_blocking(self, seq: int) -> AllReduceAttempt | None:
+    def _attempt_for_blocking(self, seq: int) -> RingAttempt | None:
         """``_attempt_for`` from a reader thread."""
-        with self._commenced:
+        with self._commenced.lock:
             while seq not in self._by_seq and self._waits(seq):
                 if self._life.over:
                     raise trio.ClosedResourceError("the communicator is shutting down")
-                self._commenced.wait(timeout=1.0)
+                self._commenced.wait_blocking(timeout=1.0)
         return self._by_seq.get(seq)
 
     # --- the readers -------------------------------------------------------------------------
@@ -248,7 +247,7 @@ class DataReceiver:
 
     @staticmethod
     def _deliver(
-        attempt: AllReduceAttempt | None,
+        attempt: RingAttempt | None,
         sender: int,
         reader: Connection,
         staging: Any,
@@ -266,20 +265,21 @@ class DataReceiver:
         if attempt is None:
             yield ReceivePayload(staging[:nbytes].data)  # read and drop
             return
+        inbound = attempt.inbound
         try:
-            segment, index = attempt.claim(tag, offset, nbytes)
+            segment, index = inbound.claim(tag, offset, nbytes)
         except RemoteProtocolError as exc:
             attempt.fail(f"peer {sender} sent a bad data frame ({exc})")
             raise
-        view = attempt.direct_target(segment, index, reader)
+        view = inbound.direct_target(segment, index, reader)
         if view is not None:
             received = False
             try:
                 yield ReceivePayload(view)
                 received = True
             finally:
-                attempt.on_direct_slice(segment, index, reader, received)
+                inbound.on_direct_slice(segment, index, reader, received)
             return
         payload = staging[:nbytes]
         yield ReceivePayload(payload.data)
-        attempt.on_slice(segment, index, payload)
+        inbound.on_slice(segment, index, payload)

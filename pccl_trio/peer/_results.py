@@ -23,7 +23,7 @@ from .._types import ReduceInfo
 
 if TYPE_CHECKING:
     from .._core.messages import CollectiveInitiate
-    from ._allreduce import AllReduceAttempt
+    from ._attempt import RingAttempt
 
 __all__ = ["AsyncReduceHandle", "Blocked", "ReduceResult", "Rejected"]
 
@@ -54,7 +54,7 @@ class ReduceResult:
         self.cancelled = False
         # The attempt, once made (before its vote), and the vote it makes (or the
         # descriptor it runs under a lease with).
-        self.attempt: AllReduceAttempt | None = None
+        self.attempt: RingAttempt | None = None
         self.vote: CollectiveInitiate | None = None
         # The buffers hold what they will hold: the result, or the input restored.
         self.final = trio.Event()

@@ -19,7 +19,7 @@ from .._core.channel import Purpose
 from .._core.messages import ExpectBenchmark, Message, PeerEndpoint, SharedStateRequest
 from .._core.ring import neighbours
 from ..transport import Connection, FramedStream
-from ._allreduce import AllReduceAttempt
+from ._attempt import RingAttempt
 from ._bandwidth import LinkMeasurement
 from ._shared_state import Fetcher
 
@@ -87,7 +87,7 @@ class PeerSeam:
         the tag with the same descriptor skips the master."""
         return self._comm._all_reduces.leased(tag)
 
-    def attempt(self, tag: int) -> AllReduceAttempt | None:
+    def attempt(self, tag: int) -> RingAttempt | None:
         """The attempt of the all-reduce with ``tag`` in flight, if any."""
         return self._comm._receiver.by_tag.get(tag)
 

@@ -7,7 +7,7 @@ data path sends straight from it and reduces straight from what it received
 (``HostStaging``, which moves nothing). A GPU buffer (a cupy array) is not, so every
 outgoing slice is copied device-to-host into a pinned host buffer before it is sent,
 and every received slice host-to-device before the device reduces it
-(``DeviceStaging``). The ring algorithm (``_allreduce``) is the same for both; it asks
+(``DeviceStaging``). The ring algorithm (``_attempt``) is the same for both; it asks
 its staging for the bytes to send (``Sender.host``), for a received payload on the
 buffers' side (``to_device``), and does its kernels inside ``working()``.
 
@@ -24,7 +24,7 @@ slice's host-to-device copy and reduction run while the network keeps delivering
 next slice into the socket's buffer; the reader reads it when they are done.
 
 Quantized, the codec encodes on the device and only the codes are copied to the host
-(see ``_allreduce``); the copies here move whatever bytes they are handed, and add
+(see ``_blocks``); the copies here move whatever bytes they are handed, and add
 their size to ``ops.CROSSINGS``, which is how a benchmark sees what crossed PCIe.
 
 Several GPUs. A staging belongs to one GPU (``staging_for(xp, gpu)``, ``gpu_of``): its

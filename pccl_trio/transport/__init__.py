@@ -31,6 +31,7 @@ from ._network import remote_host as remote_host
 from ._secure import Credential as Credential
 from ._secure import secure_client as secure_client
 from ._secure import secure_server as secure_server
+from ._signal import Signal as Signal
 from ._threads import hash_threads as hash_threads
 from ._threads import run_in_thread as run_in_thread
 from ._threads import run_off_loop as run_off_loop

@@ -240,11 +240,11 @@ async def test_an_internal_error_after_voting_still_gives_the_others_a_verdict(
     """A bug inside one peer's part of a commenced all-reduce is reported to its caller,
     and that peer leaves the run (it can no longer follow the protocol), so the others
     get an aborted verdict instead of waiting for it, and go on without it."""
-    from pccl_trio.peer._allreduce import AllReduceAttempt
+    from pccl_trio.peer._attempt import RingAttempt
 
-    real = AllReduceAttempt.send_all
+    real = RingAttempt.send_all
 
-    async def broken(self: AllReduceAttempt, connections: object) -> None:
+    async def broken(self: RingAttempt, connections: object) -> None:
         if self.schedule.rank == 0:
             raise RuntimeError("a bug in the data path")
         await real(self, connections)  # type: ignore[arg-type]
@@ -254,7 +254,7 @@ async def test_an_internal_error_after_voting_still_gives_the_others_a_verdict(
         data = [np.arange(5_000, dtype=np.float64) + i for i in range(3)]
         arrays = [d.copy() for d in data]
         bad = [c.ring.index(c.peer_id) for c in comms].index(0)
-        monkeypatch.setattr(AllReduceAttempt, "send_all", broken)
+        monkeypatch.setattr(RingAttempt, "send_all", broken)
         outcomes: list[object] = [None] * 3
 
         async def one(i: int) -> None:
@@ -273,7 +273,7 @@ async def test_an_internal_error_after_voting_still_gives_the_others_a_verdict(
             assert arrays[i].tobytes() == data[i].tobytes()
         with pytest.raises(pccl.InvalidUsage, match="internal error"):
             await comms[bad].all_reduce(arrays[bad])
-        monkeypatch.setattr(AllReduceAttempt, "send_all", real)
+        monkeypatch.setattr(RingAttempt, "send_all", real)
         infos = await run_all([comms[i] for i in good],
                               lambda j, c: c.all_reduce(arrays[good[j]]))
         assert all(isinstance(r, pccl.ReduceInfo) and r.world_size == 2 for r in infos), infos
@@ -298,7 +298,8 @@ async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
     Tensor 2 then fails at B once A launched 3, and B's pass hears of 1's end only once
     B voted to re-establish the ring again (or A is retrying already)."""
     from pccl_trio._core.messages import Message, VoteEstablish
-    from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure
+    from pccl_trio.peer._attempt import RingAttempt
+    from pccl_trio.peer._ledger import LocalFailure
     from pccl_trio.peer._results import ReduceResult
 
     unfused(cluster)
@@ -308,14 +309,14 @@ async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
         failed_at_b: set[int] = set()
         held = False
         b_establish_votes = 0
-        real_send_all = AllReduceAttempt.send_all
+        real_send_all = RingAttempt.send_all
         real_get = ReduceResult.get
         real_vote = PeerSeam(b).vote
 
-        def at_b(attempt: AllReduceAttempt | None) -> bool:
+        def at_b(attempt: RingAttempt | None) -> bool:
             return attempt is not None and attempt.ring[attempt.schedule.rank] == b_id
 
-        async def send_all(self: AllReduceAttempt, connections: object) -> None:
+        async def send_all(self: RingAttempt, connections: object) -> None:
             if self.tag in (0, 1, 2) and at_b(self) and self.tag not in failed_at_b:
                 failed_at_b.add(self.tag)
                 if self.tag == 2:
@@ -343,7 +344,7 @@ async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
                 b_establish_votes += 1
             return epoch
 
-        monkeypatch.setattr(AllReduceAttempt, "send_all", send_all)
+        monkeypatch.setattr(RingAttempt, "send_all", send_all)
         monkeypatch.setattr(ReduceResult, "get", get)
         PeerSeam(b).vote = vote
         data = [[np.full(10_000, 10 * rank + t, dtype=np.int64) for t in range(4)]
@@ -370,7 +371,8 @@ async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort
     0's success only once B voted to re-establish the ring. The master aborts A's vote
     for tensor 2, so B must not vote for it in this pass: both retry tensors 1 and 2."""
     from pccl_trio._core.messages import Message, VoteEstablish
-    from pccl_trio.peer._allreduce import AllReduceAttempt, LocalFailure
+    from pccl_trio.peer._attempt import RingAttempt
+    from pccl_trio.peer._ledger import LocalFailure
     from pccl_trio.peer._results import ReduceResult
 
     caplog.set_level("INFO", logger="pccl_trio.peer")
@@ -380,14 +382,14 @@ async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort
         b_id = b.peer_id
         failed_at_b = held = False
         b_establishing = trio.Event()
-        real_send_all = AllReduceAttempt.send_all
+        real_send_all = RingAttempt.send_all
         real_get = ReduceResult.get
         real_vote = PeerSeam(b).vote
 
-        def at_b(attempt: AllReduceAttempt | None) -> bool:
+        def at_b(attempt: RingAttempt | None) -> bool:
             return attempt is not None and attempt.ring[attempt.schedule.rank] == b_id
 
-        async def send_all(self: AllReduceAttempt, connections: object) -> None:
+        async def send_all(self: RingAttempt, connections: object) -> None:
             nonlocal failed_at_b
             if self.tag == 1 and at_b(self) and not failed_at_b:
                 failed_at_b = True
@@ -413,7 +415,7 @@ async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort
                 b_establishing.set()
             return epoch
 
-        monkeypatch.setattr(AllReduceAttempt, "send_all", send_all)
+        monkeypatch.setattr(RingAttempt, "send_all", send_all)
         monkeypatch.setattr(ReduceResult, "get", get)
         PeerSeam(b).vote = vote
         data = [[np.full(10_000, 10 * rank + t, dtype=np.int64) for t in range(3)]

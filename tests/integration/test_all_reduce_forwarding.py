@@ -1,5 +1,5 @@
 """Small all-reduces over worker threads forward each slice from the reader that
-completed it (``AllReduceAttempt.send_all``): the same bits as the sender threads, a
+wrote it (``peer/_outbound.py``): the same bits as the sender threads, a
 fall-back to them when a send could block, and an abort when a forward fails."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import trio
 
 import pccl_trio as pccl
-from pccl_trio.peer import _allreduce
+from pccl_trio.peer import _outbound
 from pccl_trio.transport import SocketLink
 
 from .conftest import RUN_SECRET, TCP_CONFIG, Cluster, form_run, run_all
@@ -47,13 +47,13 @@ class SenderThreads:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.started = 0
-        original = _allreduce.AllReduceAttempt._send_slices
+        original = _outbound.Outbound._send_slices
 
         def counted(attempt: Any, *args: Any) -> Any:
             self.started += 1
             return original(attempt, *args)
 
-        monkeypatch.setattr(_allreduce.AllReduceAttempt, "_send_slices", counted)
+        monkeypatch.setattr(_outbound.Outbound, "_send_slices", counted)
 
 
 def inputs(seed: int) -> list[np.ndarray]:
@@ -76,7 +76,7 @@ async def test_forwarded_results_are_the_sender_threads_bits(
     off), every op gives the same bits on every peer, and the pipeline's order."""
     # A forwarder that finds a connection busy waits for it rather than fall back,
     # however long the machine keeps the thread that holds it from running.
-    monkeypatch.setattr(_allreduce, "FORWARD_LOCK_WAIT", 60.0)
+    monkeypatch.setattr(_outbound, "FORWARD_LOCK_WAIT", 60.0)
     with trio.fail_after(120):
         comms = await make_run(cluster, master_config, pool=2)
         senders = SenderThreads(monkeypatch)
@@ -85,11 +85,11 @@ async def test_forwarded_results_are_the_sender_threads_bits(
             forwarded = [d.copy() for d in data]
             await reduce_all(comms, forwarded, op)
             assert senders.started == 0
-            monkeypatch.setattr(_allreduce, "FORWARD_MAX_BYTES", 0)
+            monkeypatch.setattr(_outbound, "FORWARD_MAX_BYTES", 0)
             threaded = [d.copy() for d in data]
             await reduce_all(comms, threaded, op)
             assert senders.started > 0
-            monkeypatch.setattr(_allreduce, "FORWARD_MAX_BYTES", 4 << 20)
+            monkeypatch.setattr(_outbound, "FORWARD_MAX_BYTES", 4 << 20)
             senders.started = 0
             for result in forwarded + threaded:
                 assert result.tobytes() == forwarded[0].tobytes()

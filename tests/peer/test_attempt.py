@@ -1,11 +1,10 @@
-"""``AllReduceAttempt`` on its own: writer accounting under errors."""
+"""``RingAttempt`` on its own: writer accounting under errors, and a leased part's
+completion notices sent from the thread that completes it."""
 
 from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -13,12 +12,17 @@ import pytest
 import trio
 import trio.testing
 
+from pccl_trio._core.ring import RingSchedule
 from pccl_trio._types import ReduceOp
-from pccl_trio.peer import _allreduce
 from pccl_trio.peer._agreement import Agreement
-from pccl_trio.peer._allreduce import AllReduceAttempt
+from pccl_trio.peer._attempt import RingAttempt
 from pccl_trio.peer._staging import BufferPool, HostStaging
 from pccl_trio.transport import SocketLink
+
+
+def schedule(count: int, *, world: int, slice_bytes: int = 64) -> RingSchedule:
+    """Rank 0's all-reduce of ``count`` float32 values."""
+    return RingSchedule.all_reduce(count=count, itemsize=4, world=world, rank=0, slice_bytes=slice_bytes)
 
 
 class _Reader:
@@ -41,141 +45,23 @@ async def test_a_failed_backup_leaves_no_writer_behind() -> None:
         data = np.arange(12, dtype=np.float32)
         staging = HostStaging()
         staging.pool = _NoMemory()
-        attempt = AllReduceAttempt(staging=staging, send=data, result=data, op=ReduceOp.SUM,
-                                   tag=0, ring=(1, 2, 3), rank=0, slice_bytes=64)
+        attempt = RingAttempt(schedule=schedule(12, world=3), staging=staging, send=data,
+                              result=data, op=ReduceOp.SUM, tag=0, ring=(1, 2, 3))
         attempt.seq = 1
         # The all-gather segment carrying this rank's own chunk: its first write.
         segment = next(s for s in attempt.schedule.recv if not s.reduce and s.chunk == 0)
-        claimed = attempt.claim(0, segment.stream_offset, attempt.schedule.slice_range(segment, 0)[1]
-                                - attempt.schedule.slice_range(segment, 0)[0])
+        claimed = attempt.inbound.claim(
+            0, segment.stream_offset, attempt.schedule.slice_range(segment, 0)[1]
+            - attempt.schedule.slice_range(segment, 0)[0]
+        )
         reader = _Reader()
         with pytest.raises(MemoryError):
-            attempt.direct_target(*claimed, reader)
+            attempt.inbound.direct_target(*claimed, reader)
         attempt.stop()
         await attempt.settle()
         attempt.restore()
         assert not reader.cut  # it was no longer registered when the attempt stopped
         assert data.tobytes() == np.arange(12, dtype=np.float32).tobytes()
-
-
-class _Lot:
-    """The attempt's parking lot, telling ``parked`` each time a trio task parks."""
-
-    def __init__(self, inner: trio.lowlevel.ParkingLot, parked: Callable[[], None]) -> None:
-        self._inner = inner
-        self._parked = parked
-
-    async def park(self) -> None:
-        self._parked()
-        await self._inner.park()
-
-    def unpark_all(self) -> list[trio.lowlevel.Task]:
-        return self._inner.unpark_all()
-
-
-async def test_a_forward_still_sending_keeps_the_attempt_from_finishing(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A reader forwards the last slice while the sender threads, with nothing left to
-    send, have ended, and every slice has arrived. Until that forward has left, the
-    attempt must not count as finished: the verdict could then arrive while the send
-    is registered, and ending the attempt would cut the connection the next
-    all-reduce needs. The reader thread is held right after its bytes went out."""
-    monkeypatch.setattr(_allreduce, "FORWARD_LOCK_WAIT", 60.0)
-    # The trio thread's forwards find no room, so sender threads start.
-    monkeypatch.setattr(SocketLink, "has_room", lambda link, nbytes: not _on_trio_thread())
-    holding = threading.local()
-    held, release = threading.Event(), threading.Event()
-    original_send = SocketLink.send_data_locked
-
-    def send(link: SocketLink, **frame: Any) -> None:
-        original_send(link, **frame)
-        if getattr(holding, "hold", False):
-            held.set()
-            assert release.wait(60), "the test never released the held forward"
-
-    monkeypatch.setattr(SocketLink, "send_data_locked", send)
-    mine, theirs = socket.socketpair()
-    link = SocketLink(mine, max_data_frame=1 << 20)
-    with trio.fail_after(60):
-        data = np.arange(8, dtype=np.float32)
-        attempt = AllReduceAttempt(staging=HostStaging(), send=data, result=data,
-                                   op=ReduceOp.SUM, tag=0, ring=(1, 2), rank=0, slice_bytes=8)
-        attempt.seq = 1
-        reduced, gathered = attempt.schedule.recv
-        last = (reduced.index, attempt.schedule.slice_count(reduced) - 1)
-        original_arrived = attempt._arrived_blocking
-
-        def arrived(segment_index: int, slice_index: int) -> bool:
-            # The sender thread's turn for the last slice comes after the reader took
-            # it and everything arrived.
-            ok = original_arrived(segment_index, slice_index)
-            if (segment_index, slice_index) == last:
-                with attempt._lock:
-                    while attempt._progress.remaining or not attempt._sent[-1][last[1]]:
-                        attempt._changed.wait()
-            return ok
-
-        monkeypatch.setattr(attempt, "_arrived_blocking", arrived)
-        original_sent_one = attempt._sent_one
-
-        def sent_one(nbytes: int) -> None:
-            original_sent_one(nbytes)
-            with attempt._lock:
-                attempt._changed.notify_all()  # for ``all_but_the_forward_sent``
-
-        monkeypatch.setattr(attempt, "_sent_one", sent_one)
-
-        def all_but_the_forward_sent() -> None:
-            with attempt._lock:
-                while attempt._unsent > 1:
-                    attempt._changed.wait()
-        settled = trio.Event()
-        returned: list[tuple[int, int]] = []
-
-        def parked() -> None:
-            if not attempt._progress.remaining:
-                settled.set()
-
-        attempt._lot = _Lot(attempt._lot, parked)  # type: ignore[assignment]
-
-        def deliver(segment: Any, index: int, hold: bool = False) -> None:
-            start, stop = attempt.schedule.slice_range(segment, index)
-            first = attempt.schedule.slice_range(segment, 0)[0]
-            claimed = attempt.claim(0, segment.stream_offset + start - first, stop - start)
-            holding.hold = hold
-            try:
-                attempt.on_slice(*claimed, np.ones(stop - start, dtype=np.uint8))
-            finally:
-                holding.hold = False
-
-        async def send_all() -> None:
-            await attempt.send_all([link])
-            returned.append((len(attempt._active_links), attempt._unsent))
-            settled.set()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send_all)
-            for index in range(last[1]):
-                await trio.to_thread.run_sync(deliver, reduced, index)
-            # The sender thread is done with everything else: the held forward keeps
-            # the connection, and a slice still to send would wait for it forever.
-            await trio.to_thread.run_sync(all_but_the_forward_sent)
-            nursery.start_soon(partial(trio.to_thread.run_sync, deliver, reduced, last[1], True))
-            assert await trio.to_thread.run_sync(held.wait, 60), "no reader forwarded the slice"
-            for index in range(attempt.schedule.slice_count(gathered)):
-                await trio.to_thread.run_sync(deliver, gathered, index)
-            await settled.wait()
-            early = list(returned)
-            release.set()
-        assert early == [], "send_all returned while a forward was still being sent"
-        assert returned == [(0, 0)]
-        attempt.stop()
-        await attempt.settle()
-        attempt.release()
-        assert not link.closed  # the next all-reduce still has its connection
-    link.cut()
-    theirs.close()
 
 
 def _on_trio_thread() -> bool:
@@ -192,9 +78,9 @@ class _LeasedRun:
         self.theirs = SocketLink(theirs, max_data_frame=1 << 20)
         self.theirs.set_idle_timeout(10.0)  # a notice that never comes fails the test
         data = np.arange(8, dtype=np.float32)
-        self.attempt = AllReduceAttempt(
-            staging=HostStaging(), send=data, result=data, op=ReduceOp.SUM, tag=7,
-            ring=(1, 2), rank=0, slice_bytes=8,
+        self.attempt = RingAttempt(
+            schedule=schedule(8, world=2, slice_bytes=8), staging=HostStaging(), send=data,
+            result=data, op=ReduceOp.SUM, tag=7, ring=(1, 2),
         )
         self.agreement = self.attempt.under_lease(5)
         self.returned = trio.Event()
@@ -215,9 +101,10 @@ class _LeasedRun:
         for segment in attempt.schedule.recv:
             for index in range(attempt.schedule.slice_count(segment)):
                 start, stop = attempt.schedule.slice_range(segment, index)
-                claimed = attempt.claim(7, segment.stream_offset + start - segment.start,
-                                        stop - start)
-                attempt.on_slice(*claimed, np.ones(stop - start, dtype=np.uint8))
+                claimed = attempt.inbound.claim(
+                    7, segment.stream_offset + start - segment.start, stop - start
+                )
+                attempt.inbound.on_slice(*claimed, np.ones(stop - start, dtype=np.uint8))
 
     def frames(self) -> list[tuple[int, int, int, int]]:
         """The headers of what the attempt sent, up to and with its first notice (a
@@ -256,7 +143,7 @@ async def test_a_leased_part_completed_in_a_thread_tells_the_successor_from_ther
             # The predecessor's notice: every member of the ring completed.
             await trio.to_thread.run_sync(run.agreement.on_notice, 1)
             await run.returned.wait()
-        with run.attempt._lock:
+        with run.agreement.lock:
             assert run.agreement.done and run.agreement.claim() == 0
         await run.close()
 
@@ -280,7 +167,7 @@ async def test_a_leased_part_whose_master_knows_it_runs_wakes_the_trio_thread_at
                 assert headers[-1] == (7, 5, 1, 0)  # quiet: the thread sent it
                 run.agreement.wake_on_completion()
             await run.returned.wait()
-        with run.attempt._lock:
+        with run.agreement.lock:
             assert not run.agreement.agreed
             # Before: no thread sent the notice, it is the trio thread's to send.
             assert run.agreement.claim() == (1 if told == "before" else 0)
@@ -304,7 +191,7 @@ async def test_a_notice_a_thread_cannot_send_is_left_to_the_trio_thread(
             await run.start(nursery)
             await trio.to_thread.run_sync(run.deliver_all)
             await run.returned.wait()
-        with run.attempt._lock:
+        with run.agreement.lock:
             assert run.attempt.complete and not run.agreement.sending
             assert run.agreement.claim() == 1
         await run.close()
@@ -332,6 +219,6 @@ async def test_a_notice_heard_after_a_cancellation_wakes_the_trio_thread() -> No
             await trio.testing.wait_all_tasks_blocked()
             await trio.to_thread.run_sync(run.agreement.on_notice, 1)
             await woken.wait()
-        with run.attempt._lock:
+        with run.agreement.lock:
             assert run.agreement.done
         await run.close()
