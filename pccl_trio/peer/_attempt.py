@@ -56,16 +56,14 @@ import trio
 
 from .._core.ring import RingSchedule
 from .._types import ReduceOp
-from ..ops import Codec
+from ..ops import Codec, InputBackup, Staging
 from ..transport import Connection, SocketLink
 from ._agreement import Agreement
 from ._blocks import Encoded
 from ._inbound import Inbound
-from ._inputs import InputBackup
 from ._ledger import Ledger
 from ._operands import Operands
 from ._outbound import Outbound
-from ._staging import Staging
 
 __all__ = ["RingAttempt"]
 

@@ -27,10 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from .._core.ring import RingSchedule, Segment
-from ..ops import Codec, NonFiniteData
+from ..ops import BufferPool, Codec, NonFiniteData, Sender
 from ._ledger import Ledger
 from ._operands import Operands
-from ._staging import BufferPool, Sender
 
 __all__ = ["BlockStore", "Encoded", "refusal"]
 

@@ -78,7 +78,7 @@ from .._errors import (
 from .._types import (
     ReduceInfo,
 )
-from ..ops import Codec
+from ..ops import Codec, gpu_of, staging_for
 from ..transport import run_in_thread
 from ._attempt import RingAttempt
 from ._context import PeerContext
@@ -90,7 +90,6 @@ from ._requests import ReduceRequest
 from ._results import AsyncReduceHandle, Blocked, ReduceResult, Rejected
 from ._retry import RetriedReduces
 from ._session import MasterLost
-from ._staging import gpu_of, staging_for
 
 __all__ = ["AllReduces"]
 

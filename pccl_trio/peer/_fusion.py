@@ -33,10 +33,9 @@ import numpy as np
 
 from .._core.buckets import plan_buckets
 from .._types import ReduceInfo
-from ._gathered import Gathered
+from ..ops import BufferPool, Gathered
 from ._requests import ReduceRequest
 from ._retry import RetriedReduces
-from ._staging import BufferPool
 
 __all__ = ["Fusion"]
 

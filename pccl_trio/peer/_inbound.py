@@ -38,9 +38,8 @@ import numpy as np
 
 from .._core.errors import RemoteProtocolError
 from .._core.ring import RingSchedule, Segment
-from ..ops import NonFiniteData
+from ..ops import InputBackup, NonFiniteData
 from ._blocks import Encoded, refusal
-from ._inputs import InputBackup
 from ._ledger import Cuttable, Ledger
 from ._operands import Operands
 

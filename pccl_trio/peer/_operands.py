@@ -29,9 +29,7 @@ import numpy as np
 
 from .._core.ring import Segment
 from .._types import ReduceOp
-from ..ops import combine_into, copy_into, finalize_average, reduce_into
-from ._gathered import Gathered
-from ._staging import Staging
+from ..ops import Gathered, Staging, combine_into, copy_into, finalize_average, reduce_into
 
 __all__ = ["Operands"]
 

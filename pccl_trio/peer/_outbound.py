@@ -39,13 +39,12 @@ import numpy as np
 import trio
 
 from .._core.ring import RingSchedule, Segment
-from ..ops import NonFiniteData
+from ..ops import NonFiniteData, Sender
 from ..transport import Connection, SocketLink
 from ._blocks import Encoded, refusal
 from ._ledger import Ledger, LocalFailure
 from ._operands import Operands
 from ._protocol import Protocol, SendData, Wait, run_protocol
-from ._staging import Sender
 
 __all__ = ["FORWARD_LOCK_WAIT", "FORWARD_MAX_BYTES", "Outbound"]
 

@@ -23,8 +23,7 @@ import numpy as np
 from .._core.messages import CollectiveInitiate
 from .._errors import InvalidArgument
 from .._types import DataType, DistributionHint, QuantizationAlgorithm, QuantizationOptions, ReduceOp
-from ..ops import Array, ArrayModule, as_array, check_quantization, from_numpy_dtype
-from ._staging import gpu_of, staging_for
+from ..ops import Array, ArrayModule, as_array, check_quantization, from_numpy_dtype, gpu_of, staging_for
 
 __all__ = ["ReduceOptions", "ReduceRequest", "check_reduce_arguments", "check_reduce_options"]
 

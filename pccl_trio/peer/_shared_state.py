@@ -63,9 +63,20 @@ from .._core.messages import (
 from .._core.records import MAX_SEQUENCE, U64_MAX
 from .._errors import InvalidArgument
 from .._types import SharedState, TensorInfo
-from ..ops import CROSSINGS, Array, ArrayModule, as_array, byte_view, from_numpy_dtype, simplehash
+from ..ops import (
+    CROSSINGS,
+    Array,
+    ArrayModule,
+    HostStaging,
+    Lander,
+    as_array,
+    byte_view,
+    from_numpy_dtype,
+    gpu_of,
+    simplehash,
+    staging_for,
+)
 from ._protocol import Protocol, ReceiveHeader, ReceiveMessage, ReceivePayload, Send, SendData
-from ._staging import HostStaging, Lander, gpu_of, staging_for
 
 __all__ = [
     "PIECE_BYTES",

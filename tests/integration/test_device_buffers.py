@@ -23,7 +23,7 @@ import pytest
 import trio
 
 import pccl_trio as pccl
-from pccl_trio.peer._staging import _DeviceSender
+from pccl_trio.ops._staging import _DeviceSender
 from pccl_trio.testing import StrictDevice
 
 from .conftest import CONFIGS, Cluster, die_mid_all_reduce, form_run, joined, run_all, sync_all

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 import pccl_trio as pccl
-from pccl_trio.peer._gathered import Gathered
+from pccl_trio.ops import Gathered
 from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, die_mid_all_reduce, fine, form_run, run_all

@@ -14,9 +14,9 @@ import trio.testing
 
 from pccl_trio._core.ring import RingSchedule
 from pccl_trio._types import ReduceOp
+from pccl_trio.ops import BufferPool, HostStaging
 from pccl_trio.peer._agreement import Agreement
 from pccl_trio.peer._attempt import RingAttempt
-from pccl_trio.peer._staging import BufferPool, HostStaging
 from pccl_trio.transport import SocketLink
 
 

@@ -14,12 +14,11 @@ import trio
 
 from pccl_trio._core.ring import RingSchedule, Segment
 from pccl_trio._types import ReduceOp
+from pccl_trio.ops import HostStaging, InputBackup
 from pccl_trio.peer._inbound import Inbound
-from pccl_trio.peer._inputs import InputBackup
 from pccl_trio.peer._ledger import Ledger
 from pccl_trio.peer._operands import Operands
 from pccl_trio.peer._outbound import Outbound
-from pccl_trio.peer._staging import HostStaging
 from pccl_trio.transport import Signal, SocketLink
 
 

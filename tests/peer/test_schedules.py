@@ -13,10 +13,10 @@ import trio
 
 from pccl_trio._core.ring import RingSchedule, Segment
 from pccl_trio._types import ReduceOp
+from pccl_trio.ops import HostStaging
 from pccl_trio.peer._attempt import RingAttempt
 from pccl_trio.peer._ledger import LocalFailure
 from pccl_trio.peer._protocol import Protocol, ReceiveHeader, ReceivePayload, run_protocol
-from pccl_trio.peer._staging import HostStaging
 from pccl_trio.testing import MemoryNetwork
 from pccl_trio.transport import Connection, FramedStream, SocketLink
 

@@ -11,9 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pccl_trio import ReduceOp
-from pccl_trio.ops import combine_into
-from pccl_trio.peer import _gathered
-from pccl_trio.peer._gathered import Gathered
+from pccl_trio.ops import Gathered, _gathered, combine_into
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16, np.float64, np.int32, np.int8]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pccl_trio.peer._staging import BufferPool, DeviceStaging, HostStaging
+from pccl_trio.ops import BufferPool, DeviceStaging, HostStaging
 from pccl_trio.testing import StrictDevice
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from .._types import ReduceOp
-from ..ops import combine_parts, reduce_into
+from ._kernels import combine_parts, reduce_into
 
 __all__ = ["Gathered"]
 

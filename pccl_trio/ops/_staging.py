@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from ..ops import CROSSINGS
+from ._crossings import CROSSINGS
 
 log = logging.getLogger("pccl_trio.peer")
 
