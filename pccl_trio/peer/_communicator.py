@@ -488,9 +488,11 @@ class Communicator:
         (one question, no round trips meanwhile), still told of a kick or a lost master.
 
         Raises:
-            InvalidUsage: the master refused the vote (a peer waits in ``update_topology``,
-                ``optimize_topology`` or its group's ``sync_shared_state``, or did not ask
-                within the stall timeout), another membership call runs, or not connected.
+            InvalidUsage: the master refused the vote (another peer waits in
+                ``update_topology``, ``optimize_topology`` or, in this peer group,
+                ``sync_shared_state``, or a member did not ask within the stall
+                timeout), another membership call runs, or the communicator is not
+                connected.
             InvalidArgument: ``wait`` is not a number >= 0.
             MasterConnectionError, Kicked: the run is over for this peer.
         """
