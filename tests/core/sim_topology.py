@@ -46,7 +46,10 @@ class Chaos(Simulator):
         h, rng = self.h, self.rng
         self.rate = {(a, b): rng.choice((SLOW, MEDIUM, FAST))
                      for a in range(1, 30) for b in range(1, 30)}
-        size = rng.randint(1, 7)
+        # Two peers up: a lone peer's optimization ends at once, the same way every
+        # time (``test_a_lone_peer_optimizes_at_once``). A draw of one becomes two,
+        # so that every other seed keeps the stream of draws it was recorded with.
+        size = max(2, rng.randint(1, 7))
         self.groups = {c: rng.randrange(2) for c in range(1, size + 1)}
         self.groups[1] = 0
         run_with(h, self.groups)

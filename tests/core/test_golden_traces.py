@@ -73,7 +73,7 @@ def test_the_core_acts_as_recorded(name: str) -> None:
 
 def test_traces_tell_runs_apart() -> None:
     # Guards the digest itself: long runs from different seeds never coincide. (Some
-    # chaos seeds do: a lone peer's optimization, for one, plays out the same way.)
+    # chaos seeds do: a short run of two peers, for one, can play out the same way.)
     for name in ("churn", "collectives"):
         values = json.loads(GOLDEN.read_text())[name].values()
         assert len(set(values)) == len(values), name
