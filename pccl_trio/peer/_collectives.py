@@ -196,7 +196,7 @@ class AllReduces:
         self._life.check_connected()
         busy = self._life.busy
         if busy is not None and busy.blocks_all_reduce:
-            raise InvalidUsage(f"all_reduce() while {busy.value} runs on this communicator")
+            raise InvalidUsage(f"all_reduce() while {busy.spelling} runs on this communicator")
 
     def start(self, request: ReduceRequest, *, on_current_ring: bool = False) -> ReduceResult:
         """Reserve the tag and run the all-reduce in a task of the communicator.
