@@ -38,6 +38,7 @@ measurement): a fresh connection, the protocol run by the right driver, closed a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import typing
 from collections.abc import Awaitable, Callable, Mapping
@@ -64,6 +65,7 @@ from .._core.messages import (
 from .._core.ring import neighbours
 from .._core.wire import Admission
 from ..transport import (
+    Arrived,
     Connection,
     Credential,
     FramedStream,
@@ -75,6 +77,7 @@ from ..transport import (
     remote_host,
     secure_client,
     secure_server,
+    serve_accepted,
     threads_allowed,
 )
 from ._lifecycle import Lifecycle
@@ -185,7 +188,6 @@ class P2PConnections:
         self._expected_senders: dict[int, PeerEndpoint] = {}
         self._expected_lot = trio.lowlevel.ParkingLot()
         self._credential = credential
-        self._fresh = 0  # accepted connections waiting for their first frame
         self._first_frames = body_limits(
             typing.get_args(FirstFrame), config.max_control_frame
         )
@@ -204,7 +206,12 @@ class P2PConnections:
             OSError: the address cannot be listened on.
         """
         self._listener = await self._network.listen(host, port)
-        self._life.spawn(self._accept, self._listener)
+        assert self._life.nursery is not None
+        self._life.spawn(functools.partial(
+            serve_accepted, self._listener, self._serve, max_fresh=MAX_NEW_CONNECTIONS,
+            nursery=self._life.nursery, log=log, what="p2p connection",
+            name=lambda: f"peer {self._session.peer_id}: ",
+        ))
         return listener_address(self._listener)[1]
 
     @property
@@ -218,28 +225,7 @@ class P2PConnections:
         """The listener's ``(host, port)`` (None before ``listen``)."""
         return None if self._listener is None else listener_address(self._listener)
 
-    async def _accept(self, listener: trio.abc.Listener[Any]) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                return
-            except OSError as exc:  # pragma: no cover - e.g. too many open files
-                log.warning("p2p accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
-            if self._fresh >= MAX_NEW_CONNECTIONS:
-                log.warning(
-                    "peer %s: refusing a p2p connection from %s: %d connections have not "
-                    "sent their first frame yet", self._session.peer_id, remote_host(stream),
-                    self._fresh,
-                )
-                await trio.aclose_forcefully(stream)
-                continue
-            self._fresh += 1
-            self._life.spawn(self._serve, stream)
-
-    async def _serve(self, stream: trio.abc.Stream) -> None:
+    async def _serve(self, stream: trio.abc.Stream, arrived: Arrived) -> None:
         framed: FramedStream | None = None
         try:
             try:
@@ -247,7 +233,7 @@ class P2PConnections:
                     purpose, framed = await self._accept_handshake(stream)
                     first = await framed.receive_message_exact(Admission(self._first_frames))
             finally:
-                self._fresh -= 1
+                arrived()
             handler = self._handlers.get(type(first))
             if handler is None or not isinstance(first, FirstFrame):
                 raise RemoteProtocolError(f"expected P2PHello, got {type(first).__name__}")

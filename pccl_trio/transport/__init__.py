@@ -5,6 +5,8 @@ Everything above this package gets its streams from a ``Network`` (``listen`` an
 (``TcpNetwork``) and over the in-memory network of ``pccl_trio.testing``.
 """
 
+from ._accept import Arrived as Arrived
+from ._accept import serve_accepted as serve_accepted
 from ._blocking import SocketLink as SocketLink
 from ._discovery import MISSING_ZEROCONF as MISSING_ZEROCONF
 from ._discovery import Directory as Directory
