@@ -82,12 +82,14 @@ from .._types import (
 )
 from ..transport import (
     Credential,
+    DiscoveringNetwork,
     FramedStream,
     Network,
     TcpNetwork,
     check_remote_host,
     find_masters,
     listen_host,
+    reaches_other_machines,
 )
 from ._arguments import check_arguments
 from ._collectives import AllReduces
@@ -189,11 +191,13 @@ class Communicator:
         )
         config = (config or Config()).with_environment_secret()
         network = network if network is not None else TcpNetwork()
+        # The run's name, and the network that finds its masters.
+        discovery: tuple[str, DiscoveringNetwork] | None = None
         if discover is not None:
-            check_discover(
+            discovery = discover, check_discover(
                 discover, config, network, candidate_host=p2p_host if host_master else None
             )
-        if isinstance(network, TcpNetwork):
+        if reaches_other_machines(network):
             # Without a run secret a run stays on this machine unless told otherwise.
             secured, insecure = config.secret is not None, config.insecure
             try:
@@ -255,14 +259,15 @@ class Communicator:
         session.standing = self._standing
         self._finder: Finder | None = None
         self._elector: Elector | None = None
-        if discover is not None:
+        if discovery is not None:
+            run, discovering = discovery
             finder = self._finder = Finder(
-                run=discover, config=config, directory=network.directory,  # type: ignore[attr-defined]
+                run=run, config=config, directory=discovering.directory,
                 lifecycle=life, session=session,
             )
             if host_master:
                 elector = self._elector = Elector(
-                    finder=finder, config=config, network=network, lifecycle=life,
+                    finder=finder, config=config, network=discovering, lifecycle=life,
                     session=session, host=p2p_host,
                     identity=public_bytes(credential.identity)
                     if credential is not None and credential.identity is not None else None,

@@ -2,7 +2,9 @@
 
 Everything above this package gets its streams from a ``Network`` (``listen`` and
 ``connect``), so the same master and communicator run over real TCP
-(``TcpNetwork``) and over the in-memory network of ``pccl_trio.testing``.
+(``TcpNetwork``) and over the in-memory network of ``pccl_trio.testing``; finding a
+master by name and hosting one need a ``DiscoveringNetwork``. Other packages import
+from here, never from the private modules.
 """
 
 from ._accept import Arrived as Arrived
@@ -21,6 +23,7 @@ from ._exposure import listen_host as listen_host
 from ._framed import Connection as Connection
 from ._framed import FramedStream as FramedStream
 from ._keepalive import keep_alive as keep_alive
+from ._network import DiscoveringNetwork as DiscoveringNetwork
 from ._network import InMemoryStream as InMemoryStream
 from ._network import Network as Network
 from ._network import Reservation as Reservation
@@ -29,6 +32,7 @@ from ._network import comes_from as comes_from
 from ._network import format_address as format_address
 from ._network import listener_address as listener_address
 from ._network import parse_address as parse_address
+from ._network import reaches_other_machines as reaches_other_machines
 from ._network import remote_host as remote_host
 from ._secure import Credential as Credential
 from ._secure import secure_client as secure_client
