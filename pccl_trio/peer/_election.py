@@ -47,7 +47,7 @@ from .._config import Config
 from .._core.discovery import MasterAdvert, auth_tag, check_run_name, choose
 from .._core.election import first_peer_id, hosting_at, in_order, outranking, position, rank_of, targets
 from .._errors import InvalidArgument, PCCLError
-from ..master._server import serve_master
+from ..master import serve_master
 from ..transport import (
     ADVICE,
     MISSING_ZEROCONF,
@@ -58,9 +58,9 @@ from ..transport import (
     advertise_master,
     discovery_available,
     format_address,
+    is_loopback,
     reaches_other_machines,
 )
-from ..transport._exposure import is_loopback
 from ._lifecycle import Lifecycle
 from ._session import MasterSession
 

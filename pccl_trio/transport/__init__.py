@@ -11,7 +11,9 @@ from ._accept import Arrived as Arrived
 from ._accept import serve_accepted as serve_accepted
 from ._blocking import SocketLink as SocketLink
 from ._discovery import MISSING_ZEROCONF as MISSING_ZEROCONF
+from ._discovery import SETTLE_SECONDS as SETTLE_SECONDS
 from ._discovery import Directory as Directory
+from ._discovery import Seen as Seen
 from ._discovery import advertise_master as advertise_master
 from ._discovery import check_advertise as check_advertise
 from ._discovery import discovery_available as discovery_available
@@ -19,6 +21,7 @@ from ._discovery import find_masters as find_masters
 from ._discovery import list_masters as list_masters
 from ._exposure import ADVICE as ADVICE
 from ._exposure import check_remote_host as check_remote_host
+from ._exposure import is_loopback as is_loopback
 from ._exposure import listen_host as listen_host
 from ._framed import Connection as Connection
 from ._framed import FramedStream as FramedStream
