@@ -64,7 +64,6 @@ from .._core.messages import (
     BenchmarkRequest,
     CollectiveCommence,
     ExpectBenchmark,
-    P2PHello,
     P2PInfo,
     SharedStateRequest,
 )
@@ -247,7 +246,7 @@ class Communicator:
         session.route(CollectiveCommence, receiver.on_commence)
         session.route(P2PInfo, p2p.expect_sender)
         session.route(ExpectBenchmark, self._optimizer.expect_benchmark)
-        p2p.handle(P2PHello, receiver.serve)
+        p2p.handle_ring(receiver.serve)
         # Replaceable through PeerSeam (a faulty distributor).
         self._serve_shared_state: Callable[
             [FramedStream, SharedStateRequest], Coroutine[Any, Any, None]

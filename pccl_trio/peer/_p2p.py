@@ -4,8 +4,11 @@ Theory of operation
 -------------------
 Every connection a peer accepts opens with one control frame that says what it is
 for, and the listener hands it to the handler registered for that frame's kind
-(``handle``): ``P2PHello`` for a ring neighbour's data connection, ``SharedStateRequest``
-for a peer fetching shared state, ``BenchmarkRequest`` for a peer measuring the link.
+(``handle``): ``SharedStateRequest`` for a peer fetching shared state,
+``BenchmarkRequest`` for a peer measuring the link. A ``P2PHello`` opens a ring
+neighbour's data connection: the listener admits it into its pool first (``_admit``,
+below) and hands the ring's handler (``handle_ring``) the admitted connection, in the
+form that receives its data.
 Each first frame carries the protocol version, checked here once for all of them.
 With a run secret, the run-secret handshake comes before the first frame, within
 ``connect_timeout``, and names the connection's purpose, which must match the first
@@ -13,7 +16,7 @@ frame's kind; a connection that fails it is closed without a word.
 
 The ring's connections are *pools*: ``pool_size`` connections to the next peer of the
 ring (tx), and as many from the previous one (rx), each named by its slot. A data
-connection is admitted (``admit``) only from a predecessor the master named (a round's
+connection is admitted (``_admit``) only from a predecessor the master named (a round's
 ``P2PInfo``, which may reach this peer a moment after it reached the connecting one),
 from the host the master knows it at, into a slot below the pool size it registered
 with, and replaces an older connection in the same slot. After a round, ``rewire``
@@ -196,8 +199,22 @@ class P2PConnections:
 
     def handle(self, kind: type[_M], handler: Callable[[FramedStream, _M], Awaitable[None]]) -> None:
         """Serve accepted connections whose first frame is a ``kind`` with ``handler``
-        (which owns the connection until it returns; it is closed afterwards)."""
+        (which owns the connection until it returns; it is closed afterwards). Ring
+        connections are admitted before their handler: ``handle_ring``."""
+        if kind is P2PHello:
+            raise TypeError("a ring connection is admitted before it is handled: use handle_ring")
         self._handlers[kind] = handler
+
+    def handle_ring(self, handler: Callable[[Connection, P2PHello], Awaitable[None]]) -> None:
+        """Serve ring neighbours' data connections (first frame ``P2PHello``) with
+        ``handler``, once each is admitted into its pool and acknowledged (``_admit``);
+        it gets the connection in the form that receives its data, and owns it until it
+        returns (it is closed afterwards)."""
+
+        async def admitted(framed: FramedStream, hello: P2PHello) -> None:
+            await handler(await self._admit(framed, hello), hello)
+
+        self._handlers[P2PHello] = admitted
 
     async def listen(self, host: str, port: int) -> int:
         """Start accepting p2p connections; the port listened on.
@@ -268,7 +285,7 @@ class P2PConnections:
         purpose, channel = await secure_server(stream, self._credential, frozenset(PURPOSES.values()))
         return purpose, self.framed(stream, channel)
 
-    async def admit(self, framed: FramedStream, hello: P2PHello) -> Connection:
+    async def _admit(self, framed: FramedStream, hello: P2PHello) -> Connection:
         """Admit a ring neighbour's data connection into its rx pool and acknowledge it;
         the connection in the form that receives its data.
 
@@ -354,7 +371,7 @@ class P2PConnections:
 
     def receives_on(self, predecessor: int, connection: Connection) -> bool:
         """Whether ``connection`` is in the pool from ``predecessor``. A connection
-        leaves it only in a round: replaced in its slot by a newer one (``admit``), or
+        leaves it only in a round: replaced in its slot by a newer one (``_admit``), or
         closed with the pool of a peer that is no longer the predecessor (``rewire``)."""
         pool = self._rx.get(predecessor)
         return pool is not None and any(c is connection for c in pool.slots.values())
