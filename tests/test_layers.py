@@ -1,10 +1,15 @@
-"""Rooms keep their private modules to themselves.
+"""Rooms keep their private modules to themselves, and no module imports in a circle.
 
 A *room* is a subpackage of ``pccl_trio`` (``_core``, ``ops``, ``transport``, ``master``,
 ``peer``, ``topology``, ``testing``). A module whose name starts with ``_`` is private
 to its room: another room, or a module at the top of the package, imports what it
 needs from the room itself (its ``__init__.py`` re-exports it), never from the private
 module. ``_core``'s modules have public names, so any of them may be imported.
+
+Imports made when a module runs form no circle: where two parts need each other, one
+is handed the other when they are built (as the communicator builds its parts), and
+not imported by it. Imports only for the type checker (``if TYPE_CHECKING:``) are left
+out of that rule.
 """
 
 from __future__ import annotations
@@ -97,6 +102,63 @@ def test_a_package_imports_relative_to_itself() -> None:
         "line 1: pccl_trio.peer._seam"
     ]
     assert private_imports("from ._memory import MemoryHost", name, package=True) == []
+
+
+def runtime_imports(path: pathlib.Path) -> set[str]:
+    """The modules of ``pccl_trio`` that ``path`` imports when it runs (not those under
+    ``if TYPE_CHECKING:``); ``from M import n`` imports ``M.n`` where that is a module,
+    ``M`` otherwise."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    checking = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }
+    name = module_name(path)
+    here = name if path.name == "__init__.py" else name[:-1]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in checking:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = here[: len(here) - node.level + 1] if node.level else []
+            module = ".".join(base + (node.module.split(".") if node.module else []))
+            for alias in node.names:
+                found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in NAMES else module)
+    return {module for module in found if module in NAMES and module != ".".join(name)}
+
+
+NAMES = {".".join(module_name(path)) for path in MODULES}
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    graph = {".".join(module_name(path)): runtime_imports(path) for path in MODULES}
+    done: set[str] = set()
+
+    def circle_from(module: str, trail: list[str]) -> list[str]:
+        if module in trail:
+            return [*trail[trail.index(module):], module]
+        if module in done:
+            return []
+        for imported_module in sorted(graph[module]):
+            circle = circle_from(imported_module, [*trail, module])
+            if circle:
+                return circle
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        assert circle_from(module, []) == []
+
+
+def test_the_retried_passes_and_the_all_reduces_do_not_import_each_other() -> None:
+    """``RetriedReduces`` launches through ``AllReduces``, which knows nothing of it."""
+    graph = {".".join(module_name(path)): runtime_imports(path) for path in MODULES}
+    assert "pccl_trio.peer._collectives" in graph["pccl_trio.peer._retry"]
+    assert "pccl_trio.peer._retry" not in graph["pccl_trio.peer._collectives"]
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda path: str(path.relative_to(PACKAGE)))

@@ -48,7 +48,8 @@ peer's part is failed, which aborts the collective unless the part was complete;
 caller waits (shielded) for the verdict and the restore, which the protocol's timers
 bound: SUCCESS (every peer had finished) returns the result, anything else re-raises.
 
-``all_reduce_multiple_with_retry``'s passes over its all-reduces are in ``_retry``."""
+``all_reduce_multiple_with_retry``'s passes over its all-reduces are in ``_retry``, which
+launches them here (``start``)."""
 
 from __future__ import annotations
 
@@ -86,7 +87,6 @@ from ._membership import Membership
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
 from ._results import AsyncReduceHandle, Blocked, ReduceResult, Rejected
-from ._retry import RetriedReduces
 from ._session import MasterLost
 from ._staging import gpu_of, staging_for
 
@@ -121,12 +121,10 @@ class AllReduces:
         self._life = context.lifecycle
         self._session = context.session
         self._p2p = context.p2p
-        self.metrics = context.metrics
+        self._metrics = context.metrics
         self._receiver = receiver
-        self.membership = membership
+        self._membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
-        # ``all_reduce_multiple_with_retry``'s passes.
-        self.retried = RetriedReduces(self)
         self._leases = Leases(context, receiver=receiver, membership=membership)
         # The commenced attempts sending their part, by tag (one attempt per tag).
         self._parts: dict[int, _Part] = {}
@@ -259,7 +257,7 @@ class AllReduces:
         """Tell the metrics how an all-reduce ended."""
         info, error = result.info, result.error
         attempt = result.attempt
-        self.metrics.all_reduce(
+        self._metrics.all_reduce(
             _outcome(error), seconds, info.tx_bytes if info else 0, info.rx_bytes if info else 0,
             attempt.restore_seconds if attempt is not None else 0.0,
         )
@@ -267,7 +265,7 @@ class AllReduces:
     def _prepare(self, request: ReduceRequest, result: ReduceResult) -> AllReduceAttempt:
         """Make the attempt on the ring as it is and register it with the receive path
         (before the vote; from now on this peer re-establishes no ring before it ends)."""
-        ring = self.membership.ring
+        ring = self._membership.ring
         if len(ring) < 2:
             raise TooFewPeers("all_reduce() needs at least 2 peers in the peer group; it has 1")
         assert self._session.peer_id is not None
@@ -298,7 +296,7 @@ class AllReduces:
         self, request: ReduceRequest, result: ReduceResult, attempt: AllReduceAttempt | None
     ) -> ReduceInfo:
         if attempt is None:
-            await self.membership.ensure_ring()
+            await self._membership.ensure_ring()
             attempt = self._prepare(request, result)
         if attempt.agreement is not None:
             return await self._leased(request, result, attempt)
@@ -326,7 +324,7 @@ class AllReduces:
                 # Data was moving when the master was lost: the ring's connections may
                 # hold parts of frames. Re-establish it before the retry, as after any
                 # abort (marked before the settle, as below).
-                self.membership.stale = True
+                self._membership.stale = True
             await attempt.settle()
             attempt.restore()
             attempt.release()
@@ -362,7 +360,7 @@ class AllReduces:
                 # this abort too. Marked later, it would call for a second, needless
                 # round, whose vote aborts the all-reduces that peers launched on the
                 # ring the first one made.
-                self.membership.stale = True
+                self._membership.stale = True
             await attempt.settle()
             if never_ran:
                 # Nothing was written, but keep the rule simple (a leased attempt that a
@@ -418,7 +416,7 @@ class AllReduces:
                 result.final.set()
             if last:
                 try:
-                    await self.membership.ensure_ring()
+                    await self._membership.ensure_ring()
                 except UpdateTopologyFailed:
                     pass
                 except PCCLError as exc:  # raised below, not grouped by the nursery
@@ -537,7 +535,7 @@ class AllReduces:
                 verdict = await self._agree(attempt, complete)
         except BaseException:
             self._end(attempt)
-            self.membership.stale = True  # its frames may be half sent
+            self._membership.stale = True  # its frames may be half sent
             await attempt.settle()
             attempt.restore()
             attempt.release()

@@ -103,6 +103,7 @@ from ._p2p import P2PConnections
 from ._receiver import DataReceiver
 from ._requests import check_reduce_arguments, check_reduce_options
 from ._results import AsyncReduceHandle
+from ._retry import RetriedReduces
 from ._session import MasterLost, MasterSession, Standing
 from ._sync import SharedStateSync
 
@@ -239,7 +240,8 @@ class Communicator:
         )
         membership = self._membership = Membership(context, receiver=receiver)
         self._all_reduces = AllReduces(context, receiver=receiver, membership=membership)
-        self._fusion = Fusion(self._all_reduces.retried, bucket_bytes=config.bucket_bytes)
+        retried = RetriedReduces(self._all_reduces, membership=membership, metrics=metrics)
+        self._fusion = Fusion(retried, bucket_bytes=config.bucket_bytes)
         self._sync = SharedStateSync(context, membership=membership)
         self._optimizer = TopologyOptimizer(context, membership=membership)
 
