@@ -152,7 +152,8 @@ class AllReduces:
     # --- calls ---------------------------------------------------------------------------
 
     async def all_reduce(self, request: ReduceRequest) -> ReduceInfo:
-        """``Communicator.all_reduce`` with its arguments checked."""
+        """``Communicator.all_reduce`` with its arguments checked (and ``check_launch``
+        asked before them)."""
         result = self.start(request)
         try:
             return await result.get()
@@ -185,25 +186,28 @@ class AllReduces:
         return result.info
 
     def launch(self, request: ReduceRequest) -> AsyncReduceHandle:
-        """``Communicator.all_reduce_async`` with its arguments checked."""
+        """``Communicator.all_reduce_async`` with its arguments checked (and
+        ``check_launch`` asked before them)."""
         return AsyncReduceHandle(request.tag, self.start(request))
 
     def check_launch(self) -> None:
         """An all-reduce may start now: connected, and no call holds this peer in a
-        vote that a collective cannot join."""
+        vote that a collective cannot join. Whoever launches one (``start``) asks this
+        just before, with no checkpoint between: the facade before it checks the call's
+        arguments, ``_retry`` before each all-reduce of a pass."""
         self._life.check_connected()
         busy = self._life.busy
         if busy is not None and busy.blocks_all_reduce:
             raise InvalidUsage(f"all_reduce() while {busy.spelling} runs on this communicator")
 
     def start(self, request: ReduceRequest, *, on_current_ring: bool = False) -> ReduceResult:
-        """Reserve the tag and run the all-reduce in a task of the communicator.
+        """Reserve the tag and run the all-reduce in a task of the communicator (the
+        caller asked ``check_launch`` since its last checkpoint).
 
         ``on_current_ring``: the attempt is made and registered now, on the ring as it
         is (which must not be stale), rather than by the task once the ring is up to
         date; this peer then votes for it before any later establishment vote.
         """
-        self.check_launch()
         if request.tag in self.tags_in_flight:
             raise InvalidUsage(
                 f"tag {request.tag} is already in flight; give concurrent all-reduces distinct tags"

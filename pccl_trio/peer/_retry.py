@@ -120,6 +120,9 @@ class RetriedReduces:
         outcome = _Outcome(on_success=on_success)
         pending = list(range(len(requests)))
         while pending:
+            # Asked before the ring is brought up to date, so that a call holding this
+            # peer in a vote is reported rather than waited for; each launch of the
+            # pass asks again (``_reduce_pass``), after the waits that came since.
             self._reduces.check_launch()
             try:
                 # Every pass starts on an up-to-date ring, like a single all-reduce.
@@ -200,6 +203,7 @@ class RetriedReduces:
                         failed.extend(pending[position:])
                         break
                     try:
+                        self._reduces.check_launch()
                         results[index] = self._reduces.start(requests[index], on_current_ring=True)
                     except PCCLError as exc:
                         fatal.append(exc)
