@@ -8,7 +8,8 @@ their arguments and delegate:
 * ``Lifecycle`` (``_lifecycle``): status, failure, the background nursery, and the one
   membership call running at a time;
 * ``MasterSession`` (``_session``): the master link, its single reader with the
-  synchronous routes below, the inbox, heartbeats;
+  synchronous routes below, heartbeats; it holds the inbox (``_inbox``) and the
+  reconnector (``_reconnect``), which gets a lost master back;
 * ``P2PConnections`` (``_p2p``): the p2p listener, the first-frame handlers below, the
   ring's connection pools, connecting to other peers;
 * ``DataReceiver`` (``_receiver``): the all-reduce attempts in flight and the readers
@@ -36,7 +37,7 @@ keeps browsing for the run's masters while the communicator lives, so that a mem
 that loses its master finds the one started or elected meanwhile.
 
 A member that loses its master does not fail: the session gets a master back
-(``_session``, ``Config.master_grace``), an all-reduce in flight becomes
+(``_reconnect``, ``Config.master_grace``), an all-reduce in flight becomes
 ``CollectiveAborted`` with its input restored, and a membership call the lost master
 never answered is made again once it is back (``_through_master_loss``).
 
@@ -101,10 +102,11 @@ from ._metrics import peer_metrics
 from ._optimize import TopologyOptimizer
 from ._p2p import P2PConnections
 from ._receiver import DataReceiver
+from ._reconnect import Standing
 from ._requests import check_reduce_arguments, check_reduce_options
 from ._results import AsyncReduceHandle
 from ._retry import RetriedReduces
-from ._session import MasterLost, MasterSession, Standing
+from ._session import MasterLost, MasterSession
 from ._sync import SharedStateSync
 
 __all__ = ["Communicator", "CommunicatorStatistics"]
@@ -227,7 +229,7 @@ class Communicator:
         self._master_address = str(master_address)
         session = self._session = MasterSession(
             config=config, network=network, lifecycle=life, addresses=addresses,
-            credential=credential, metrics=metrics,
+            credential=credential, metrics=metrics, standing=self._standing,
         )
         p2p = self._p2p = P2PConnections(
             config=config, network=network, lifecycle=life, session=session,
@@ -257,7 +259,6 @@ class Communicator:
         p2p.handle(BenchmarkRequest, self._optimizer.serve_benchmark)
         life.close_with(self._close_connections)
         life.describe_with(lambda: f"peer {session.peer_id}")
-        session.standing = self._standing
         self._finder: Finder | None = None
         self._elector: Elector | None = None
         if discovery is not None:
