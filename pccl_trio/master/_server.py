@@ -18,8 +18,9 @@ the frame header before the body is read (``wire.Admission``); bodies large enou
 take a while to validate are decoded in a worker thread, one at a time, so the event
 loop keeps serving heartbeats; at most ``MAX_NEW_CONNECTIONS`` connections may wait
 for their first frame at once (``transport.serve_accepted``, which also rides out a
-listener that runs out of file descriptors). If handling one connection's event raises all the
-same (a bug), that connection is dropped and the error logged; the master goes on.
+listener that runs out of file descriptors). If handling one connection's event
+raises all the same (a bug), that connection is dropped and the error logged; the
+master goes on.
 
 ``serve_master_tcp(advertise=RUN)`` also announces the master over mDNS/DNS-SD while it
 serves (``transport.advertise_master``), so that peers can find it by the run's name.

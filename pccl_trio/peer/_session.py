@@ -125,12 +125,12 @@ class MasterSession:
 
     @property
     def address(self) -> str:
-        """The master's address in use (or last tried)."""
+        """The master's address in use (``Reconnector.address``)."""
         return self._reconnector.address
 
     @property
     def away(self) -> bool:
-        """Whether the master is lost and not back yet."""
+        """Whether the master is lost and not back yet (``Reconnector.away``)."""
         return self._reconnector.away
 
     def retarget(self, addresses: Sequence[tuple[str, int]]) -> None:
@@ -143,21 +143,15 @@ class MasterSession:
         return await self._reconnector.probe(addresses)
 
     def on_away(self, hook: Callable[[], None]) -> None:
-        """Have ``hook`` called (it must not block) each time the master is lost and
-        the session sets out to get it back."""
+        """Have ``hook`` called as each absence begins (``Reconnector.on_away``)."""
         self._reconnector.on_away(hook)
 
     def on_back(self, hook: Callable[[], None]) -> None:
-        """Have ``hook`` called (it must not block) each time a master took this member
-        back after it was lost, before any call goes on."""
+        """Have ``hook`` called as each absence ends (``Reconnector.on_back``)."""
         self._reconnector.on_back(hook)
 
     async def until_back(self) -> None:
-        """Return once the master link is up (at once if it is).
-
-        Raises:
-            MasterConnectionError, Kicked: the run is over for this peer.
-        """
+        """Return once the master link is up (``Reconnector.until_back``)."""
         await self._reconnector.until_back()
 
     def route(self, kind: type[_M], apply: Callable[[_M], bool | None]) -> None:
