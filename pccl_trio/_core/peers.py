@@ -79,6 +79,7 @@ __all__ = [
     "out_of_order",
     "pending_calls",
     "transition",
+    "votes_blocking",
 ]
 
 
@@ -251,6 +252,15 @@ def find_blocker(call: Call, group: int, accepted: Iterable[Peer]) -> Peer | Non
             if peer.state in states and (scope is Scope.RUN or peer.peer_group == group):
                 return peer
     return None
+
+
+def votes_blocking(call: Call) -> frozenset[Call]:
+    """The calls whose votes block ``call`` somewhere (``BLOCKED_BY``, any scope), for
+    a peer that would make ``call`` while it waits in one of its own votes: the master
+    would end ``call`` with an error naming that peer, so the peer refuses it first."""
+    return frozenset(
+        VOTES[state].call for _scope, states in BLOCKED_BY.get(call, ()) for state in states
+    )
 
 
 def out_of_order(blocker: Peer, call: Call) -> str:

@@ -17,8 +17,10 @@ No input may end or freeze the master. A connection's first frame must be a smal
 the frame header before the body is read (``wire.Admission``); bodies large enough to
 take a while to validate are decoded in a worker thread, one at a time, so the event
 loop keeps serving heartbeats; at most ``MAX_NEW_CONNECTIONS`` connections may wait
-for their first frame at once. If handling one connection's event raises all the
-same (a bug), that connection is dropped and the error logged; the master goes on.
+for their first frame at once (``transport.serve_accepted``, which also rides out a
+listener that runs out of file descriptors). If handling one connection's event
+raises all the same (a bug), that connection is dropped and the error logged; the
+master goes on.
 
 ``serve_master_tcp(advertise=RUN)`` also announces the master over mDNS/DNS-SD while it
 serves (``transport.advertise_master``), so that peers can find it by the run's name.
@@ -67,6 +69,7 @@ from .._core.messages import (
 )
 from .._core.wire import Admission, encode_control
 from ..transport import (
+    Arrived,
     Credential,
     FramedStream,
     TcpNetwork,
@@ -77,6 +80,7 @@ from ..transport import (
     listener_address,
     remote_host,
     secure_server,
+    serve_accepted,
     threads_allowed,
 )
 from ._metrics import serve_metrics
@@ -107,14 +111,14 @@ _BATCH = 64
 class _Connection:
     def __init__(
         self, conn_id: int, stream: trio.abc.Stream, config: Config, admission: Admission,
-        channel: Channel | None,
+        channel: Channel | None, arrived: Arrived,
     ) -> None:
         self.conn_id = conn_id
         self.framed = FramedStream(
             stream, max_control_frame=config.max_control_frame, admission=admission,
             decode=False, channel=channel,
         )
-        self.fresh = True  # no frame received yet
+        self.arrived = arrived  # to call once a frame was received (``serve_accepted``)
         self.outgoing_send, self.outgoing_receive = trio.open_memory_channel[
             bytes | memoryview
         ](math.inf)
@@ -169,7 +173,6 @@ class _MasterServer:
         # reproducible). Decided once the run is known (``serve_master``).
         self.threads = True
         self.ready: list[Event] = []  # results of inline searches, for the core
-        self.fresh = 0  # connections that have not sent a frame yet
         self.decoding = trio.CapacityLimiter(1)  # large bodies, one at a time
         # What a connection may send: a small Register (or an observer's StatusRequest)
         # first, then peer kinds.
@@ -181,27 +184,13 @@ class _MasterServer:
 
     async def accept_loop(self, listener: trio.abc.Listener[Any], nursery: trio.Nursery) -> None:
         async with listener:
-            while True:
-                try:
-                    stream = await listener.accept()
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    log.warning("listener %r closed; no longer accepting on it", listener)
-                    return
-                except OSError as exc:  # e.g. EMFILE: back off, keep serving
-                    log.warning("accept failed: %s", exc)
-                    await trio.sleep(0.1)
-                    continue
-                if self.fresh >= MAX_NEW_CONNECTIONS:
-                    log.warning(
-                        "refusing a connection from %s: %d connections have not sent "
-                        "their first frame yet", remote_host(stream), self.fresh,
-                    )
-                    await trio.aclose_forcefully(stream)
-                    continue
-                self.fresh += 1
-                nursery.start_soon(self.serve_connection, stream)
+            await serve_accepted(
+                listener, self.serve_connection, max_fresh=MAX_NEW_CONNECTIONS,
+                nursery=nursery, log=log,
+            )
+            log.warning("listener %r closed; no longer accepting on it", listener)
 
-    async def serve_connection(self, stream: trio.abc.Stream) -> None:
+    async def serve_connection(self, stream: trio.abc.Stream, arrived: Arrived) -> None:
         channel: Channel | None = None
         try:
             if self.credential is not None:
@@ -209,7 +198,7 @@ class _MasterServer:
                     stream, self.credential, frozenset({Purpose.MASTER})
                 )
         except BaseException as exc:
-            self.fresh -= 1
+            arrived()
             await trio.aclose_forcefully(stream)
             if isinstance(exc, HANDSHAKE_ERRORS):  # closed without a word
                 log.info("closing a connection from %s: no run-secret handshake (%s)",
@@ -218,7 +207,7 @@ class _MasterServer:
             raise
         conn = _Connection(
             next(self.ids), stream, self.config,
-            Admission(first=self.first_kinds, then=self.peer_kinds), channel,
+            Admission(first=self.first_kinds, then=self.peer_kinds), channel, arrived,
         )
         self.connections[conn.conn_id] = conn
         try:
@@ -232,21 +221,15 @@ class _MasterServer:
                     await self.read_loop(conn)
                     await trio.sleep_forever()  # until the writer finishes the close
         finally:
-            self.settle(conn)
+            arrived()
             self.connections.pop(conn.conn_id, None)
             await conn.framed.aclose()
-
-    def settle(self, conn: _Connection) -> None:
-        """``conn`` no longer waits for its first frame."""
-        if conn.fresh:
-            conn.fresh = False
-            self.fresh -= 1
 
     async def read_loop(self, conn: _Connection) -> None:
         try:
             while True:
                 frame = await conn.framed.receive_undecoded()
-                self.settle(conn)
+                conn.arrived()
                 if self.threads and len(frame.fields) >= THREAD_DECODE_BYTES:
                     # The frame arrived, which proves the sender alive while it waits
                     # for a decoder (never the first frame: that is a small Register).

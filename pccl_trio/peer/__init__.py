@@ -1,5 +1,7 @@
-"""The peer side of a run: ``Communicator``."""
+"""The peer side of a run: ``Communicator``, and ``PeerSeam``, the test seam that
+``pccl_trio.testing`` re-exports."""
 
 from ._communicator import Communicator as Communicator
 from ._communicator import CommunicatorStatistics as CommunicatorStatistics
 from ._results import AsyncReduceHandle as AsyncReduceHandle
+from ._seam import PeerSeam as PeerSeam

@@ -48,7 +48,8 @@ peer's part is failed, which aborts the collective unless the part was complete;
 caller waits (shielded) for the verdict and the restore, which the protocol's timers
 bound: SUCCESS (every peer had finished) returns the result, anything else re-raises.
 
-``all_reduce_multiple_with_retry``'s passes over its all-reduces are in ``_retry``."""
+``all_reduce_multiple_with_retry``'s passes over its all-reduces are in ``_retry``, which
+launches them here (``start``)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,6 @@ from ._membership import Membership
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
 from ._results import AsyncReduceHandle, Blocked, ReduceResult, Rejected
-from ._retry import RetriedReduces
 from ._session import MasterLost
 
 __all__ = ["AllReduces"]
@@ -122,12 +122,10 @@ class AllReduces:
         self._life = context.lifecycle
         self._session = context.session
         self._p2p = context.p2p
-        self.metrics = context.metrics
+        self._metrics = context.metrics
         self._receiver = receiver
-        self.membership = membership
+        self._membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
-        # ``all_reduce_multiple_with_retry``'s passes.
-        self.retried = RetriedReduces(self)
         self._leases = Leases(context, receiver=receiver, membership=membership)
         # The commenced attempts sending their part, by tag (one attempt per tag).
         self._parts: dict[int, _Part] = {}
@@ -155,7 +153,8 @@ class AllReduces:
     # --- calls ---------------------------------------------------------------------------
 
     async def all_reduce(self, request: ReduceRequest) -> ReduceInfo:
-        """``Communicator.all_reduce`` with its arguments checked."""
+        """``Communicator.all_reduce`` with its arguments checked (and ``check_launch``
+        asked before them)."""
         result = self.start(request)
         try:
             return await result.get()
@@ -188,25 +187,28 @@ class AllReduces:
         return result.info
 
     def launch(self, request: ReduceRequest) -> AsyncReduceHandle:
-        """``Communicator.all_reduce_async`` with its arguments checked."""
+        """``Communicator.all_reduce_async`` with its arguments checked (and
+        ``check_launch`` asked before them)."""
         return AsyncReduceHandle(request.tag, self.start(request))
 
     def check_launch(self) -> None:
         """An all-reduce may start now: connected, and no call holds this peer in a
-        vote that a collective cannot join."""
+        vote that a collective cannot join. Whoever launches one (``start``) asks this
+        just before, with no checkpoint between: the facade before it checks the call's
+        arguments, ``_retry`` before each all-reduce of a pass."""
         self._life.check_connected()
         busy = self._life.busy
         if busy is not None and busy.blocks_all_reduce:
-            raise InvalidUsage(f"all_reduce() while {busy.value} runs on this communicator")
+            raise InvalidUsage(f"all_reduce() while {busy.spelling} runs on this communicator")
 
     def start(self, request: ReduceRequest, *, on_current_ring: bool = False) -> ReduceResult:
-        """Reserve the tag and run the all-reduce in a task of the communicator.
+        """Reserve the tag and run the all-reduce in a task of the communicator (the
+        caller asked ``check_launch`` since its last checkpoint).
 
         ``on_current_ring``: the attempt is made and registered now, on the ring as it
         is (which must not be stale), rather than by the task once the ring is up to
         date; this peer then votes for it before any later establishment vote.
         """
-        self.check_launch()
         if request.tag in self.tags_in_flight:
             raise InvalidUsage(
                 f"tag {request.tag} is already in flight; give concurrent all-reduces distinct tags"
@@ -260,7 +262,7 @@ class AllReduces:
         """Tell the metrics how an all-reduce ended."""
         info, error = result.info, result.error
         attempt = result.attempt
-        self.metrics.all_reduce(
+        self._metrics.all_reduce(
             _outcome(error), seconds, info.tx_bytes if info else 0, info.rx_bytes if info else 0,
             attempt.restore_seconds if attempt is not None else 0.0,
         )
@@ -268,7 +270,7 @@ class AllReduces:
     def _prepare(self, request: ReduceRequest, result: ReduceResult) -> RingAttempt:
         """Make the attempt on the ring as it is and register it with the receive path
         (before the vote; from now on this peer re-establishes no ring before it ends)."""
-        ring = self.membership.ring
+        ring = self._membership.ring
         if len(ring) < 2:
             raise TooFewPeers("all_reduce() needs at least 2 peers in the peer group; it has 1")
         assert self._session.peer_id is not None
@@ -303,7 +305,7 @@ class AllReduces:
         self, request: ReduceRequest, result: ReduceResult, attempt: RingAttempt | None
     ) -> ReduceInfo:
         if attempt is None:
-            await self.membership.ensure_ring()
+            await self._membership.ensure_ring()
             attempt = self._prepare(request, result)
         if attempt.agreement is not None:
             return await self._leased(request, result, attempt)
@@ -331,7 +333,7 @@ class AllReduces:
                 # Data was moving when the master was lost: the ring's connections may
                 # hold parts of frames. Re-establish it before the retry, as after any
                 # abort (marked before the settle, as below).
-                self.membership.stale = True
+                self._membership.stale = True
             await attempt.settle()
             attempt.restore()
             attempt.release()
@@ -367,7 +369,7 @@ class AllReduces:
                 # this abort too. Marked later, it would call for a second, needless
                 # round, whose vote aborts the all-reduces that peers launched on the
                 # ring the first one made.
-                self.membership.stale = True
+                self._membership.stale = True
             await attempt.settle()
             if never_ran:
                 # Nothing was written, but keep the rule simple (a leased attempt that a
@@ -423,7 +425,7 @@ class AllReduces:
                 result.final.set()
             if last:
                 try:
-                    await self.membership.ensure_ring()
+                    await self._membership.ensure_ring()
                 except UpdateTopologyFailed:
                     pass
                 except PCCLError as exc:  # raised below, not grouped by the nursery
@@ -542,7 +544,7 @@ class AllReduces:
                 verdict = await self._agree(attempt, complete)
         except BaseException:
             self._end(attempt)
-            self.membership.stale = True  # its frames may be half sent
+            self._membership.stale = True  # its frames may be half sent
             await attempt.settle()
             attempt.restore()
             attempt.release()

@@ -8,7 +8,8 @@ their arguments and delegate:
 * ``Lifecycle`` (``_lifecycle``): status, failure, the background nursery, and the one
   membership call running at a time;
 * ``MasterSession`` (``_session``): the master link, its single reader with the
-  synchronous routes below, the inbox, heartbeats;
+  synchronous routes below, heartbeats; it holds the inbox (``_inbox``) and the
+  reconnector (``_reconnect``), which gets a lost master back;
 * ``P2PConnections`` (``_p2p``): the p2p listener, the first-frame handlers below, the
   ring's connection pools, connecting to other peers;
 * ``DataReceiver`` (``_receiver``): the all-reduce attempts in flight and the readers
@@ -36,7 +37,7 @@ keeps browsing for the run's masters while the communicator lives, so that a mem
 that loses its master finds the one started or elected meanwhile.
 
 A member that loses its master does not fail: the session gets a master back
-(``_session``, ``Config.master_grace``), an all-reduce in flight becomes
+(``_reconnect``, ``Config.master_grace``), an all-reduce in flight becomes
 ``CollectiveAborted`` with its input restored, and a membership call the lost master
 never answered is made again once it is back (``_through_master_loss``).
 
@@ -64,7 +65,6 @@ from .._core.messages import (
     BenchmarkRequest,
     CollectiveCommence,
     ExpectBenchmark,
-    P2PHello,
     P2PInfo,
     SharedStateRequest,
 )
@@ -82,12 +82,14 @@ from .._types import (
 )
 from ..transport import (
     Credential,
+    DiscoveringNetwork,
     FramedStream,
     Network,
     TcpNetwork,
     check_remote_host,
     find_masters,
     listen_host,
+    reaches_other_machines,
 )
 from ._arguments import check_arguments
 from ._collectives import AllReduces
@@ -100,9 +102,11 @@ from ._metrics import peer_metrics
 from ._optimize import TopologyOptimizer
 from ._p2p import P2PConnections
 from ._receiver import DataReceiver
+from ._reconnect import Standing
 from ._requests import check_reduce_arguments, check_reduce_options
 from ._results import AsyncReduceHandle
-from ._session import MasterLost, MasterSession, Standing
+from ._retry import RetriedReduces
+from ._session import MasterLost, MasterSession
 from ._sync import SharedStateSync
 
 __all__ = ["Communicator", "CommunicatorStatistics"]
@@ -189,11 +193,13 @@ class Communicator:
         )
         config = (config or Config()).with_environment_secret()
         network = network if network is not None else TcpNetwork()
+        # The run's name, and the network that finds its masters.
+        discovery: tuple[str, DiscoveringNetwork] | None = None
         if discover is not None:
-            check_discover(
+            discovery = discover, check_discover(
                 discover, config, network, candidate_host=p2p_host if host_master else None
             )
-        if isinstance(network, TcpNetwork):
+        if reaches_other_machines(network):
             # Without a run secret a run stays on this machine unless told otherwise.
             secured, insecure = config.secret is not None, config.insecure
             try:
@@ -223,7 +229,7 @@ class Communicator:
         self._master_address = str(master_address)
         session = self._session = MasterSession(
             config=config, network=network, lifecycle=life, addresses=addresses,
-            credential=credential, metrics=metrics,
+            credential=credential, metrics=metrics, standing=self._standing,
         )
         p2p = self._p2p = P2PConnections(
             config=config, network=network, lifecycle=life, session=session,
@@ -236,14 +242,15 @@ class Communicator:
         )
         membership = self._membership = Membership(context, receiver=receiver)
         self._all_reduces = AllReduces(context, receiver=receiver, membership=membership)
-        self._fusion = Fusion(self._all_reduces.retried, bucket_bytes=config.bucket_bytes)
+        retried = RetriedReduces(self._all_reduces, membership=membership, metrics=metrics)
+        self._fusion = Fusion(retried, bucket_bytes=config.bucket_bytes)
         self._sync = SharedStateSync(context, membership=membership)
         self._optimizer = TopologyOptimizer(context, membership=membership)
 
         session.route(CollectiveCommence, receiver.on_commence)
         session.route(P2PInfo, p2p.expect_sender)
         session.route(ExpectBenchmark, self._optimizer.expect_benchmark)
-        p2p.handle(P2PHello, receiver.serve)
+        p2p.handle_ring(receiver.serve)
         # Replaceable through PeerSeam (a faulty distributor).
         self._serve_shared_state: Callable[
             [FramedStream, SharedStateRequest], Coroutine[Any, Any, None]
@@ -252,17 +259,17 @@ class Communicator:
         p2p.handle(BenchmarkRequest, self._optimizer.serve_benchmark)
         life.close_with(self._close_connections)
         life.describe_with(lambda: f"peer {session.peer_id}")
-        session.standing = self._standing
         self._finder: Finder | None = None
         self._elector: Elector | None = None
-        if discover is not None:
+        if discovery is not None:
+            run, discovering = discovery
             finder = self._finder = Finder(
-                run=discover, config=config, directory=network.directory,  # type: ignore[attr-defined]
+                run=run, config=config, directory=discovering.directory,
                 lifecycle=life, session=session,
             )
             if host_master:
                 elector = self._elector = Elector(
-                    finder=finder, config=config, network=network, lifecycle=life,
+                    finder=finder, config=config, network=discovering, lifecycle=life,
                     session=session, host=p2p_host,
                     identity=public_bytes(credential.identity)
                     if credential is not None and credential.identity is not None else None,

@@ -47,19 +47,20 @@ from .._config import Config
 from .._core.discovery import MasterAdvert, auth_tag, check_run_name, choose
 from .._core.election import first_peer_id, hosting_at, in_order, outranking, position, rank_of, targets
 from .._errors import InvalidArgument, PCCLError
-from ..master._server import serve_master
+from ..master import serve_master
 from ..transport import (
     ADVICE,
     MISSING_ZEROCONF,
     Directory,
+    DiscoveringNetwork,
     Network,
     Reservation,
-    TcpNetwork,
     advertise_master,
     discovery_available,
     format_address,
+    is_loopback,
+    reaches_other_machines,
 )
-from ..transport._exposure import is_loopback
 from ._lifecycle import Lifecycle
 from ._session import MasterSession
 
@@ -80,20 +81,21 @@ WATCH_TIMEOUTS = 3
 
 def check_discover(
     run: str, config: Config, network: Network, *, candidate_host: str | None = None
-) -> None:
+) -> DiscoveringNetwork:
     """Refuse ``discover=run`` where it cannot work; ``candidate_host``: the host a
-    candidate (``host_master=True``) would host the master on."""
+    candidate (``host_master=True``) would host the master on. The network, as one
+    that finds masters (and reserves the port a candidate's master would take)."""
     try:
         check_run_name(run)
     except ValueError as exc:
         raise InvalidArgument(f"discover: {exc}") from None
-    if getattr(network, "directory", None) is None:
+    if not isinstance(network, DiscoveringNetwork):
         raise InvalidArgument(
             "discover= finds masters where a network advertises them (mDNS on real "
             f"networks); {type(network).__name__} has no directory: give the master's address"
         )
-    if not isinstance(network, TcpNetwork):
-        return
+    if not reaches_other_machines(network):
+        return network
     if config.secret is None and not config.insecure:
         raise InvalidArgument(
             f"discover={run!r} looks for a master on other hosts, which a peer without a "
@@ -107,6 +109,7 @@ def check_discover(
         )
     if not discovery_available():
         raise InvalidArgument(f"discover={run!r}: {MISSING_ZEROCONF}")
+    return network
 
 
 Join = Callable[[Sequence[tuple[str, int]]], Awaitable[bool]]
@@ -177,7 +180,7 @@ class Elector:
     """
 
     def __init__(
-        self, *, finder: Finder, config: Config, network: Network, lifecycle: Lifecycle,
+        self, *, finder: Finder, config: Config, network: DiscoveringNetwork, lifecycle: Lifecycle,
         session: MasterSession, host: str, identity: bytes | None,
     ) -> None:
         self._finder = finder
@@ -197,7 +200,7 @@ class Elector:
 
     async def stand(self) -> None:
         """Reserve the master's port and advertise the candidacy (until the end)."""
-        self._reservation = await self._network.reserve(self._host, 0)  # type: ignore[attr-defined]
+        self._reservation = await self._network.reserve(self._host, 0)
         self._port = self._reservation.port
         nursery = self._life.nursery
         assert nursery is not None
@@ -276,7 +279,7 @@ class Elector:
             return
         reservation = self._reservation
         if reservation is None:
-            reservation = await self._network.reserve(self._host, self._port)  # type: ignore[attr-defined]
+            reservation = await self._network.reserve(self._host, self._port)
         self._reservation = None
         listener = await reservation.listen()
         nursery = self._life.nursery

@@ -29,6 +29,7 @@ from typing import Any
 
 import trio
 
+from .._core import peers
 from .._errors import InvalidUsage, PCCLError
 
 __all__ = ["Call", "Lifecycle", "Status"]
@@ -45,20 +46,43 @@ class Status(enum.Enum):
 
 
 class Call(enum.Enum):
-    """The membership calls, which run one at a time."""
+    """The membership calls, which run one at a time.
 
-    CONNECT = "connect()"
-    UPDATE_TOPOLOGY = "update_topology()"
-    OPTIMIZE_TOPOLOGY = "optimize_topology()"
-    SYNC_SHARED_STATE = "sync_shared_state()"
-    ARE_PEERS_PENDING = "are_peers_pending()"
-    REESTABLISH = "the re-establishment of the ring"
+    Each is spelled as error messages name it, and names the call of the master's
+    table (``_core.peers.Call``) whose vote it makes (None: it makes none of them), so
+    that which of them block an all-reduce is read from that table
+    (``_core.peers.votes_blocking``) rather than listed here again.
+    """
+
+    CONNECT = ("connect()", None)  # its registration is no vote of the table
+    UPDATE_TOPOLOGY = ("update_topology()", peers.Call.UPDATE_TOPOLOGY)
+    OPTIMIZE_TOPOLOGY = ("optimize_topology()", peers.Call.OPTIMIZE_TOPOLOGY)
+    SYNC_SHARED_STATE = ("sync_shared_state()", peers.Call.SYNC_SHARED_STATE)
+    ARE_PEERS_PENDING = ("are_peers_pending()", peers.Call.ARE_PEERS_PENDING)
+    REESTABLISH = ("the re-establishment of the ring", peers.Call.UPDATE_TOPOLOGY)
+
+    def __init__(self, spelling: str, vote: peers.Call | None) -> None:
+        self.spelling = spelling
+        self.vote = vote
 
     @property
     def blocks_all_reduce(self) -> bool:
-        """Whether an all-reduce started meanwhile is a usage error: the master would
-        hold this peer in a vote that a collective cannot join."""
-        return self in (Call.UPDATE_TOPOLOGY, Call.SYNC_SHARED_STATE, Call.OPTIMIZE_TOPOLOGY)
+        """Whether an all-reduce started meanwhile is a usage error: this call holds
+        the peer in a vote that blocks a collective (the master would refuse the
+        all-reduce, naming this peer).
+
+        The re-establishment of the ring is the exception. It makes the vote of
+        ``update_topology``, but no caller asked for it: every survivor of an aborted
+        collective runs it before its next collective call, so an all-reduce launched
+        meanwhile is the next call it was run for, not a misuse. That all-reduce waits
+        for it (``Membership.ensure_ring`` waits while a membership call runs, and
+        only then votes), so the master never sees the two votes together.
+        """
+        return self is not Call.REESTABLISH and self.vote in _BLOCKING_ALL_REDUCE
+
+
+#: The calls of the master's table whose votes block an all-reduce.
+_BLOCKING_ALL_REDUCE = peers.votes_blocking(peers.Call.ALL_REDUCE)
 
 
 class Lifecycle:
@@ -110,7 +134,7 @@ class Lifecycle:
         """Run one membership call (see the module docstring)."""
         if self.busy is not None:
             raise InvalidUsage(
-                f"{call.value} while {self.busy.value} is running on this communicator; "
+                f"{call.spelling} while {self.busy.spelling} is running on this communicator; "
                 "membership calls must not overlap"
             )
         self.busy = call
@@ -121,7 +145,7 @@ class Lifecycle:
             if self.voted and not isinstance(exc, PCCLError):
                 self.fail(
                     InvalidUsage(
-                        f"{call.value} was interrupted ({type(exc).__name__}) after voting; "
+                        f"{call.spelling} was interrupted ({type(exc).__name__}) after voting; "
                         "this peer left the run so the others do not wait for it: "
                         "create a new Communicator to join again"
                     )

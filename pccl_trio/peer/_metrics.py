@@ -7,7 +7,7 @@ is told, by the parts that know, what each call ended with: an all-reduce's outc
 duration and bytes (``AllReduces``), the time spent restoring an aborted in-place
 input, the retries of ``all_reduce_multiple_with_retry``, a shared-state sync's
 outcome and bytes (``SharedStateSync``), and each time the master link was got back
-(``MasterSession``). An update is a few counter increments per call, nothing per
+(``Reconnector``). An update is a few counter increments per call, nothing per
 slice or per message.
 
 ``Config.metrics`` says where they go:

@@ -4,8 +4,11 @@ Theory of operation
 -------------------
 Every connection a peer accepts opens with one control frame that says what it is
 for, and the listener hands it to the handler registered for that frame's kind
-(``handle``): ``P2PHello`` for a ring neighbour's data connection, ``SharedStateRequest``
-for a peer fetching shared state, ``BenchmarkRequest`` for a peer measuring the link.
+(``handle``): ``SharedStateRequest`` for a peer fetching shared state,
+``BenchmarkRequest`` for a peer measuring the link. A ``P2PHello`` opens a ring
+neighbour's data connection: the listener admits it into its pool first (``_admit``,
+below) and hands the ring's handler (``handle_ring``) the admitted connection, in the
+form that receives its data.
 Each first frame carries the protocol version, checked here once for all of them.
 With a run secret, the run-secret handshake comes before the first frame, within
 ``connect_timeout``, and names the connection's purpose, which must match the first
@@ -13,7 +16,7 @@ frame's kind; a connection that fails it is closed without a word.
 
 The ring's connections are *pools*: ``pool_size`` connections to the next peer of the
 ring (tx), and as many from the previous one (rx), each named by its slot. A data
-connection is admitted (``admit``) only from a predecessor the master named (a round's
+connection is admitted (``_admit``) only from a predecessor the master named (a round's
 ``P2PInfo``, which may reach this peer a moment after it reached the connecting one),
 from the host the master knows it at, into a slot below the pool size it registered
 with, and replaces an older connection in the same slot. After a round, ``rewire``
@@ -38,6 +41,7 @@ measurement): a fresh connection, the protocol run by the right driver, closed a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import typing
 from collections.abc import Awaitable, Callable, Mapping
@@ -64,6 +68,7 @@ from .._core.messages import (
 from .._core.ring import neighbours
 from .._core.wire import Admission
 from ..transport import (
+    Arrived,
     Connection,
     Credential,
     FramedStream,
@@ -75,6 +80,7 @@ from ..transport import (
     remote_host,
     secure_client,
     secure_server,
+    serve_accepted,
     threads_allowed,
 )
 from ._lifecycle import Lifecycle
@@ -185,7 +191,6 @@ class P2PConnections:
         self._expected_senders: dict[int, PeerEndpoint] = {}
         self._expected_lot = trio.lowlevel.ParkingLot()
         self._credential = credential
-        self._fresh = 0  # accepted connections waiting for their first frame
         self._first_frames = body_limits(
             typing.get_args(FirstFrame), config.max_control_frame
         )
@@ -194,8 +199,22 @@ class P2PConnections:
 
     def handle(self, kind: type[_M], handler: Callable[[FramedStream, _M], Awaitable[None]]) -> None:
         """Serve accepted connections whose first frame is a ``kind`` with ``handler``
-        (which owns the connection until it returns; it is closed afterwards)."""
+        (which owns the connection until it returns; it is closed afterwards). Ring
+        connections are admitted before their handler: ``handle_ring``."""
+        if kind is P2PHello:
+            raise TypeError("a ring connection is admitted before it is handled: use handle_ring")
         self._handlers[kind] = handler
+
+    def handle_ring(self, handler: Callable[[Connection, P2PHello], Awaitable[None]]) -> None:
+        """Serve ring neighbours' data connections (first frame ``P2PHello``) with
+        ``handler``, once each is admitted into its pool and acknowledged (``_admit``);
+        it gets the connection in the form that receives its data, and owns it until it
+        returns (it is closed afterwards)."""
+
+        async def admitted(framed: FramedStream, hello: P2PHello) -> None:
+            await handler(await self._admit(framed, hello), hello)
+
+        self._handlers[P2PHello] = admitted
 
     async def listen(self, host: str, port: int) -> int:
         """Start accepting p2p connections; the port listened on.
@@ -204,7 +223,12 @@ class P2PConnections:
             OSError: the address cannot be listened on.
         """
         self._listener = await self._network.listen(host, port)
-        self._life.spawn(self._accept, self._listener)
+        assert self._life.nursery is not None
+        self._life.spawn(functools.partial(
+            serve_accepted, self._listener, self._serve, max_fresh=MAX_NEW_CONNECTIONS,
+            nursery=self._life.nursery, log=log, what="p2p connection",
+            name=lambda: f"peer {self._session.peer_id}: ",
+        ))
         return listener_address(self._listener)[1]
 
     @property
@@ -218,28 +242,7 @@ class P2PConnections:
         """The listener's ``(host, port)`` (None before ``listen``)."""
         return None if self._listener is None else listener_address(self._listener)
 
-    async def _accept(self, listener: trio.abc.Listener[Any]) -> None:
-        while True:
-            try:
-                stream = await listener.accept()
-            except (trio.ClosedResourceError, trio.BrokenResourceError):
-                return
-            except OSError as exc:  # pragma: no cover - e.g. too many open files
-                log.warning("p2p accept failed: %s", exc)
-                await trio.sleep(0.1)
-                continue
-            if self._fresh >= MAX_NEW_CONNECTIONS:
-                log.warning(
-                    "peer %s: refusing a p2p connection from %s: %d connections have not "
-                    "sent their first frame yet", self._session.peer_id, remote_host(stream),
-                    self._fresh,
-                )
-                await trio.aclose_forcefully(stream)
-                continue
-            self._fresh += 1
-            self._life.spawn(self._serve, stream)
-
-    async def _serve(self, stream: trio.abc.Stream) -> None:
+    async def _serve(self, stream: trio.abc.Stream, arrived: Arrived) -> None:
         framed: FramedStream | None = None
         try:
             try:
@@ -247,7 +250,7 @@ class P2PConnections:
                     purpose, framed = await self._accept_handshake(stream)
                     first = await framed.receive_message_exact(Admission(self._first_frames))
             finally:
-                self._fresh -= 1
+                arrived()
             handler = self._handlers.get(type(first))
             if handler is None or not isinstance(first, FirstFrame):
                 raise RemoteProtocolError(f"expected P2PHello, got {type(first).__name__}")
@@ -282,7 +285,7 @@ class P2PConnections:
         purpose, channel = await secure_server(stream, self._credential, frozenset(PURPOSES.values()))
         return purpose, self.framed(stream, channel)
 
-    async def admit(self, framed: FramedStream, hello: P2PHello) -> Connection:
+    async def _admit(self, framed: FramedStream, hello: P2PHello) -> Connection:
         """Admit a ring neighbour's data connection into its rx pool and acknowledge it;
         the connection in the form that receives its data.
 
@@ -368,7 +371,7 @@ class P2PConnections:
 
     def receives_on(self, predecessor: int, connection: Connection) -> bool:
         """Whether ``connection`` is in the pool from ``predecessor``. A connection
-        leaves it only in a round: replaced in its slot by a newer one (``admit``), or
+        leaves it only in a round: replaced in its slot by a newer one (``_admit``), or
         closed with the pool of a peer that is no longer the predecessor (``rewire``)."""
         pool = self._rx.get(predecessor)
         return pool is not None and any(c is connection for c in pool.slots.values())

@@ -44,7 +44,7 @@ import trio
 
 from .._core.errors import RemoteProtocolError
 from .._core.messages import CollectiveCommence, P2PHello
-from ..transport import Connection, FramedStream, Signal, SocketLink
+from ..transport import Connection, Signal, SocketLink
 from ._attempt import RingAttempt
 from ._lifecycle import Lifecycle
 from ._p2p import P2PConnections
@@ -189,9 +189,9 @@ class DataReceiver:
 
     # --- the readers -------------------------------------------------------------------------
 
-    async def serve(self, framed: FramedStream, hello: P2PHello) -> None:
-        """Handle a ring neighbour's data connection (the p2p handler of ``P2PHello``)."""
-        connection = await self._p2p.admit(framed, hello)
+    async def serve(self, connection: Connection, hello: P2PHello) -> None:
+        """Handle a ring neighbour's data connection, admitted into its pool (the p2p
+        handler of ring connections, ``P2PConnections.handle_ring``)."""
         try:
             await run_protocol(self._receive(connection, hello.peer_id), connection)
         except (trio.BrokenResourceError, trio.ClosedResourceError, RemoteProtocolError) as exc:

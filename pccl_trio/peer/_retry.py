@@ -24,18 +24,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import trio
 
 from .._errors import CollectiveAborted, InvalidArgument, PCCLError, TooFewPeers
 from .._types import ReduceInfo
+from ._collectives import AllReduces
+from ._membership import Membership
+from ._metrics import NoMetrics
 from ._requests import ReduceRequest
 from ._results import Blocked, ReduceResult, Rejected
 from ._session import MasterLost
-
-if TYPE_CHECKING:
-    from ._collectives import AllReduces
 
 __all__ = ["RetriedReduces"]
 
@@ -87,10 +86,18 @@ def _rejection(
 
 
 class RetriedReduces:
-    """The retried all-reduces of one communicator (see the module docstring)."""
+    """The retried all-reduces of one communicator (see the module docstring).
 
-    def __init__(self, reduces: AllReduces) -> None:
+    Args:
+        reduces: where each all-reduce is launched.
+        membership: the ring the passes run on, and whether it went stale.
+        metrics: where the retries are counted.
+    """
+
+    def __init__(self, reduces: AllReduces, *, membership: Membership, metrics: NoMetrics) -> None:
         self._reduces = reduces
+        self._membership = membership
+        self._metrics = metrics
 
     async def run(
         self,
@@ -113,13 +120,16 @@ class RetriedReduces:
         outcome = _Outcome(on_success=on_success)
         pending = list(range(len(requests)))
         while pending:
+            # Asked before the ring is brought up to date, so that a call holding this
+            # peer in a vote is reported rather than waited for; each launch of the
+            # pass asks again (``_reduce_pass``), after the waits that came since.
             self._reduces.check_launch()
             try:
                 # Every pass starts on an up-to-date ring, like a single all-reduce.
-                await self._reduces.membership.ensure_ring()
+                await self._membership.ensure_ring()
             except MasterLost:
                 continue  # its vote died with the master; the next one waits for it
-            ring = self._reduces.membership.ring
+            ring = self._membership.ring
             if len(ring) < 2:
                 raise TooFewPeers(
                     f"the peer group has {len(ring)} peer; {len(pending)} of "
@@ -128,11 +138,11 @@ class RetriedReduces:
             pending = await self._reduce_pass(requests, pending, max_in_flight, outcome)
             if pending:
                 log.info("peer %s: retrying %d all-reduces", self._reduces.peer_id, len(pending))
-                self._reduces.metrics.retries(len(pending))
+                self._metrics.retries(len(pending))
         if outcome.rejected:
             raise _rejection(requests, members, outcome.rejected)
         return ReduceInfo(
-            world_size=len(self._reduces.membership.ring), tx_bytes=outcome.tx, rx_bytes=outcome.rx,
+            world_size=len(self._membership.ring), tx_bytes=outcome.tx, rx_bytes=outcome.rx,
             clamped=outcome.clamped,
         )
 
@@ -162,7 +172,7 @@ class RetriedReduces:
         fatal: list[PCCLError] = []
         slots = trio.Semaphore(max_in_flight)
         results: dict[int, ReduceResult] = {}
-        generation = self._reduces.membership.generation
+        generation = self._membership.generation
 
         async def one(index: int) -> None:
             try:
@@ -186,13 +196,14 @@ class RetriedReduces:
                     await slots.acquire()  # launch in index order, the same on every peer
                     if fatal:
                         break
-                    if self._reduces.membership.generation != generation or self._reduces.membership.stale:
+                    if self._membership.generation != generation or self._membership.stale:
                         # Voting now could come after this peer's establishment vote,
                         # and so after another peer's vote for this index was aborted
                         # (see above): leave the rest to the next pass.
                         failed.extend(pending[position:])
                         break
                     try:
+                        self._reduces.check_launch()
                         results[index] = self._reduces.start(requests[index], on_current_ring=True)
                     except PCCLError as exc:
                         fatal.append(exc)

@@ -6,7 +6,7 @@ Not imported by ``import pccl_trio``; import it explicitly::
     from pccl_trio.testing import MemoryNetwork
 """
 
-from ..peer._seam import PeerSeam as PeerSeam
+from ..peer import PeerSeam as PeerSeam
 from ._device import DeviceArray as DeviceArray
 from ._device import DeviceEvent as DeviceEvent
 from ._device import DeviceStream as DeviceStream

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from .._core.discovery import MasterAdvert
-from ..transport._discovery import SETTLE_SECONDS, Seen
+from ..transport import SETTLE_SECONDS, Seen
 
 if TYPE_CHECKING:
     from ._memory import MemoryNetwork

@@ -1,5 +1,16 @@
 """The ``Network`` seam and its TCP implementation.
 
+A ``Network`` gives listeners and outgoing connections, which is all a master and a
+peer with a master's address need. Finding a master by name and hosting an elected
+one need more of it: a ``Directory`` where masters are advertised and found, and ports
+reserved for listeners to come (``reserve``). A network that offers both is a
+``DiscoveringNetwork`` (``TcpNetwork``, whose directory is the local network's mDNS,
+and the in-memory network's hosts, which share a directory of their own); callers ask
+``isinstance(network, DiscoveringNetwork)`` before they use them. Whether a network's
+connections may reach other machines, so that the rules on exposure without a run
+secret (``_exposure``) and mDNS apply, is ``reaches_other_machines``, asked in one
+place.
+
 ``comes_from`` tells whether a stream's other end is a given host (an address, or a
 name that resolves to it): peers serve a p2p connection only from the host the master
 knows the claimed peer at.
@@ -19,7 +30,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import trio
 
+from ._discovery import MDNS, Directory
+
 __all__ = [
+    "DiscoveringNetwork",
     "InMemoryListener",
     "InMemoryStream",
     "Reservation",
@@ -29,6 +43,7 @@ __all__ = [
     "format_address",
     "listener_address",
     "parse_address",
+    "reaches_other_machines",
     "remote_host",
 ]
 
@@ -45,6 +60,23 @@ class Network(Protocol):
 
     async def listen(self, host: str, port: int) -> trio.abc.Listener[Any]:
         """Listen on ``host:port`` (port 0: any free port); see ``listener_address``."""
+        ...
+
+
+@runtime_checkable
+class DiscoveringNetwork(Network, Protocol):
+    """A ``Network`` that also advertises and finds masters and reserves ports: what
+    ``Communicator(discover=...)`` needs, and ``host_master=True`` (see the module
+    docstring)."""
+
+    @property
+    def directory(self) -> Directory:
+        """Where masters (and candidates) of runs are advertised and found."""
+        ...
+
+    async def reserve(self, host: str, port: int = 0) -> Reservation:
+        """A port on ``host`` bound for a listener to come (port 0: any free port):
+        until ``Reservation.listen``, a dial there is refused at once."""
         ...
 
 
@@ -82,10 +114,8 @@ class TcpNetwork:
     """Real TCP through trio's socket layer (Nagle off, large buffers)."""
 
     @property
-    def directory(self) -> Any:
+    def directory(self) -> Directory:
         """Where masters are advertised and found: the local network's mDNS."""
-        from ._discovery import MDNS
-
         return MDNS
 
     async def reserve(self, host: str, port: int = 0) -> Reservation:
@@ -113,6 +143,13 @@ class TcpNetwork:
         for extra in listeners[1:]:
             await extra.aclose()
         return _TunedListener(listeners[0])
+
+
+def reaches_other_machines(network: Network) -> bool:
+    """Whether ``network``'s connections are real sockets, which may reach other
+    machines (``TcpNetwork``): the rules on exposure without a run secret and on mDNS
+    apply to it. The in-memory network reaches only its own named hosts."""
+    return isinstance(network, TcpNetwork)
 
 
 class Reservation(Protocol):

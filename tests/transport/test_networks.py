@@ -1,0 +1,53 @@
+"""What each network offers: ``DiscoveringNetwork`` and ``reaches_other_machines``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from pccl_trio.testing import MemoryNetwork
+from pccl_trio.transport import DiscoveringNetwork, Network, TcpNetwork, reaches_other_machines
+
+
+class ListenAndConnect:
+    """A network with ``listen`` and ``connect`` only."""
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        raise OSError("unused")
+
+    async def listen(self, host: str, port: int) -> trio.abc.Listener[Any]:
+        raise OSError("unused")
+
+
+# Checked statically too: both networks satisfy the protocol as written.
+TCP: DiscoveringNetwork = TcpNetwork()
+MEMORY: DiscoveringNetwork = MemoryNetwork().host("a")
+PLAIN: Network = ListenAndConnect()
+
+
+def test_tcp_and_memory_hosts_find_masters_and_reserve_ports() -> None:
+    assert isinstance(TCP, DiscoveringNetwork)
+    assert isinstance(MEMORY, DiscoveringNetwork)
+    assert not isinstance(PLAIN, DiscoveringNetwork)
+
+
+def test_only_tcp_reaches_other_machines() -> None:
+    assert reaches_other_machines(TCP)
+    assert not reaches_other_machines(MEMORY)
+    assert not reaches_other_machines(PLAIN)
+
+
+async def test_a_memory_reservation_refuses_dials_until_it_listens(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    network = MemoryNetwork()
+    host = network.host("a")
+    reservation = await host.reserve("a")
+    with pytest.raises(OSError):
+        await network.host("b").connect("a", reservation.port)
+    listener = await reservation.listen()
+    stream = await network.host("b").connect("a", reservation.port)
+    await stream.aclose()
+    await listener.aclose()
