@@ -38,7 +38,7 @@ reach its verdict (``_collectives``), and its data moves in worker threads over 
 which no cancel scope reaches. What stops the data in flight is ``stop``: it cuts
 under the attempt's lock every connection carrying the attempt's bytes, which wakes
 the threads blocked on them, and the senders' trio tasks are cancelled by their
-caller's scope (``_collectives._Part``).
+caller's scope (``_parts.Part``).
 
 GPU buffers run this same code: the staging (``_staging``) hands senders the host
 bytes of a slice (copied from the device into pinned memory, the next one while this

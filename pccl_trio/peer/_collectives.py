@@ -16,7 +16,8 @@ whatever happens). One call is one *attempt*:
    a verdict (the peers disagree, a peer votes for something else, the ring is stale).
 4. Commenced, this peer sends its part (``RingAttempt.send_all``); the master's
    ``CollectiveAbort``, the loss of the master and the end of the run stop it where it
-   is (routes and hooks of the session, run as each arrives: no task watches for them).
+   is (routes and hooks of the session, run as each arrives: no task watches for them;
+   ``_parts``).
    It reports ``CollectiveComplete`` and waits for the verdict, which is the same on
    every peer.
 5. The attempt ends: no more writes, no more frames routed to it. On an aborted
@@ -84,8 +85,8 @@ from ..transport import run_in_thread
 from ._attempt import RingAttempt
 from ._context import PeerContext
 from ._leases import Leases
-from ._ledger import LocalFailure
 from ._membership import Membership
+from ._parts import Part, RunningParts
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
 from ._results import AsyncReduceHandle, Blocked, ReduceResult, Rejected
@@ -127,11 +128,8 @@ class AllReduces:
         self._membership = membership
         self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
         self._leases = Leases(context, receiver=receiver, membership=membership)
-        # The commenced attempts sending their part, by tag (one attempt per tag).
-        self._parts: dict[int, _Part] = {}
-        self._session.route(CollectiveAbort, self._on_abort)
-        self._session.on_away(self._on_master_lost)
-        self._life.on_failure(self._on_run_over)
+        # The commenced attempts sending their part, and what stops them.
+        self._parts = RunningParts(context, receiver=receiver)
 
     @property
     def peer_id(self) -> int | None:
@@ -471,7 +469,7 @@ class AllReduces:
     async def _run_ring(self, attempt: RingAttempt) -> bool:
         """This peer's part of a commenced attempt, reported to the master with
         ``CollectiveComplete``; True if it completed locally. The master's abort stops
-        the part where it is (``_on_abort``), and it is reported aborted; the loss of
+        the part where it is (``_parts``), and it is reported aborted; the loss of
         the master or the end of the run stop it too, and raise (no report: the master
         that commenced it is gone).
 
@@ -479,11 +477,11 @@ class AllReduces:
             MasterLost: the master was lost while the part ran.
             PCCLError: the run is over for this peer.
         """
-        part = _Part(attempt)
+        part = Part(attempt)
         if self._session.away:  # a commence a lost link's reader delivered late
             part.master_lost = True
             part.stop()
-        ok = await self._part(part)
+        ok = await self._parts.run(part)
         if part.master_lost:
             raise MasterLost(
                 f"lost the master at {self._session.address} during the all-reduce with "
@@ -491,34 +489,6 @@ class AllReduces:
             )
         ok = ok and attempt.live
         await self._complete(attempt, ok)
-        return ok
-
-    async def _part(self, part: _Part) -> bool:
-        """Send this peer's part of an attempt (stopped by ``part.stop``); True if it
-        went through.
-
-        Raises:
-            PCCLError: the run is over for this peer.
-        """
-        attempt = part.attempt
-        self._life.raise_if_failed()
-        successor = attempt.successor
-        connections = self._p2p.successor_connections(successor)
-        if not connections:
-            attempt.fail(f"no open connection to the next peer ({successor})")
-        self._parts[attempt.tag] = part
-        ok = False
-        try:
-            with part.scope:
-                try:
-                    await attempt.send_all(connections)
-                    ok = True
-                except LocalFailure as exc:
-                    log.info("peer %s: tag %d failed locally: %s", self._session.peer_id,
-                             attempt.tag, exc)
-        finally:
-            del self._parts[attempt.tag]
-        self._life.raise_if_failed()
         return ok
 
     # --- an attempt under a lease ----------------------------------------------------------
@@ -531,7 +501,7 @@ class AllReduces:
         verdict: CollectiveVerdict | None = None
         complete = False
         try:
-            await self._part(_Part(attempt))
+            await self._parts.run(Part(attempt))
             complete = attempt.complete
             self._leases.part_ended(attempt)
             if not complete and result.cancelled:
@@ -591,51 +561,3 @@ class AllReduces:
             self._life.raise_if_failed()
             await attempt.wait_changed()
         return agreement.verdict
-
-    # --- what stops a part (called by the session, never blocking) --------------------------
-
-    def _on_abort(self, message: CollectiveAbort) -> None:
-        """The master aborted an attempt (a route of the session: applied as the abort
-        arrives). The attempt is stopped, from its commence (registered with the
-        receiver) to its end: a part running stops where it is, one not started yet
-        fails at once. (An attempt whose part ended is stopped too, harmlessly: the
-        master aborts only peers that did not complete, and the verdict after an abort
-        is never a success.)"""
-        attempt = self._receiver.by_tag.get(message.tag)
-        if attempt is None or attempt.seq != message.seq:
-            return  # over already (its verdict tells), or an older attempt's abort
-        part = self._parts.get(message.tag)
-        if part is not None:
-            part.stop()
-        else:
-            attempt.stop()
-
-    def _on_master_lost(self) -> None:
-        self._stop_parts(master_lost=True)
-
-    def _on_run_over(self) -> None:
-        self._stop_parts(master_lost=False)
-        for attempt in list(self._receiver.by_tag.values()):
-            if attempt.agreement is not None:
-                attempt.stop()  # wakes an attempt waiting for its members or its verdict
-
-    def _stop_parts(self, *, master_lost: bool) -> None:
-        for part in list(self._parts.values()):
-            if master_lost and part.attempt.agreement is not None:
-                continue  # under a lease: it needs the master only if it fails
-            part.master_lost = part.master_lost or master_lost
-            part.stop()
-
-
-class _Part:
-    """A commenced attempt's part while it runs: ``stop`` ends the attempt and
-    cancels the task sending it."""
-
-    def __init__(self, attempt: RingAttempt) -> None:
-        self.attempt = attempt
-        self.scope = trio.CancelScope()
-        self.master_lost = False
-
-    def stop(self) -> None:
-        self.attempt.stop()  # no more writes, whatever is in flight
-        self.scope.cancel()

@@ -497,7 +497,7 @@ async def test_an_abort_that_arrives_before_the_part_starts_stops_it(
         ring = list(late.ring)
         victim = by_id[ring[(ring.index(late.peer_id) + 2) % len(ring)]]
         all_reduces = late._all_reduces  # type: ignore[attr-defined]
-        real_run_ring, real_on_abort = all_reduces._run_ring, all_reduces._on_abort
+        real_run_ring, real_on_abort = all_reduces._run_ring, all_reduces._parts._on_abort
         aborts_read: dict[int, trio.Event] = {}
         held = 0
 
