@@ -2,18 +2,23 @@
 
 Fault-injection tests need to see a communicator's insides (its p2p listener, its
 connections, an all-reduce attempt mid-flight, whether the running call has voted, when
-the master link is lost), to replace four of its steps (measuring a link, fetching
-shared state from a distributor, sending a vote, serving shared state), to stop its
-serving of shared state at once, to switch the master link's keepalive thread off, and
-to announce a link measurement as a master would. ``PeerSeam`` is that surface: a test
-asks ``pccl_trio.testing.PeerSeam(comm)`` for it instead of reaching into private
+the master link is lost), to replace some of its steps (measuring a link, fetching
+shared state from a distributor, sending a vote or any message to the master, serving
+shared state), to fix a candidate's rank in an election, to stop its serving of shared
+state at once, to switch the master link's keepalive thread off, and to announce a link
+measurement as a master would. ``PeerSeam`` is that surface: a test asks
+``pccl_trio.testing.PeerSeam(comm)`` for it instead of reaching into private
 attributes, so the communicator's parts can change without its tests.
+
+A step a test may read and replace is a ``_Step``: an attribute of one of the
+communicator's parts, named once here; reading it gives the part's own (a bound
+method, or a value), and assigning it replaces it for that communicator only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 from .._core.channel import Purpose
 from .._core.messages import ExpectBenchmark, Message, PeerEndpoint, SharedStateRequest
@@ -28,10 +33,44 @@ if TYPE_CHECKING:
 
 __all__ = ["PeerSeam"]
 
+T = TypeVar("T")
+
 MeasureLink = Callable[[PeerEndpoint, int], Coroutine[Any, Any, LinkMeasurement]]
 Vote = Callable[[Message], Coroutine[Any, Any, int]]
 ServeSharedState = Callable[[FramedStream, SharedStateRequest], Coroutine[Any, Any, None]]
 FetchFrom = Callable[[PeerEndpoint, Fetcher], Awaitable[None]]
+SendToMaster = Callable[..., Coroutine[Any, Any, int]]
+
+
+class _Step(Generic[T]):
+    """A step of a communicator that tests may read and replace: attribute ``name`` of
+    its part ``part`` (see the module docstring)."""
+
+    def __init__(self, part: str, name: str, doc: str) -> None:
+        self._part = part
+        self._name = name
+        self.__doc__ = doc
+
+    def _owner(self, seam: PeerSeam) -> Any:
+        part = getattr(seam._comm, self._part)
+        if part is None:
+            raise AttributeError(f"this communicator has no {self._part.strip('_')}")
+        return part
+
+    @overload
+    def __get__(self, seam: None, kind: type[PeerSeam]) -> _Step[T]: ...
+
+    @overload
+    def __get__(self, seam: PeerSeam, kind: type[PeerSeam]) -> T: ...
+
+    def __get__(self, seam: PeerSeam | None, kind: type[PeerSeam]) -> T | _Step[T]:
+        if seam is None:
+            return self
+        step: T = getattr(self._owner(seam), self._name)
+        return step
+
+    def __set__(self, seam: PeerSeam, replacement: T) -> None:
+        setattr(self._owner(seam), self._name, replacement)
 
 
 class PeerSeam:
@@ -96,27 +135,14 @@ class PeerSeam:
         ended; after a cancelled ``all_reduce`` it may go on in the background)."""
         return tag in self._comm._all_reduces.tags_in_flight
 
-    @property
-    def measure_link(self) -> MeasureLink:
-        """How the communicator measures the link from a peer to itself, within a
-        number of bytes; assign a replacement (which may call the original) to inject
-        faults."""
-        return self._comm._optimizer.measure_link
+    measure_link: _Step[MeasureLink] = _Step("_optimizer", "measure_link", """How the
+        communicator measures the link from a peer to itself, within a number of bytes;
+        assign a replacement (which may call the original) to inject faults.""")
 
-    @measure_link.setter
-    def measure_link(self, replacement: MeasureLink) -> None:
-        self._comm._optimizer.measure_link = replacement
-
-    @property
-    def fetch_from(self) -> FetchFrom:
-        """How the communicator fetches shared-state pieces from one distributor (it
-        records a failure in the ``Fetcher`` rather than raising); assign a replacement
-        (which may call the original) to hold or fail fetches."""
-        return self._comm._sync.fetch_from
-
-    @fetch_from.setter
-    def fetch_from(self, replacement: FetchFrom) -> None:
-        self._comm._sync.fetch_from = replacement
+    fetch_from: _Step[FetchFrom] = _Step("_sync", "fetch_from", """How the communicator
+        fetches shared-state pieces from one distributor (it records a failure in the
+        ``Fetcher`` rather than raising); assign a replacement (which may call the
+        original) to hold or fail fetches.""")
 
     def expect_benchmark(self, measurer: PeerEndpoint, nbytes: int) -> None:
         """Let ``measurer`` measure the link from this peer once, within ``nbytes``, as
@@ -131,31 +157,28 @@ class PeerSeam:
         connections being served are cut)."""
         self._comm._sync.cut_serving()
 
-    @property
-    def keepalive(self) -> bool:
-        """Whether the master link gets a keepalive thread, which heartbeats while the
-        event loop is blocked (``transport.keep_alive``); set False before ``connect``
-        to show what it prevents."""
-        return self._comm._session.keepalive
-
-    @keepalive.setter
-    def keepalive(self, on: bool) -> None:
-        self._comm._session.keepalive = on
+    keepalive: _Step[bool] = _Step("_session", "keepalive", """Whether the master link
+        gets a keepalive thread, which heartbeats while the event loop is blocked
+        (``transport.keep_alive``); set False before ``connect`` to show what it
+        prevents.""")
 
     def on_master_lost(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` whenever the master link is lost (the absence begins), after
         the session dropped what no call may take any more."""
         self._comm._session.on_away(hook)
 
-    @property
-    def vote(self) -> Vote:
-        """How the communicator sends a vote to the master; assign a replacement
-        (which must call the original and return what it returns) to observe votes."""
-        return self._comm._session.vote
+    vote: _Step[Vote] = _Step("_session", "vote", """How the communicator sends a vote to
+        the master; assign a replacement (which must call the original and return what
+        it returns) to observe votes.""")
 
-    @vote.setter
-    def vote(self, replacement: Vote) -> None:
-        self._comm._session.vote = replacement  # type: ignore[method-assign, assignment]
+    send_to_master: _Step[SendToMaster] = _Step("_session", "send", """How the
+        communicator sends any message to the master (votes too, through it), with the
+        keyword arguments of ``MasterSession.send``; assign a replacement (which must
+        call the original and return what it returns) to act on what it reports.""")
+
+    election_rank: _Step[str] = _Step("_elector", "rank", """The rank key this
+        candidate stands with in elections of the run's master (``host_master=True``);
+        assign one before ``connect`` to fix the order of an election.""")
 
     @property
     def serve_shared_state(self) -> ServeSharedState:

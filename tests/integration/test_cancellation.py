@@ -16,6 +16,7 @@ and a few points mid-transfer are tried.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ import trio
 
 import pccl_trio as pccl
 from pccl_trio._core.messages import CollectiveComplete, Message
-from pccl_trio.peer import _results, _session
+from pccl_trio.peer import _results
 from pccl_trio.testing import PeerSeam
 
 from .conftest import Cluster, fine, form_run, run_all, started, unfused
@@ -153,23 +154,23 @@ async def test_cancelled_after_the_verdict_returns_the_result(
             await comm.aclose()
 
 
-async def test_cancelled_after_completing_its_part(
-    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_cancelled_after_completing_its_part(cluster: Cluster, clock: object) -> None:
     """Cancelled right after this peer reported its part complete: too late to abort,
     so the verdict decides, and it is SUCCESS for everyone."""
     with trio.fail_after(120):
         comms = await make_ring(cluster)
         scopes: list[trio.CancelScope] = []
-        send = _session.MasterSession.send
+        seam = PeerSeam(comms[0])
+        send = seam.send_to_master
 
-        async def send_then_cancel(self: _session.MasterSession, message: Message) -> None:
-            await send(self, message)
-            if isinstance(message, CollectiveComplete) and self is comms[0]._session:
+        async def send_then_cancel(message: Message, **options: Any) -> int:
+            sent = await send(message, **options)
+            if isinstance(message, CollectiveComplete):
                 for scope in scopes:
                     scope.cancel()
+            return sent
 
-        monkeypatch.setattr(_session.MasterSession, "send", send_then_cancel)
+        seam.send_to_master = send_then_cancel
         outcome = await cancelled_reduce(
             comms, 2, in_place=True, cancel=lambda scope, _nursery: scopes.append(scope)
         )

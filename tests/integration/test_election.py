@@ -22,7 +22,7 @@ import pccl_trio as pccl
 from pccl_trio._core.discovery import MasterAdvert
 from pccl_trio._core.messages import PROTOCOL_VERSION
 from pccl_trio.peer._election import WATCH_TIMEOUTS
-from pccl_trio.testing import MemoryNetwork
+from pccl_trio.testing import MemoryNetwork, PeerSeam
 
 from .conftest import all_do
 from .test_master_recovery import Progress, check_run, train
@@ -37,8 +37,7 @@ def clock() -> trio.testing.MockClock:
 
 def candidate(memory: MemoryNetwork, host: str, rank: str) -> pccl.Communicator:
     comm = pccl.Communicator(discover=RUN, host_master=True, network=memory.host(host))
-    assert comm._elector is not None
-    comm._elector.rank = rank  # the order of the election, fixed for the test
+    PeerSeam(comm).election_rank = rank  # the order of the election, fixed for the test
     return comm
 
 
@@ -47,7 +46,7 @@ def rank(n: int) -> str:
 
 
 def hosts(comms: list[pccl.Communicator]) -> list[int]:
-    return [i for i, comm in enumerate(comms) if comm._elector and comm._elector.hosting]
+    return [i for i, comm in enumerate(comms) if comm.hosting_master]
 
 
 async def elect_run(
