@@ -38,6 +38,22 @@ def network_kind(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """A module that sets ``NETWORKS`` (a module whose runs bring their own secrets:
+    ``("memory", "tcp")``) runs its tests on those networks only, as if each test that
+    takes ``network_kind`` were marked ``parametrize("network_kind", NETWORKS)``; a
+    test's own such mark still decides for that test."""
+    networks = getattr(metafunc.module, "NETWORKS", None)
+    if networks is None or "network_kind" not in metafunc.fixturenames:
+        return
+    for mark in metafunc.definition.iter_markers("parametrize"):
+        names = mark.args[0]
+        if "network_kind" in ([n.strip() for n in names.split(",")] if isinstance(names, str) else names):
+            return
+    metafunc.definition.add_marker(pytest.mark.parametrize("network_kind", networks))
+
+
 @pytest.fixture
 def clock(network_kind: str) -> trio.testing.MockClock | None:
     """Virtual time for the memory network; tests take this fixture so pytest-trio

@@ -36,21 +36,10 @@ from pccl_trio.peer import _shared_state as sharing
 from pccl_trio.testing import PeerSeam
 from pccl_trio.transport import FramedStream
 
-from .conftest import TCP_CONFIG, Cluster, form_run, start_cluster, sync_all
+from .conftest import CONFIGS, Cluster, form_run, start_cluster, sync_all
 
-
-@pytest.fixture(params=["memory", "tcp"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def clock(kind: str) -> trio.testing.MockClock | None:
-    return None if kind == "tcp" else trio.testing.MockClock(autojump_threshold=0)
-
-
-def peer_config(kind: str) -> pccl.Config:
-    return TCP_CONFIG if kind == "tcp" else pccl.Config()
+#: Its runs bring their own secrets (or none): the two networks only (``conftest``).
+NETWORKS = ("memory", "tcp")
 
 
 @pytest.fixture(params=[True, False], ids=["digests", "no-digests"])
@@ -60,13 +49,13 @@ def digests(request: pytest.FixtureRequest) -> bool:
 
 @pytest.fixture
 async def cluster(
-    kind: str, clock: object, digests: bool, nursery: trio.Nursery
+    network_kind: str, clock: object, digests: bool, nursery: trio.Nursery
 ) -> AsyncIterator[Cluster]:
     """Peers with the default config; a master with ``content_digest`` as ``digests``
     says (the peers' own setting plays no part: the master's ``Welcome`` decides)."""
-    config = peer_config(kind)
+    config = CONFIGS[network_kind]
     cluster = await start_cluster(
-        nursery, kind, config, dataclasses.replace(config, content_digest=digests)
+        nursery, network_kind, config, dataclasses.replace(config, content_digest=digests)
     )
     yield cluster
     cluster.master_scope.cancel()

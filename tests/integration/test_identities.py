@@ -37,7 +37,7 @@ from pccl_trio._identity import load_identity
 from pccl_trio.testing import PeerSeam
 from pccl_trio.transport import Credential, FramedStream, secure_client, secure_server
 
-from .conftest import TCP_CONFIG, Cluster, big_state, form_run, run_all, start_cluster, sync_all
+from .conftest import CONFIGS, Cluster, big_state, form_run, run_all, start_cluster, sync_all
 from .test_p2p_named import frames_until_closed, hold_fetches, joiner_state, shared_state_request
 from .test_run_secret import reduce_exactly
 
@@ -45,24 +45,18 @@ SECRET = b"the run's secret, 32 bytes long!"
 LIMITS = {"max_control_frame": 1 << 20, "max_data_frame": (64 << 20) + 64}
 
 
-@pytest.fixture(params=["memory", "tcp"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def clock(kind: str) -> trio.testing.MockClock | None:
-    return None if kind == "tcp" else trio.testing.MockClock(autojump_threshold=0)
+#: Its runs bring their own secrets (or none): the two networks only (``conftest``).
+NETWORKS = ("memory", "tcp")
 
 
 def base_config(kind: str) -> pccl.Config:
-    base = TCP_CONFIG if kind == "tcp" else pccl.Config()
+    base = CONFIGS[kind]
     return dataclasses.replace(base, run_secret=SECRET, slice_bytes=64 << 10)
 
 
 @pytest.fixture
-async def secured(kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Cluster]:
-    cluster = await start_cluster(nursery, kind, base_config(kind))
+async def secured(network_kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Cluster]:
+    cluster = await start_cluster(nursery, network_kind, base_config(network_kind))
     yield cluster
     cluster.master_scope.cancel()
 
@@ -154,12 +148,12 @@ async def test_identified_and_unidentified_peers_run_together(secured: Cluster, 
 
 @pytest.mark.parametrize("who", ["listed", "unlisted", "none"])
 async def test_the_allowlist_admits_listed_identities_only(
-    kind: str, clock: object, nursery: trio.Nursery, keys: Keys, who: str
+    network_kind: str, clock: object, nursery: trio.Nursery, keys: Keys, who: str
 ) -> None:
     allowed = frozenset({keys.public("listed"), keys.public("other")})
     cluster = await start_cluster(
-        nursery, kind, base_config(kind),
-        dataclasses.replace(base_config(kind), allowed_identities=allowed),
+        nursery, network_kind, base_config(network_kind),
+        dataclasses.replace(base_config(network_kind), allowed_identities=allowed),
     )
     with trio.fail_after(60):
         comm = peer(cluster, who, None if who == "none" else keys)
@@ -325,13 +319,13 @@ async def test_identities_need_a_run_secret(keys: Keys) -> None:
 
 @pytest.mark.parametrize("expected", ["master", "other"])
 async def test_peers_talk_only_to_a_master_proving_a_key_they_expect(
-    kind: str, clock: object, nursery: trio.Nursery, keys: Keys, expected: str
+    network_kind: str, clock: object, nursery: trio.Nursery, keys: Keys, expected: str
 ) -> None:
     """A master started with a node key proves it; a peer that expects that key joins,
     one that expects another refuses the master with the reason."""
     cluster = await start_cluster(
-        nursery, kind, base_config(kind),
-        dataclasses.replace(base_config(kind), identity=keys.path("master")),
+        nursery, network_kind, base_config(network_kind),
+        dataclasses.replace(base_config(network_kind), identity=keys.path("master")),
     )
     cluster.config = dataclasses.replace(
         cluster.config, master_identities=frozenset({keys.public(expected)})

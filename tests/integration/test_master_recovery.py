@@ -35,20 +35,14 @@ from pccl_trio._identity import load_identity
 from pccl_trio.peer._seam import Vote
 from pccl_trio.testing import MemoryNetwork, PeerSeam
 
-from .conftest import FINE, TCP_CONFIG, form_run, run_all, started
+from .conftest import CONFIGS, FINE, form_run, run_all, started
 
 STEPS = 12
 KILL_AFTER = 4  # steps every peer completed before the master dies
 
 
-@pytest.fixture(params=["memory", "tcp"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def clock(kind: str) -> trio.testing.MockClock | None:
-    return None if kind == "tcp" else trio.testing.MockClock(autojump_threshold=0)
+#: Its runs bring their own secrets (or none): the two networks only (``conftest``).
+NETWORKS = ("memory", "tcp")
 
 
 @dataclasses.dataclass
@@ -94,10 +88,9 @@ class Masters:
 
 
 @pytest.fixture
-async def masters(kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Masters]:
-    config = TCP_CONFIG if kind == "tcp" else pccl.Config()
-    yield Masters(kind=kind, nursery=nursery, config=config,
-                  memory=MemoryNetwork() if kind == "memory" else None)
+async def masters(network_kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Masters]:
+    yield Masters(kind=network_kind, nursery=nursery, config=CONFIGS[network_kind],
+                  memory=MemoryNetwork() if network_kind == "memory" else None)
 
 
 @dataclasses.dataclass

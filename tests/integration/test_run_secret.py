@@ -37,26 +37,20 @@ from pccl_trio._core.messages import (
 from pccl_trio._core.wire import DATA_HEADER, encode_control, encode_data
 from pccl_trio.testing import PeerSeam
 
-from .conftest import TCP_CONFIG, Cluster, form_run, run_all, start_cluster
+from .conftest import CONFIGS, Cluster, form_run, run_all, start_cluster
 
 SECRET = b"the run's secret, 32 bytes long!"
 
 
-@pytest.fixture(params=["memory", "tcp"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+#: Its runs bring their own secrets (or none): the two networks only (``conftest``).
+NETWORKS = ("memory", "tcp")
 
 
 @pytest.fixture
-def clock(kind: str) -> trio.testing.MockClock | None:
-    return None if kind == "tcp" else trio.testing.MockClock(autojump_threshold=0)
-
-
-@pytest.fixture
-async def secured(kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Cluster]:
-    base = TCP_CONFIG if kind == "tcp" else pccl.Config()
+async def secured(network_kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Cluster]:
+    base = CONFIGS[network_kind]
     cluster = await start_cluster(
-        nursery, kind, dataclasses.replace(base, run_secret=SECRET, slice_bytes=64 << 10)
+        nursery, network_kind, dataclasses.replace(base, run_secret=SECRET, slice_bytes=64 << 10)
     )
     yield cluster
     cluster.master_scope.cancel()
