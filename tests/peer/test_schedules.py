@@ -225,3 +225,52 @@ async def test_an_aborted_broadcast_puts_the_input_back() -> None:
         attempt.release()
     for buffer, original in zip(buffers, data, strict=True):
         assert buffer.tobytes() == original.tobytes()
+
+
+async def test_a_stream_is_dealt_round_robin_over_the_pool_in_stream_order() -> None:
+    """Slice ``p`` of a peer's send stream travels on connection ``p mod n`` of its
+    pool, each connection's slices in stream order, at the offsets the schedule names."""
+    count, pool = 1000, 2
+    schedule = all_reduce(count)
+    network = MemoryNetwork()
+    hosts = [network.host(f"p{r}") for r in range(2)]
+    listener = await hosts[1].listen("", 7000)
+    outgoing = [await hosts[0].connect("p1", 7000) for _ in range(pool)]
+    incoming = [await listener.accept() for _ in range(pool)]
+    framed = [FramedStream(s, max_control_frame=4096, max_data_frame=FRAMES) for s in outgoing]
+    received = [FramedStream(s, max_control_frame=4096, max_data_frame=FRAMES) for s in incoming]
+    data = np.arange(count, dtype=np.float32)
+    # Rank 0 of three: its predecessor's part is played by the test (every slice it
+    # would receive is delivered at once), its successor's by the readers below.
+    attempt = RingAttempt(schedule=schedule(0), staging=HostStaging(), send=data, result=data,
+                          op=ReduceOp.SUM, tag=5, ring=(1, 2, 3))
+    attempt.seq = 1
+    plan = attempt.schedule
+    expected = [
+        segment.stream_offset + index * plan.slice_bytes
+        for segment in plan.send for index in range(plan.slice_count(segment))
+    ]
+    headers: list[list[tuple[int, int]]] = [[] for _ in range(pool)]
+
+    async def read(k: int) -> None:
+        for _ in range(len(expected[k::pool])):
+            _tag, _seq, offset, nbytes = await received[k].receive_data_header()
+            await received[k].receive_payload(memoryview(bytearray(nbytes)))
+            headers[k].append((offset, nbytes))
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            for k in range(pool):
+                nursery.start_soon(read, k)
+            nursery.start_soon(attempt.send_all, framed)
+            for segment in plan.recv:
+                for index in range(plan.slice_count(segment)):
+                    start, stop = plan.slice_range(segment, index)
+                    inbound = attempt.inbound
+                    claimed = inbound.claim(5, segment.stream_offset + start - segment.start, stop - start)
+                    inbound.on_slice(*claimed, np.zeros(stop - start, dtype=np.uint8))
+    for k in range(pool):
+        assert [offset for offset, _ in headers[k]] == expected[k::pool]
+    attempt.stop()
+    await attempt.settle()
+    attempt.release()
