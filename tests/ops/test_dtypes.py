@@ -87,19 +87,13 @@ def test_resolved_dtypes_answer_as_the_scan_does_and_the_memo_stays_bounded() ->
 def test_ml_dtypes_is_imported_only_once_bfloat16_is_met() -> None:
     """Importing ml_dtypes takes most of a second of every process's start, so
     ``import pccl_trio`` leaves it out; bfloat16 still works from its first use, as a
-    DataType, a dtype name or a torch tensor (torch does not import ml_dtypes)."""
+    DataType (how a torch bfloat16 tensor is viewed) or a dtype name."""
     program = textwrap.dedent("""
         import sys
         import pccl_trio
-        from pccl_trio.ops import as_array, from_numpy_dtype, to_numpy_dtype
+        from pccl_trio.ops import from_numpy_dtype, to_numpy_dtype
         assert "ml_dtypes" not in sys.modules
         assert from_numpy_dtype("bfloat16") is pccl_trio.DataType.BFLOAT16
         assert str(to_numpy_dtype(pccl_trio.DataType.BFLOAT16)) == "bfloat16"
-        try:
-            import torch
-        except ImportError:
-            sys.exit(0)
-        _xp, array = as_array(torch.ones(3, dtype=torch.bfloat16), name="send")
-        assert str(array.dtype) == "bfloat16" and float(array.astype("float32").sum()) == 3.0
     """)
     subprocess.run([sys.executable, "-c", program], check=True, timeout=120)
