@@ -97,7 +97,8 @@ def one_fast_ring(world: int, fast: Sequence[int], fast_rate: str, slow_rate: st
 # --- the peer process ------------------------------------------------------------------
 
 
-async def _worker(master: str, host: str, world: int, size: int, iters: int) -> None:
+async def _worker(master: str, host: str, world: int, size: int, iters: int,
+                  before_iters: int) -> None:
     import numpy as np
 
     import pccl_trio as pccl
@@ -127,7 +128,7 @@ async def _worker(master: str, host: str, world: int, size: int, iters: int) -> 
 
         ring_before = list(comm.ring)
         await reduce_once()  # warm-up
-        before = [await timed(reduce_once) for _ in range(iters)]
+        before = [await timed(reduce_once) for _ in range(before_iters)]
         optimize = await timed(comm.optimize_topology)
         await reduce_once()
         after = [await timed(reduce_once) for _ in range(iters)]
@@ -143,9 +144,11 @@ async def _worker(master: str, host: str, world: int, size: int, iters: int) -> 
         await comm.all_reduce(barrier, tag=1)  # nobody leaves before everyone printed
 
 
-def run(topology: wan.Topology, size: int, iters: int, timeout: float) -> dict[str, object]:
+def run(topology: wan.Topology, size: int, iters: int, timeout: float,
+        before_iters: int | None = None) -> dict[str, object]:
     """One run: master and peers started in host order; returns the results in host
-    indices (rings, matrix rows and columns)."""
+    indices (rings, matrix rows and columns). ``before_iters`` (default ``iters``) times
+    fewer all-reduces on the first ring, whose hops are the slow ones."""
     # Hosts on a shared network: the run holds a secret, as such a run should.
     env = dict(os.environ, PYTHONUNBUFFERED="1", PCCL_TRIO_RUN_SECRET=secrets.token_hex(32))
     placement = topology.placement()
@@ -164,7 +167,8 @@ def run(topology: wan.Topology, size: int, iters: int, timeout: float) -> dict[s
             prefix, host = placement.worker(index)
             worker = subprocess.Popen(
                 [*prefix, sys.executable, __file__, "worker", address, "--host", host,
-                 "--world", str(topology.world), "--size", str(size), "--iters", str(iters)],
+                 "--world", str(topology.world), "--size", str(size), "--iters", str(iters),
+                 "--before-iters", str(iters if before_iters is None else before_iters)],
                 stdout=subprocess.PIPE, text=True, env=env,
             )
             workers.append(worker)
@@ -268,8 +272,9 @@ if __name__ == "__main__":
         worker_parser.add_argument("--world", type=int, required=True)
         worker_parser.add_argument("--size", type=int, required=True)
         worker_parser.add_argument("--iters", type=int, required=True)
+        worker_parser.add_argument("--before-iters", type=int, required=True)
         worker_args = worker_parser.parse_args(sys.argv[2:])
         trio.run(_worker, worker_args.master, worker_args.host, worker_args.world,
-                 worker_args.size, worker_args.iters)
+                 worker_args.size, worker_args.iters, worker_args.before_iters)
         sys.exit(0)
     sys.exit(main())

@@ -69,6 +69,7 @@ __all__ = [
     "FINISH_SIZE",
     "HELLO_SIZE",
     "IDENTITY_BLOCK_SIZE",
+    "MAGIC",
     "MIN_SECRET_BYTES",
     "REPLY_SIZE",
     "TAG_SIZE",
@@ -249,7 +250,8 @@ class ClientHandshake:
 
 class ServerHandshake:
     """The accepting side: ``reply(hello)``, then ``finish(finish)`` (``finish_size``
-    bytes); then ``channel``.
+    bytes); then ``channel``. ``opening(head)`` may judge the hello's first
+    ``len(MAGIC)`` bytes before the rest arrives.
 
     Args:
         purposes: the purposes this listener serves (a master serves only
@@ -276,6 +278,19 @@ class ServerHandshake:
     def finish_size(self) -> int:
         """Bytes of the client's ``FINISH`` (known once its hello is read)."""
         return FINISH_SIZE + identity_bytes(self._client_flags)
+
+    def opening(self, head: bytes) -> None:
+        """Judge the first ``len(MAGIC)`` bytes of a client's ``HELLO``: a stranger that
+        speaks plain frames is refused at once, instead of once the handshake's time is
+        up, holding its connection meanwhile (it still learns only that it closed).
+
+        Raises:
+            HandshakeFailed: not the start of a hello of this protocol.
+        """
+        if len(head) != len(MAGIC):
+            raise LocalProtocolError(f"a hello opens with {len(MAGIC)} bytes, got {len(head)}")
+        if head != MAGIC:
+            raise HandshakeFailed("not a pccl_trio handshake of this version")
 
     def reply(self, hello: bytes) -> bytes:
         """The ``REPLY`` to a client's ``HELLO`` (with this side's identity block).

@@ -18,11 +18,11 @@ import sys
 from types import ModuleType
 from typing import Any, TypeAlias
 
-import ml_dtypes
 import numpy
 
 from .._errors import InvalidArgument
-from ._dtypes import _SEEN, SUPPORTED, SUPPORTED_NAMES, from_numpy_dtype
+from .._types import DataType
+from ._dtypes import _SEEN, SUPPORTED, SUPPORTED_NAMES, from_numpy_dtype, to_numpy_dtype
 
 __all__ = ["Array", "ArrayModule", "as_array", "byte_view"]
 
@@ -158,7 +158,7 @@ def _from_dlpack(obj: Any, *, name: str) -> tuple[ArrayModule, Array]:
             _check_torch_tensor(torch, obj, name=name)
         raise InvalidArgument(f"{name}: could not view the {kind} through DLPack: {error}") from error
     if torch_bfloat16:
-        array = array.view(ml_dtypes.bfloat16)
+        array = array.view(to_numpy_dtype(DataType.BFLOAT16))
     if xp is numpy and not array.flags.writeable:
         # Not always the exporter's doing (numpy/numpy#28599): numpy before 2.2.5 imports every
         # DLPack array read-only, and later numpy still does for the legacy unversioned protocol.

@@ -1,14 +1,16 @@
 """The table between the wire's :class:`DataType` and numpy dtypes.
 
 cupy arrays carry numpy dtypes too, so this one table serves both array modules. bfloat16 has no
-numpy builtin; ``ml_dtypes`` supplies the dtype and its ufunc loops.
+numpy builtin; ``ml_dtypes`` supplies the dtype and its ufunc loops. Importing it takes most of a
+second, so it is imported once a bfloat16 buffer or :class:`DataType` is first met (a bfloat16
+array exists only once its maker imported ``ml_dtypes``), not with ``pccl_trio``: every process
+of a run, the master's included, starts that much sooner.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import numpy
 import numpy.typing as npt
 
@@ -27,7 +29,7 @@ _NUMPY_DTYPES: dict[DataType, numpy.dtype[Any]] = {
     DataType.UINT64: numpy.dtype(numpy.uint64),
     DataType.INT64: numpy.dtype(numpy.int64),
     DataType.FLOAT16: numpy.dtype(numpy.float16),
-    DataType.BFLOAT16: numpy.dtype(ml_dtypes.bfloat16),
+    # DataType.BFLOAT16: entered by ``_bfloat16``, see the module docstring.
     DataType.FLOAT: numpy.dtype(numpy.float32),
     DataType.DOUBLE: numpy.dtype(numpy.float64),
 }
@@ -37,14 +39,26 @@ _NUMPY_DTYPES: dict[DataType, numpy.dtype[Any]] = {
 _SEEN: dict[numpy.dtype[Any], DataType] = {}
 _SEEN_MAX = 64
 
+_NAMES = {**{t: str(dtype) for t, dtype in _NUMPY_DTYPES.items()}, DataType.BFLOAT16: "bfloat16"}
 #: The supported dtypes' names (numpy's, which torch shares: bfloat16 is ml_dtypes').
-SUPPORTED = frozenset(str(dtype) for dtype in _NUMPY_DTYPES.values())
-#: The same, for messages, in the table's order.
-SUPPORTED_NAMES = ", ".join(str(dtype) for dtype in _NUMPY_DTYPES.values())
+SUPPORTED = frozenset(_NAMES.values())
+#: The same, for messages, in DataType's order.
+SUPPORTED_NAMES = ", ".join(_NAMES[t] for t in DataType)
+
+
+def _bfloat16() -> numpy.dtype[Any]:
+    """ml_dtypes' bfloat16, entered into the table (see the module docstring)."""
+    if DataType.BFLOAT16 not in _NUMPY_DTYPES:
+        import ml_dtypes
+
+        _NUMPY_DTYPES[DataType.BFLOAT16] = numpy.dtype(ml_dtypes.bfloat16)
+    return _NUMPY_DTYPES[DataType.BFLOAT16]
 
 
 def to_numpy_dtype(data_type: DataType) -> numpy.dtype[Any]:
     """The numpy dtype (native byte order) that holds elements of ``data_type``."""
+    if data_type is DataType.BFLOAT16:
+        return _bfloat16()
     return _NUMPY_DTYPES[data_type]
 
 
@@ -62,9 +76,13 @@ def from_numpy_dtype(dtype: npt.DTypeLike) -> DataType:
     try:
         resolved = numpy.dtype(dtype)
     except TypeError as error:
-        raise InvalidArgument(f"{dtype!r} is not a dtype; supported dtypes: {SUPPORTED_NAMES}") from error
+        if not (isinstance(dtype, str) and dtype == _NAMES[DataType.BFLOAT16]):
+            raise InvalidArgument(f"{dtype!r} is not a dtype; supported dtypes: {SUPPORTED_NAMES}") from error
+        resolved = _bfloat16()  # numpy knows the name once ml_dtypes is imported
     # A linear scan with == rather than a dict lookup: equal dtypes need not be the same object
     # (int64 may be spelled 'l' or 'q'), and == is what numpy defines as "the same dtype".
+    if resolved.name == _NAMES[DataType.BFLOAT16]:
+        _bfloat16()
     for data_type, candidate in _NUMPY_DTYPES.items():
         if resolved == candidate:
             if len(_SEEN) < _SEEN_MAX:

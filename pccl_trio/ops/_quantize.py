@@ -43,7 +43,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import ml_dtypes
 import numpy
 
 from .._core.errors import RemoteProtocolError
@@ -133,6 +132,16 @@ def check_quantization(
         )
 
 
+def _finfo(dtype: numpy.dtype[Any]) -> Any:
+    """numpy's ``finfo``, or ml_dtypes' for its bfloat16 (imported by then, as the buffer's
+    maker did: ``_dtypes`` says why not before)."""
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+    return numpy.finfo(dtype)
+
+
 class Codec:
     """Encodes and decodes blocks of one buffer dtype (see the module docstring).
 
@@ -163,7 +172,7 @@ class Codec:
         wide = self.dtype == numpy.float64 or self.code_size > 2
         self.compute = numpy.dtype(numpy.float64 if wide else numpy.float32)
         # Decoded values are clipped to the dtype's finite range.
-        self._limit = float(ml_dtypes.finfo(self.dtype).max)  # type: ignore[no-untyped-call]
+        self._limit = float(_finfo(self.dtype).max)
 
     def block_bytes(self, count: int) -> int:
         """Bytes of an encoded block of ``count`` elements."""

@@ -41,7 +41,6 @@ import math
 import random
 from collections.abc import Callable, Sequence
 
-import networkx  # type: ignore[import-untyped]
 import numpy
 
 __all__ = [
@@ -356,6 +355,10 @@ def _patched_ring(c: list[list[float]], n: int, values: list[float]) -> tuple[in
 def _cycle_cover(c: list[list[float]], n: int, threshold: float) -> list[int] | None:
     """Successors forming a cycle cover with every hop at most ``threshold`` (a perfect
     matching of senders to receivers), or None."""
+    # Imported here, not with the module: every peer process imports this solver (a
+    # peer may host an elected master), and networkx takes a tenth of a second to load.
+    import networkx  # type: ignore[import-untyped]
+
     # Integer nodes (senders 0..n-1, receivers n..2n-1): their hashes, and so the
     # matching found, do not change between processes.
     graph = networkx.Graph()

@@ -6,7 +6,8 @@ With a run secret, every connection starts with the three fixed-size handshake
 messages of ``_core.channel`` before any frame: the connecting side calls
 ``secure_client``, the accepting side ``secure_server``, each within the credential's
 deadline. Messages are read with exact lengths, so no byte of the first frame is taken
-early; nothing is parsed but the fixed-size handshake. Both return the connection's
+early; nothing is parsed but the fixed-size handshake, whose first four bytes (the
+magic) are judged as they arrive, so a stranger's plain frame is refused at once. Both return the connection's
 ``Channel``, which the caller hands to the ``FramedStream`` it builds on the stream.
 
 A side that fails (wrong secret, a stranger's bytes, too slow) gets an exception and
@@ -27,6 +28,7 @@ import trio
 
 from .._core.channel import (
     HELLO_SIZE,
+    MAGIC,
     REPLY_SIZE,
     Channel,
     ClientHandshake,
@@ -143,7 +145,9 @@ async def secure_server(
         identity=credential.identity,
     )
     with trio.fail_after(credential.timeout):
-        reply = handshake.reply(await _receive_exactly(stream, HELLO_SIZE))
+        head = await _receive_exactly(stream, len(MAGIC))
+        handshake.opening(head)
+        reply = handshake.reply(head + await _receive_exactly(stream, HELLO_SIZE - len(MAGIC)))
         await stream.send_all(reply)
         handshake.finish(await _receive_exactly(stream, handshake.finish_size))
     assert handshake.purpose is not None and handshake.channel is not None

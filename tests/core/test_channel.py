@@ -22,6 +22,8 @@ from pccl_trio._core.channel import (
     check_secret,
 )
 from pccl_trio._core.errors import RemoteProtocolError
+from pccl_trio._core.messages import Heartbeat
+from pccl_trio._core.wire import encode_control
 
 SECRET = b"s" * 32
 ALL = frozenset(Purpose)
@@ -83,6 +85,17 @@ def test_a_hello_for_another_purpose_or_protocol_is_refused() -> None:
         server.reply(ClientHandshake(SECRET, Purpose.RING).hello())
     with pytest.raises(HandshakeFailed, match="not a pccl_trio handshake"):
         server.reply(b"GET / HTTP/1.1\r\n".ljust(HELLO_SIZE, b"x"))
+
+
+def test_a_hello_is_judged_by_its_first_four_bytes() -> None:
+    """A stranger's plain frame (a length prefix) is refused before the rest of a
+    hello's worth of bytes arrives; a real hello's opening passes."""
+    server = ServerHandshake(SECRET, frozenset({Purpose.MASTER}))
+    hello = ClientHandshake(SECRET, Purpose.MASTER).hello()
+    server.opening(hello[:4])
+    for stranger in (encode_control(Heartbeat())[:4], b"GET ", hello[1:5]):
+        with pytest.raises(HandshakeFailed, match="not a pccl_trio handshake"):
+            server.opening(stranger)
 
 
 def test_keys_differ_per_connection_and_per_purpose() -> None:

@@ -136,11 +136,16 @@ async def test_silent_peer_mid_all_reduce(cluster: Cluster, clock: object) -> No
 
 
 async def test_cancelled_all_reduce_aborts_for_everyone(cluster: Cluster, clock: object) -> None:
+    """Peer 0's all-reduce is cancelled once data arrived. The cancellation either takes
+    effect, and the all-reduce is aborted for every peer with every input in place, or
+    (over TCP, where threads move the data meanwhile) it comes too late, and every peer
+    returns the exact result. Either way the run goes on."""
     cluster.config = fine(cluster) if cluster.memory is not None else cluster.config
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
         data = [np.arange(300_000, dtype=np.int32) + i for i in range(3)]
         arrays = [d.copy() for d in data]
+        returned: object = None
         async with trio.open_nursery() as nursery:
             results: list[object] = []
 
@@ -154,11 +159,20 @@ async def test_cancelled_all_reduce_aborts_for_everyone(cluster: Cluster, clock:
                     scope.cancel()
 
                 nursery.start_soon(cancel_when_started)
-                await comms[0].all_reduce(arrays[0])
-        assert scope.cancelled_caught
-        assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results
-        for i in range(3):
-            assert arrays[i].tobytes() == data[i].tobytes()
+                returned = await comms[0].all_reduce(arrays[0])
+        if cluster.memory is not None:  # virtual time: the cancellation always lands
+            assert scope.cancelled_caught
+        if scope.cancelled_caught:
+            assert returned is None
+            assert all(isinstance(r, pccl.CollectiveAborted) for r in results), results
+            for i in range(3):
+                assert arrays[i].tobytes() == data[i].tobytes()
+        else:  # too late: the result, the same everywhere
+            assert isinstance(returned, pccl.ReduceInfo), returned
+            assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+            assert all(a.tobytes() == sum(data).tobytes() for a in arrays)
+            for i in range(3):
+                arrays[i][:] = data[i]
         # Everyone is still in the run, and the next all-reduce works.
         infos = await run_all(comms, lambda i, c: c.all_reduce(arrays[i]))
         assert all(isinstance(i, pccl.ReduceInfo) and i.world_size == 3 for i in infos), infos

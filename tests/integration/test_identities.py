@@ -107,7 +107,9 @@ async def impostor(
     return FramedStream(stream, channel=channel, **LIMITS)
 
 
-async def test_identified_and_unidentified_peers_run_together(secured: Cluster, keys: Keys) -> None:
+async def test_identified_and_unidentified_peers_run_together(
+    secured: Cluster, clock: object, keys: Keys
+) -> None:
     """Two peers with identities and one without: all-reduce, topology optimization and
     a joiner's sync work as in any run, and every ring connection proved the identity
     of the peer at its other end (empty for the one without)."""
@@ -174,7 +176,7 @@ async def test_the_allowlist_admits_listed_identities_only(
 
 
 async def test_a_ring_slot_cannot_be_claimed_without_the_key(
-    secured: Cluster, keys: Keys, caplog: pytest.LogCaptureFixture
+    secured: Cluster, clock: object, keys: Keys, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An impostor from the predecessor's host, with the secret and a key of its own,
     says ``P2PHello`` as the predecessor: closed without an acknowledgement; the run
@@ -202,7 +204,9 @@ async def test_a_ring_slot_cannot_be_claimed_without_the_key(
             await comm.aclose()
 
 
-async def test_shared_state_goes_only_to_the_fetchers_key(secured: Cluster, keys: Keys) -> None:
+async def test_shared_state_goes_only_to_the_fetchers_key(
+    secured: Cluster, clock: object, keys: Keys
+) -> None:
     """While the joiner's fetch is held, an impostor from the joiner's host with the
     joiner's id but another key is refused by every distributor, with the reason; the
     joiner's own fetch then completes."""
@@ -245,7 +249,7 @@ async def test_shared_state_goes_only_to_the_fetchers_key(secured: Cluster, keys
 
 
 async def test_benchmark_bytes_go_only_to_the_measurers_key(
-    secured: Cluster, keys: Keys, caplog: pytest.LogCaptureFixture
+    secured: Cluster, clock: object, keys: Keys, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A measurement announced for peer 1's key: an impostor from its host with its id
     gets no byte, and the refusal names the identity."""
@@ -271,7 +275,7 @@ async def test_benchmark_bytes_go_only_to_the_measurers_key(
 
 
 async def test_a_listener_answering_for_a_peer_must_prove_its_key(
-    secured: Cluster, keys: Keys, nursery: trio.Nursery
+    secured: Cluster, clock: object, keys: Keys, nursery: trio.Nursery
 ) -> None:
     """A peer connecting to an endpoint the master named with a key refuses a listener
     that proves another key (here: one that answers at that address), and accepts the

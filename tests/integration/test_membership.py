@@ -346,6 +346,10 @@ async def test_p2p_port_refuses_peers_the_master_did_not_name(
     from pccl_trio._core.messages import PROTOCOL_VERSION, P2PHello
     from pccl_trio.transport import FramedStream
 
+    # The stranger is dropped once the peer waited connect_timeout for the master to
+    # name it: over TCP, two seconds of real time instead of five (the liveness
+    # timeout is two seconds there too).
+    cluster.config = dataclasses.replace(cluster.config, connect_timeout=2.0)
     with trio.fail_after(60):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
         target = comms[0]

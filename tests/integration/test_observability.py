@@ -95,7 +95,9 @@ async def test_counters_move_by_exactly_what_happened(
         assert value(reduced, "pccl_master_collective_aborts_total") == 0
 
         # A peer dies mid-all-reduce: the lease ends, and the master settles the attempt
-        # the survivors started under it: aborted, or it finished.
+        # the survivors started under it: aborted, or it finished. Or the attempt ran
+        # to its end under the lease before the kill (over TCP its data and the
+        # members' agreement move in worker threads): then the master settles nothing.
         survivors = comms[:3]
         results = await die_mid_all_reduce(cluster, comms, 3, lambda i, c: c.all_reduce(data[i]))
         aborted = isinstance(results[0], pccl.CollectiveAborted)
@@ -103,16 +105,26 @@ async def test_counters_move_by_exactly_what_happened(
         assert value(after, "pccl_master_peers_left_total") == 1
         assert value(after, "pccl_master_leases_ended_total") == 1
         assert value(after, "pccl_master_leased_collectives_total") == 3
-        assert value(after, "pccl_master_collectives_total", outcome="success") == 1 + (not aborted)
+        succeeded = value(after, "pccl_master_collectives_total", outcome="success")
+        assert succeeded in ((1,) if aborted else (1, 2)), succeeded
         assert value(after, "pccl_master_collectives_total", outcome="aborted") == int(aborted)
         assert value(after, "pccl_master_collective_aborts_total") >= int(aborted)
         assert value(after, "pccl_master_kicks_total", cause="liveness") == 0
         # The survivors go on: re-established, one more all-reduce (through the master:
-        # the lease ended).
+        # the lease ended). After an attempt that succeeded, the survivors may not know
+        # yet that the ring changed: then the master's verdict on this call tells them
+        # (aborted, inputs restored), and the retry runs on the new ring.
         infos = await run_all(survivors, lambda i, c: c.all_reduce(data[i]))
+        told = not aborted and all(
+            isinstance(info, pccl.CollectiveAborted) and "ring changed" in str(info)
+            for info in infos
+        )
+        if told:
+            infos = await run_all(survivors, lambda i, c: c.all_reduce(data[i]))
         assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
         final = await scrape(url)
-        assert value(final, "pccl_master_collectives_total", outcome="success") == 2 + (not aborted)
+        assert value(final, "pccl_master_collectives_total", outcome="success") == succeeded + 1
+        assert value(final, "pccl_master_collectives_total", outcome="aborted") == aborted + told
         assert value(final, "pccl_master_world_size", group="0") == 3
         changes = "pccl_master_ring_changes_total"
         assert value(final, changes) > value(joined, changes)

@@ -102,7 +102,7 @@ async def test_retries_are_counted(cluster: Cluster, clock: object) -> None:
             await comm.aclose()
 
 
-@pytest.mark.parametrize("network_kind", ["memory"])
+@pytest.mark.parametrize("network_kind", ["memory"])  # in virtual time
 async def test_master_reconnects_are_counted(masters: Masters, clock: object) -> None:  # noqa: F811
     with trio.fail_after(120):
         address, scope = await masters.start("master")

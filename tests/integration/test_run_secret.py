@@ -77,7 +77,7 @@ async def reduce_exactly(comms: list[pccl.Communicator], tag: int = 0) -> None:
 
 @pytest.mark.parametrize("protection", ["mac", "encrypt", "mixed"])
 async def test_honest_peers_run_everything_with_a_secret(
-    secured: Cluster, protection: str
+    secured: Cluster, clock: object, protection: str
 ) -> None:
     """All-reduce (plain and quantized), topology optimization (link measurements),
     and a joiner's shared-state sync, with every frame authenticated; ``mixed``: one
@@ -111,7 +111,9 @@ async def test_honest_peers_run_everything_with_a_secret(
 
 
 @pytest.mark.parametrize("secret", [None, b"another run's secret, 32 bytes!"])
-async def test_a_peer_without_the_secret_cannot_join(secured: Cluster, secret: bytes | None) -> None:
+async def test_a_peer_without_the_secret_cannot_join(
+    secured: Cluster, clock: object, secret: bytes | None
+) -> None:
     with trio.fail_after(60):
         comms = await form_run([], [with_config(secured, f"p{i}") for i in range(2)])
         stranger = with_config(secured, "stranger", run_secret=secret)
@@ -146,7 +148,7 @@ async def everything_sent(stream: trio.abc.Stream, *chunks: bytes) -> bytes:
     return received
 
 
-async def test_a_stranger_gets_no_word_from_the_master(secured: Cluster) -> None:
+async def test_a_stranger_gets_no_word_from_the_master(secured: Cluster, clock: object) -> None:
     """Plain frames, or a handshake with the wrong secret: the connection closes, and
     the only bytes the master ever sent are its handshake reply (a nonce and a proof
     that reveal nothing)."""
@@ -176,7 +178,7 @@ def request_weights(key: str) -> SharedStateRequest:
     )
 
 
-async def test_a_stranger_gets_nothing_from_a_peer(secured: Cluster) -> None:
+async def test_a_stranger_gets_nothing_from_a_peer(secured: Cluster, clock: object) -> None:
     """No weights for a ``SharedStateRequest``, no bytes for a ``BenchmarkRequest``, and
     a ``P2PHello`` with data frames changes no result."""
     with trio.fail_after(60):
@@ -202,7 +204,7 @@ async def test_a_stranger_gets_nothing_from_a_peer(secured: Cluster) -> None:
 
 
 async def test_an_altered_data_frame_aborts_the_attempt(
-    secured: Cluster, monkeypatch: pytest.MonkeyPatch
+    secured: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A man in the middle flips one bit of every data frame of tag 7 after it was
     tagged (here: in its tag, which for GCM is the same as in its payload): each

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from typing import Any
 
 import ml_dtypes
@@ -79,3 +82,18 @@ def test_resolved_dtypes_answer_as_the_scan_does_and_the_memo_stays_bounded() ->
         tagged = numpy.dtype(numpy.float32, metadata={"n": index})
         assert from_numpy_dtype(tagged) is DataType.FLOAT
     assert len(_dtypes._SEEN) <= _dtypes._SEEN_MAX
+
+
+def test_ml_dtypes_is_imported_only_once_bfloat16_is_met() -> None:
+    """Importing ml_dtypes takes most of a second of every process's start, so
+    ``import pccl_trio`` leaves it out; bfloat16 still works from its first use, as a
+    DataType (how a torch bfloat16 tensor is viewed) or a dtype name."""
+    program = textwrap.dedent("""
+        import sys
+        import pccl_trio
+        from pccl_trio.ops import from_numpy_dtype, to_numpy_dtype
+        assert "ml_dtypes" not in sys.modules
+        assert from_numpy_dtype("bfloat16") is pccl_trio.DataType.BFLOAT16
+        assert str(to_numpy_dtype(pccl_trio.DataType.BFLOAT16)) == "bfloat16"
+    """)
+    subprocess.run([sys.executable, "-c", program], check=True, timeout=120)

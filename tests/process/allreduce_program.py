@@ -48,7 +48,7 @@ async def matrix(comm: pccl.Communicator, world: int, seed: int) -> None:
     rank = comm.ring.index(comm.peer_id)
     for name in DTYPES:
         for op in pccl.ReduceOp:
-            for count in (1, 3, 1025, 300007):
+            for count in (1, 3, 1025, 100003):
                 for in_place in (True, False):
                     rng = np.random.default_rng([seed, rank, count])
                     send = rng.integers(1, 4, size=count).astype(dtype_of(name))

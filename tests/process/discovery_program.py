@@ -13,7 +13,8 @@ prints one JSON line per step:
 three broken masters (a TXT record whose length runs past its end, run RUN with a
 protocol version that is not a number, run RUN at a loopback address only) and a copy
 of the advertisement of RUN's master with tag TAG, at HOST:PORT, whose instance name
-sorts before any real master's; prints ``registered`` and waits for stdin to close.
+sorts before any real master's; prints ``registered`` once every advertisement is
+announced and waits for stdin to close.
 """
 
 from __future__ import annotations
@@ -51,10 +52,13 @@ async def peers(steps: list[dict[str, Any]]) -> None:
         print(json.dumps(await step(spec)), flush=True)
 
 
-def hostile(run: str, tag: str, host: str, port: int) -> None:
-    import zeroconf
+async def hostile(run: str, tag: str, host: str, port: int) -> None:
+    import asyncio
 
-    zc = zeroconf.Zeroconf(interfaces=zeroconf.InterfaceChoice.All, ip_version=zeroconf.IPVersion.V4Only)
+    import zeroconf
+    from zeroconf.asyncio import AsyncZeroconf
+
+    zc = AsyncZeroconf(interfaces=zeroconf.InterfaceChoice.All, ip_version=zeroconf.IPVersion.V4Only)
     def txt(*strings: bytes) -> bytes:
         return b"".join(bytes([len(string)]) + string for string in strings)
 
@@ -65,23 +69,27 @@ def hostile(run: str, tag: str, host: str, port: int) -> None:
         ("hostile-loopback", txt(named, f"proto={PROTOCOL_VERSION}".encode()), "127.0.0.1", 9),
         (f"{run}--copycat", build_txt(run, tag=tag), host, port),
     ]
-    infos = []
-    for instance, text, address, at in adverts:
-        name = f"{instance}.{SERVICE_TYPE}"
-        info = zeroconf.ServiceInfo(
-            SERVICE_TYPE, name, port=at, properties=text, parsed_addresses=[address], server=name
+    infos = [
+        zeroconf.ServiceInfo(
+            SERVICE_TYPE, f"{instance}.{SERVICE_TYPE}", port=at, properties=text,
+            parsed_addresses=[address], server=f"{instance}.{SERVICE_TYPE}",
         )
-        zc.register_service(info, cooperating_responders=True)  # no probing: faster
-        infos.append(info)
+        for instance, text, address, at in adverts
+    ]
+    # All at once (each registration announces itself for most of a second), and
+    # without probing: faster.
+    announced = [await zc.async_register_service(info, cooperating_responders=True) for info in infos]
+    await asyncio.gather(*announced)
     print("registered", flush=True)
-    sys.stdin.read()
-    for info in infos:
-        zc.unregister_service(info)
-    zc.close()
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await asyncio.gather(*[await zc.async_unregister_service(info) for info in infos])
+    await zc.async_close()
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "hostile":
-        hostile(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))
+        import asyncio
+
+        asyncio.run(hostile(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])))
     else:
         trio.run(peers, json.loads(sys.argv[2]))

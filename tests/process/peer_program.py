@@ -21,8 +21,16 @@ def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
+#: As long as the liveness timeout of the tests' masters (``conftest.LIVENESS_TIMEOUT``): a
+#: peer SIGSTOPped in a round and then kicked waits for its ring connection to time out
+#: before its call raises, and the default would make that five seconds.
+CONNECT_TIMEOUT = 2.0
+
+
 async def main(master: str, group: int, pause: float) -> None:
-    comm = pccl.Communicator(master, group, p2p_host="127.0.0.1")
+    comm = pccl.Communicator(
+        master, group, p2p_host="127.0.0.1", config=pccl.Config(connect_timeout=CONNECT_TIMEOUT)
+    )
     with trio.open_signal_receiver(signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
 

@@ -1,6 +1,6 @@
 """A run outlives its master across processes (``benchmarks/failover.py``, in short):
 three peer processes train (all-reduce and shared-state sync every step); the master
-process is SIGKILLed mid-run and restarted at the same address 2 s later, or a standby
+process is SIGKILLed mid-run and restarted at the same address 1 s later, or a standby
 in the peers' address list takes over. No peer exits, the revisions go on without a
 gap, no sync moves a byte, every all-reduce is exact and the weights stay
 bit-identical: the benchmark checks all of it and exits 1 otherwise. And with no
@@ -39,7 +39,8 @@ async def test_restart_and_standby_keep_the_run_going(tmp_path: Path) -> None:
     with trio.fail_after(180):
         result = await trio.run_process(
             [sys.executable, str(FAILOVER), "--repeats", "1", "--steps-before", "5",
-             "--steps-after", "5", "--json", str(summary), "--peer-logs", str(tmp_path)],
+             "--steps-after", "5", "--restart-delay", "1", "--json", str(summary),
+             "--peer-logs", str(tmp_path)],
             capture_stdout=True, capture_stderr=True, check=False,
         )
     output = result.stdout.decode() + result.stderr.decode()

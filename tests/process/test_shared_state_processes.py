@@ -24,7 +24,7 @@ async def test_joiner_gets_the_state_or_keeps_its_own(processes: Processes, kill
     """Whenever the founder dies (before the vote, mid-transfer, after), the joiner ends
     with either the founders' exact state at revision 1, or its own zeros at revision 0:
     never a mix."""
-    megabytes = 256
+    megabytes = 128
     with trio.fail_after(240):
         _master, address = await processes.master()
         founders = [await start(processes, address, "founder", megabytes) for _ in range(2)]

@@ -31,7 +31,7 @@ async def soak(tmp_path: Path, *options: str) -> tuple[int, str, dict[str, Any]]
 async def test_short_soak_is_clean(tmp_path: Path, seed: int) -> None:
     with trio.fail_after(120):
         code, output, summary = await soak(
-            tmp_path, "--minutes", "0.3", "--seed", str(seed), "--interval", "1.5",
+            tmp_path, "--minutes", "0.2", "--seed", str(seed), "--interval", "1.5",
             "--initial-peers", "3", "--max-peers", "4", "--freeze-fraction", "0.3",
             "--liveness-timeout", "2",
         )
