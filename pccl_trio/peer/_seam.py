@@ -40,6 +40,8 @@ Vote = Callable[[Message], Coroutine[Any, Any, int]]
 ServeSharedState = Callable[[FramedStream, SharedStateRequest], Coroutine[Any, Any, None]]
 FetchFrom = Callable[[PeerEndpoint, Fetcher], Awaitable[None]]
 SendToMaster = Callable[..., Coroutine[Any, Any, int]]
+RunPart = Callable[[RingAttempt], Coroutine[Any, Any, bool]]
+M = TypeVar("M", bound=Message)
 
 
 class _Step(Generic[T]):
@@ -162,6 +164,19 @@ class PeerSeam:
         (``transport.keep_alive``); set False before ``connect`` to show what it
         prevents.""")
 
+    def after_reading(self, kind: type[M], hook: Callable[[M], None]) -> None:
+        """Call ``hook`` with every ``kind`` message from the master right after the
+        communicator applied it as it was read (its route, if it has one)."""
+        session = self._comm._session
+        own = session.route_of(kind)
+
+        def apply(message: M) -> bool | None:
+            taken = own(message) if own is not None else None
+            hook(message)
+            return taken
+
+        session.route(kind, apply)
+
     def on_master_lost(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` whenever the master link is lost (the absence begins), after
         the session dropped what no call may take any more."""
@@ -175,6 +190,11 @@ class PeerSeam:
         communicator sends any message to the master (votes too, through it), with the
         keyword arguments of ``MasterSession.send``; assign a replacement (which must
         call the original and return what it returns) to act on what it reports.""")
+
+    run_part: _Step[RunPart] = _Step("_all_reduces", "_run_ring", """How the communicator
+        runs its part of a commenced all-reduce attempt and reports it to the master;
+        assign a replacement (which must call the original and return what it
+        returns) to hold a part before it starts.""")
 
     election_rank: _Step[str] = _Step("_elector", "rank", """The rank key this
         candidate stands with in elections of the run's master (``host_master=True``);

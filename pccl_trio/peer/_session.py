@@ -160,6 +160,10 @@ class MasterSession:
         taken by it, not queued."""
         self._routes[kind] = apply
 
+    def route_of(self, kind: type[_M]) -> Callable[[_M], bool | None] | None:
+        """The route applied to every ``kind`` message as it arrives (None: none)."""
+        return self._routes.get(kind)
+
     # --- the link --------------------------------------------------------------------------
 
     async def open(

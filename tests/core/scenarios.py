@@ -1,7 +1,8 @@
 """Setups and drivers the core tests share, on a ``MasterHarness``: peers made members
 by a successful round, a subject peer put in each reachable (phase, state), collectives
-started by a whole group, shared-state votes, and a topology optimization driven step
-by step. Peer ``n`` is registered on connection ``n`` throughout.
+started by a whole group, shared-state votes, plans and fetchers, members coming back
+to a new master as who they were, and a topology optimization driven step by step.
+Peer ``n`` is registered on connection ``n`` throughout.
 """
 
 from __future__ import annotations
@@ -10,18 +11,27 @@ from collections.abc import Callable, Iterable, Sequence
 
 from pccl_trio._core.master import Action, PeerPhase, PeerState, Send
 from pccl_trio._core.messages import (
+    PROTOCOL_VERSION,
     CollectiveCommence,
     Heartbeat,
     MeasureLink,
     Message,
     P2PEstablishResult,
     PeerEndpoint,
+    Register,
     SharedStateDone,
     SharedStateEntry,
+    SharedStateFetch,
+    SharedStateFetcher,
     SharedStatePlan,
     SharedStateVote,
+    SyncStrategy,
+    TensorSpan,
 )
 from pccl_trio._core.ring import ring_edges
+from pccl_trio._core.shared_state import (
+    Ballot,
+)
 
 from .master_harness import MasterHarness
 
@@ -291,3 +301,85 @@ def finish_round(h: MasterHarness, conns: Iterable[int]) -> P2PEstablishResult:
     results = [h.last(conn, P2PEstablishResult) for conn in conns]
     assert all(r.success and r.round == results[0].round for r in results), results
     return results[0]
+
+
+# --- shared-state votes, plans and fetchers -----------------------------------------
+
+E, R, S = SyncStrategy.ENFORCE_POPULAR, SyncStrategy.RECEIVE_ONLY, SyncStrategy.SEND_ONLY
+FLOAT, DOUBLE = 10, 11
+
+
+def entry(
+    key: str, hash: int, *, dtype: int = FLOAT, count: int = 4, aci: bool = False
+) -> SharedStateEntry:
+    return SharedStateEntry(
+        key=key, hash=hash, dtype=dtype, count=count, allow_content_inequality=aci
+    )
+
+
+def fetch(popular: SharedStateEntry) -> SharedStateFetch:
+    """What a peer fetches to get ``popular`` (content-unequal keys are not verified)."""
+    return SharedStateFetch(
+        key=popular.key, hash=popular.hash, verify=not popular.allow_content_inequality
+    )
+
+
+def fetcher(conn: int, *spans: tuple[int, int], host: str = "127.0.0.1") -> SharedStateFetcher:
+    """Peer ``conn`` fetching the tensors of ``spans`` (first position, count), as a
+    distributor's plan names it."""
+    return SharedStateFetcher(
+        peer_id=conn, host=host, identity=b"",
+        tensors=tuple(TensorSpan(first=first, count=count) for first, count in spans),
+    )
+
+
+
+def ballot(revision: int, *entries: SharedStateEntry, strategy: int = E) -> Ballot:
+    return Ballot(revision=revision, strategy=strategy, entries=entries)
+
+
+
+OPT = entry("opt", 0, aci=True)
+
+
+
+def vote(
+    h: MasterHarness, conn: int, revision: int, *entries: SharedStateEntry, strategy: int = E
+) -> list[Action]:
+    return h.send(conn, SharedStateVote(revision=revision, strategy=strategy, entries=entries))
+
+
+
+def done(h: MasterHarness, conn: int, number: int, success: bool = True) -> list[Action]:
+    reason = "" if success else "distributor went away"
+    return h.send(conn, SharedStateDone(sync=number, success=success, reason=reason))
+
+
+
+def plan_of(h: MasterHarness, conn: int) -> SharedStatePlan:
+    """``conn`` was sent exactly one message since the last look: a plan."""
+    messages = got(h, conn)
+    assert len(messages) == 1 and isinstance(messages[0], SharedStatePlan), messages
+    return messages[0]
+
+
+# --- members coming back to a new master ----------------------------------------------
+
+RING = (4, 7, 9)  # the ring the old master had installed
+
+
+
+def come_back(
+    master: MasterHarness, conn: int, peer_id: int, ring: tuple[int, ...] = RING, *,
+    group: int = 0, next_revision: int = 0, high_water: int = 0, predecessor_gone: bool = False,
+) -> None:
+    """Peer ``peer_id`` of ``ring`` registers on ``conn`` as the member it was."""
+    at = ring.index(peer_id)
+    master.open(conn)
+    master.send(conn, Register(
+        protocol_version=PROTOCOL_VERSION, peer_group=group, p2p_port=10000 + conn,
+        rejoin=peer_id,
+        predecessor=ring[at - 1] if len(ring) > 1 else 0,
+        successor=ring[(at + 1) % len(ring)] if len(ring) > 1 else 0,
+        next_revision=next_revision, high_water=high_water, predecessor_gone=predecessor_gone,
+    ))

@@ -24,8 +24,7 @@ from pccl_trio._core.messages import (
 from pccl_trio._core.shared_state import elect
 
 from .master_harness import MasterHarness, only, was_kicked
-from .scenarios import ACC, IDLE, accepted, endpoint, got
-from .test_master_shared_state import OPT, ballot, done, fetcher, plan_of, vote
+from .scenarios import ACC, IDLE, OPT, accepted, ballot, done, endpoint, fetcher, got, plan_of, vote
 
 FLOAT = 10
 #: One simplehash value that two different contents share: a forged collision.

@@ -22,7 +22,7 @@ from pccl_trio._core.messages import (
 )
 
 from .master_harness import COUNT, MasterHarness, was_kicked
-from .scenarios import accepted, got
+from .scenarios import RING, accepted, come_back, got
 
 SPAN = 100
 TAG = 5
@@ -330,8 +330,6 @@ def test_a_master_taking_over_ends_a_lease_once_every_member_is_back() -> None:
     """Members come back to a new master one by one; the first reports its lease at
     once. Only once the group is back is the lease ended with every member, the late
     one included, and the attempt they ran settled for all."""
-    from .test_master_recovery import RING, come_back
-
     h = MasterHarness(lease_span=SPAN)
     come_back(h, 1, RING[0], high_water=7100)
     h.lease_report(1, TAG, 7000, 7003, RUNNING)

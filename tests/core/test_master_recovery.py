@@ -23,24 +23,7 @@ from pccl_trio._core.messages import (
 )
 
 from .master_harness import LIVENESS_TIMEOUT, MasterHarness
-
-RING = (4, 7, 9)  # the ring the old master had installed
-
-
-def come_back(
-    master: MasterHarness, conn: int, peer_id: int, ring: tuple[int, ...] = RING, *,
-    group: int = 0, next_revision: int = 0, high_water: int = 0, predecessor_gone: bool = False,
-) -> None:
-    """Peer ``peer_id`` of ``ring`` registers on ``conn`` as the member it was."""
-    at = ring.index(peer_id)
-    master.open(conn)
-    master.send(conn, Register(
-        protocol_version=PROTOCOL_VERSION, peer_group=group, p2p_port=10000 + conn,
-        rejoin=peer_id,
-        predecessor=ring[at - 1] if len(ring) > 1 else 0,
-        successor=ring[(at + 1) % len(ring)] if len(ring) > 1 else 0,
-        next_revision=next_revision, high_water=high_water, predecessor_gone=predecessor_gone,
-    ))
+from .scenarios import RING, come_back
 
 
 def after_window(master: MasterHarness, *conns: int) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pccl_trio._core.master import Action, PeerState
+from pccl_trio._core.master import PeerState
 from pccl_trio._core.messages import (
     STRATEGY_NAMES,
     CollectiveAbort,
@@ -29,11 +29,7 @@ from pccl_trio._core.messages import (
     SharedStateDone,
     SharedStateEntry,
     SharedStateFetch,
-    SharedStateFetcher,
     SharedStatePlan,
-    SharedStateVote,
-    SyncStrategy,
-    TensorSpan,
 )
 from pccl_trio._core.shared_state import (
     Ballot,
@@ -43,46 +39,36 @@ from pccl_trio._core.shared_state import (
 )
 
 from .master_harness import MasterHarness, only, was_kicked
-from .scenarios import ACC, IDLE, SDONE, SVOTED, SYNCING, accepted, endpoint, got, run_with, started
-
-E, R, S = SyncStrategy.ENFORCE_POPULAR, SyncStrategy.RECEIVE_ONLY, SyncStrategy.SEND_ONLY
-FLOAT, DOUBLE = 10, 11
-
-
-def entry(
-    key: str, hash: int, *, dtype: int = FLOAT, count: int = 4, aci: bool = False
-) -> SharedStateEntry:
-    return SharedStateEntry(
-        key=key, hash=hash, dtype=dtype, count=count, allow_content_inequality=aci
-    )
-
-
-def fetch(popular: SharedStateEntry) -> SharedStateFetch:
-    """What a peer fetches to get ``popular`` (content-unequal keys are not verified)."""
-    return SharedStateFetch(
-        key=popular.key, hash=popular.hash, verify=not popular.allow_content_inequality
-    )
-
-
-def fetcher(conn: int, *spans: tuple[int, int], host: str = "127.0.0.1") -> SharedStateFetcher:
-    """Peer ``conn`` fetching the tensors of ``spans`` (first position, count), as a
-    distributor's plan names it."""
-    return SharedStateFetcher(
-        peer_id=conn, host=host, identity=b"",
-        tensors=tuple(TensorSpan(first=first, count=count) for first, count in spans),
-    )
-
-
-def ballot(revision: int, *entries: SharedStateEntry, strategy: int = E) -> Ballot:
-    return Ballot(revision=revision, strategy=strategy, entries=entries)
-
+from .scenarios import (
+    ACC,
+    DOUBLE,
+    IDLE,
+    OPT,
+    SDONE,
+    SVOTED,
+    SYNCING,
+    E,
+    R,
+    S,
+    accepted,
+    ballot,
+    done,
+    endpoint,
+    entry,
+    fetch,
+    fetcher,
+    got,
+    plan_of,
+    run_with,
+    started,
+    vote,
+)
 
 # Two versions of tensors "w" and "b", a third tensor "c", and an optimizer-like tensor
 # whose content may differ between peers (hash 0, as PCCL's clients send it).
 W1, W2, W3 = entry("w", 1), entry("w", 2), entry("w", 3)
 B1, B2 = entry("b", 11), entry("b", 12)
 C1 = entry("c", 21)
-OPT = entry("opt", 0, aci=True)
 
 
 # --- elect, directly ------------------------------------------------------------------
@@ -373,24 +359,6 @@ def test_elect_kicks_strategies_mixed_with_enforce_popular(strategies: tuple[int
 
 
 # --- MasterCore: helpers --------------------------------------------------------------
-
-
-def vote(
-    h: MasterHarness, conn: int, revision: int, *entries: SharedStateEntry, strategy: int = E
-) -> list[Action]:
-    return h.send(conn, SharedStateVote(revision=revision, strategy=strategy, entries=entries))
-
-
-def done(h: MasterHarness, conn: int, number: int, success: bool = True) -> list[Action]:
-    reason = "" if success else "distributor went away"
-    return h.send(conn, SharedStateDone(sync=number, success=success, reason=reason))
-
-
-def plan_of(h: MasterHarness, conn: int) -> SharedStatePlan:
-    """``conn`` was sent exactly one message since the last look: a plan."""
-    messages = got(h, conn)
-    assert len(messages) == 1 and isinstance(messages[0], SharedStatePlan), messages
-    return messages[0]
 
 
 def synced(h: MasterHarness, revision: int, states: dict[int, tuple[SharedStateEntry, ...]]) -> int:

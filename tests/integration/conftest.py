@@ -6,12 +6,19 @@
 every peer, so every connection is handshaken and every frame authenticated. Tests
 that speak raw frames as a stranger skip it (``Cluster.plain_frames``): against a run
 with a secret, a stranger gets nothing past the handshake (``test_run_secret``).
+
+Below the fixtures, the helpers and scenarios that several modules share: forming a
+run, all peers doing one call, a run that trains through a master's death, masters
+started and killed at will, shared-state fetches held or cut. A module keeps to itself
+only what no other module uses.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,10 +26,17 @@ import trio
 import trio.testing
 
 import pccl_trio as pccl
-from pccl_trio._core.messages import Message
-from pccl_trio._core.wire import FrameDecoder
+from pccl_trio._core.messages import (
+    PROTOCOL_VERSION,
+    Message,
+    PeerEndpoint,
+    SharedStateRange,
+    SharedStateRequest,
+)
+from pccl_trio._core.wire import DataFrame, FrameDecoder
+from pccl_trio.peer import _shared_state as sharing
 from pccl_trio.testing import MemoryNetwork, PeerSeam
-from pccl_trio.transport import Network, TcpNetwork, format_address
+from pccl_trio.transport import FramedStream, Network, TcpNetwork, format_address
 
 #: Real-clock timers: short enough for quick tests, long enough for a loaded CI box.
 TCP_CONFIG = pccl.Config(heartbeat_interval=0.1, liveness_timeout=2.0, connect_timeout=5.0)
@@ -154,15 +168,12 @@ async def start_cluster(
 
 
 async def all_do(comms: Sequence[pccl.Communicator], method: str) -> list[object]:
-    """Call ``method`` on every communicator at once (a collective); return results."""
-    results: list[object] = [None] * len(comms)
-
-    async def one(index: int) -> None:
-        results[index] = await getattr(comms[index], method)()
-
-    async with trio.open_nursery() as nursery:
-        for index in range(len(comms)):
-            nursery.start_soon(one, index)
+    """Every communicator calls ``method`` at once (a collective that must work for
+    all): the results, or the first error raised."""
+    results = await run_all(comms, lambda _index, comm: getattr(comm, method)())
+    for result in results:
+        if isinstance(result, pccl.PCCLError):
+            raise result
     return results
 
 
@@ -246,7 +257,9 @@ def fine(cluster: Cluster) -> pccl.Config:
     return dataclasses.replace(cluster.config, slice_bytes=FINE.slice_bytes)
 
 
-async def run_all(comms: list[pccl.Communicator], call: object) -> list[object]:
+async def run_all(comms: Sequence[pccl.Communicator], call: object) -> list[object]:
+    """Every communicator at once: ``call(index, comm)``'s result each, or the
+    ``PCCLError`` it raised."""
     results: list[object] = [None] * len(comms)
 
     async def one(index: int) -> None:
@@ -367,3 +380,261 @@ async def die_mid_all_reduce(
         assert cluster.memory is None, f"the victim's call returned {returned[0]!r}"
         assert not any(isinstance(r, BaseException) for r in results), (returned, results)
     return results
+
+
+# --- scenarios several modules share ---------------------------------------------
+
+STEPS = 12
+
+
+
+KILL_AFTER = 4  # steps every peer completed before the master dies
+
+
+
+@dataclasses.dataclass
+class Masters:
+    """Masters started and killed at will, on the memory network or loopback TCP."""
+
+    kind: str
+    nursery: trio.Nursery
+    config: pccl.Config
+    memory: MemoryNetwork | None
+
+    async def start(self, name: str, port: int = 0) -> tuple[str, trio.CancelScope]:
+        """A master at ``name`` (a memory host; over TCP, 127.0.0.1 at ``port``, 0: a
+        free one): its address and the scope that kills it."""
+        scope = trio.CancelScope()
+
+        async def run(*, task_status: trio.TaskStatus[object]) -> None:
+            with scope:
+                if self.memory is not None:
+                    listener = await self.memory.host(name).listen(name, 48148)
+                    await pccl.serve_master([listener], config=self.config, task_status=task_status)
+                else:
+                    await pccl.serve_master_tcp(
+                        port, "127.0.0.1", config=self.config, task_status=task_status
+                    )
+
+        started = await self.nursery.start(run)
+        if self.memory is not None:
+            return f"{name}:48148", scope
+        return f"127.0.0.1:{started[1]}", scope  # type: ignore[index]
+
+    def communicator(
+        self, host: str, address: str, identity: Path | None = None
+    ) -> pccl.Communicator:
+        network = self.memory.host(host) if self.memory is not None else pccl.TcpNetwork()
+        config = self.config if identity is None else dataclasses.replace(
+            self.config, identity=identity
+        )
+        return pccl.Communicator(
+            address, config=config, network=network,
+            **({"p2p_host": "127.0.0.1"} if self.memory is None else {}),
+        )
+
+
+
+@pytest.fixture
+async def masters(network_kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Masters]:
+    yield Masters(kind=network_kind, nursery=nursery, config=CONFIGS[network_kind],
+                  memory=MemoryNetwork() if network_kind == "memory" else None)
+
+
+
+@dataclasses.dataclass
+class Progress:
+    """Steps each peer completed (and when, in trio's clock), the bytes each sync
+    after a peer's first received, and an event set once every peer completed
+    ``KILL_AFTER`` steps."""
+
+    steps: list[int]
+    syncs: list[list[int]]
+    stepped: trio.Event
+    times: list[list[float]]
+
+    @classmethod
+    def of(cls, peers: int) -> Progress:
+        return cls(steps=[0] * peers, syncs=[[] for _ in range(peers)], stepped=trio.Event(),
+                   times=[[] for _ in range(peers)])
+
+    def next_step(self, peer: int, after: float) -> float:
+        """When ``peer`` completed its first step after ``after``."""
+        return next(t for t in self.times[peer] if t > after)
+
+
+
+async def train(
+    comms: list[pccl.Communicator], progress: Progress, *, doomed: int | None = None
+) -> list[pccl.SharedState]:
+    """Every peer trains ``STEPS`` steps, reporting to ``progress``; peer ``doomed``
+    trains along until its process is killed (its communicator fails), and is left
+    out of ``progress``, whose peers are the others in order."""
+    states = [
+        pccl.SharedState([pccl.TensorInfo("w", np.zeros(50_000, np.float32))]) for _ in comms
+    ]
+    counted = [i for i in range(len(comms)) if i != doomed]
+
+    async def peer(i: int) -> None:
+        comm, state = comms[i], states[i]
+        weights = state.tensors[0].data
+        for step in range(STEPS):
+            grads = np.full(weights.shape, float(i + 1 + step), np.float32)
+            while True:
+                try:
+                    await comm.all_reduce(grads)
+                    break
+                except pccl.CollectiveAborted:
+                    grads[:] = float(i + 1 + step)  # restored anyway; keep it explicit
+            weights -= 0.001 * grads
+            state.revision += 1
+            info = await comm.sync_shared_state(state)
+            if i == doomed:
+                continue
+            at = counted.index(i)
+            if step:
+                progress.syncs[at].append(info.rx_bytes)
+            progress.steps[at] += 1
+            progress.times[at].append(trio.current_time())
+            if min(progress.steps) >= KILL_AFTER:
+                progress.stepped.set()
+
+    async def doomed_peer(i: int) -> None:
+        try:
+            await peer(i)
+        except (pccl.PCCLError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # killed
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(comms)):
+            nursery.start_soon(doomed_peer if i == doomed else peer, i)
+    return [states[i] for i in counted]
+
+
+
+def check_run(states: list[pccl.SharedState], progress: Progress) -> None:
+    assert progress.steps == [STEPS] * len(states)
+    assert all(s.revision == STEPS for s in states)  # every step advanced it by one
+    assert all(rx == 0 for peer in progress.syncs for rx in peer), progress.syncs  # no divergence
+    first = states[0].tensors[0].data.tobytes()
+    assert all(s.tensors[0].data.tobytes() == first for s in states)
+
+
+
+async def frames_until_closed(framed: FramedStream) -> list[Message | DataFrame]:
+    """Every frame the other side sent until it closed the connection."""
+    frames: list[Message | DataFrame] = []
+    try:
+        while True:
+            frame = await framed.receive()
+            assert isinstance(frame, Message | DataFrame), frame
+            frames.append(frame)
+    except trio.BrokenResourceError:
+        pass
+    await framed.aclose()
+    return frames
+
+
+
+def hold_fetches(joiner: pccl.Communicator) -> tuple[trio.Event, trio.Event, list[int]]:
+    """Hold ``joiner``'s shared-state fetches: ``held`` is set once one is about to
+    start (``syncs`` names its sync), and it starts once ``release`` is set."""
+    held, release = trio.Event(), trio.Event()
+    syncs: list[int] = []
+    seam = PeerSeam(joiner)
+    fetch_from = seam.fetch_from
+
+    async def hold(endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
+        syncs.append(fetcher.sync)
+        held.set()
+        await release.wait()
+        await fetch_from(endpoint, fetcher)
+
+    seam.fetch_from = hold
+    return held, release, syncs
+
+
+
+def shared_state_request(
+    peer_id: int, sync: int, *ranges: tuple[str, int, int]
+) -> SharedStateRequest:
+    return SharedStateRequest(
+        protocol_version=PROTOCOL_VERSION, peer_id=peer_id, sync=sync,
+        ranges=tuple(SharedStateRange(key=k, offset=o, nbytes=n) for k, o, n in ranges),
+        frame_bytes=1 << 16,
+    )
+
+
+
+def joiner_state(founder: pccl.SharedState) -> pccl.SharedState:
+    """A joiner that holds the founders' moments but zero weights: it fetches weights."""
+    weights, moments = (t.data for t in founder.tensors)
+    return pccl.SharedState([
+        pccl.TensorInfo("weights", np.zeros_like(weights)),
+        pccl.TensorInfo("moments", moments.copy()),
+    ])
+
+
+
+SECRET = b"the run's secret, 32 bytes long!"
+
+
+
+async def reduce_exactly(comms: list[pccl.Communicator], tag: int = 0) -> None:
+    count = 300_000  # several slices per segment
+    arrays = [np.arange(count, dtype=np.float32) + i for i in range(len(comms))]
+    expected = sum(np.arange(count, dtype=np.float32) + i for i in range(len(comms)))
+    results = await run_all(comms, lambda i, c: c.all_reduce(arrays[i], tag=tag))
+    assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+    for array in arrays:
+        assert array.tobytes() == expected.tobytes()
+
+
+
+def kill_during_fetch(
+    monkeypatch: pytest.MonkeyPatch,
+    cluster: Cluster,
+    victims: dict[str, pccl.Communicator],
+    nursery: trio.Nursery,
+    *,
+    after_pieces: int,
+) -> list[int]:
+    """Small pieces, and the ``victims`` die once the fetching peer has received
+    ``after_pieces`` frames; the fetch waits until they are gone. Returns the bytes
+    received when they died."""
+    monkeypatch.setattr(sharing, "PIECE_BYTES", 256 << 10)
+    monkeypatch.setattr(sharing, "FRAME_BYTES", 64 << 10)
+    token = trio.lowlevel.current_trio_token()
+    original = sharing.Fetcher.count
+    frames: list[int] = []
+    dead = threading.Event()
+
+    async def kill() -> None:
+        for host, comm in victims.items():
+            await cluster.kill(host, comm)
+        dead.set()
+
+    def count(self: sharing.Fetcher, nbytes: int) -> None:
+        original(self, nbytes)
+        frames.append(nbytes)
+        if len(frames) < after_pieces:
+            return
+        on_trio = threading.current_thread() is threading.main_thread()
+        if len(frames) == after_pieces:
+            if on_trio:
+                # The trio thread cannot wait for the kill: the victims stop serving
+                # right now, so the fetch cannot go on from them while they close.
+                for host, comm in victims.items():
+                    if cluster.memory is not None:  # dies right now, in virtual time
+                        cluster.memory.kill(host)
+                    PeerSeam(comm).stop_serving()
+                nursery.start_soon(kill)
+            else:
+                token.run_sync_soon(nursery.start_soon, kill)
+        if not on_trio:
+            # Every fetching thread (one per distributor) waits until the victims are
+            # gone: another victim's thread must not finish the fetch meanwhile.
+            dead.wait(30)
+
+    monkeypatch.setattr(sharing.Fetcher, "count", count)
+    return frames

@@ -496,13 +496,14 @@ async def test_a_replaced_connection_failing_late_aborts_nothing(
 
 
 async def test_an_abort_that_arrives_before_the_part_starts_stops_it(
-    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, clock: object
 ) -> None:
     """The master's abort may be read before the task of a commenced attempt runs (a
     peer died just after the commence). That peer's part must end at once, not wait
     for data its neighbours, aborted, never send; every peer gets the abort and its
     input back. The victim is no neighbour of the late peer: no broken link tells it."""
     from pccl_trio._core.messages import CollectiveAbort
+    from pccl_trio.peer._attempt import RingAttempt
 
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(4)])
@@ -510,24 +511,23 @@ async def test_an_abort_that_arrives_before_the_part_starts_stops_it(
         by_id = {c.peer_id: c for c in comms}
         ring = list(late.ring)
         victim = by_id[ring[(ring.index(late.peer_id) + 2) % len(ring)]]
-        all_reduces = late._all_reduces  # type: ignore[attr-defined]
-        real_run_ring, real_on_abort = all_reduces._run_ring, all_reduces._parts._on_abort
+        seam = PeerSeam(late)
+        real_run_part = seam.run_part
         aborts_read: dict[int, trio.Event] = {}
         held = 0
 
-        def on_abort(message: CollectiveAbort) -> None:
-            real_on_abort(message)
+        def abort_read(message: CollectiveAbort) -> None:
             aborts_read.setdefault(message.seq, trio.Event()).set()
 
-        async def run_ring_late(attempt: object) -> object:
+        async def run_part_late(attempt: RingAttempt) -> bool:
             nonlocal held
             if not held:  # the first part waits until the master's abort of it was read
-                await aborts_read.setdefault(attempt.seq, trio.Event()).wait()  # type: ignore[attr-defined]
+                await aborts_read.setdefault(attempt.seq, trio.Event()).wait()
                 held += 1
-            return await real_run_ring(attempt)
+            return await real_run_part(attempt)
 
-        late._session.route(CollectiveAbort, on_abort)  # type: ignore[attr-defined]
-        monkeypatch.setattr(all_reduces, "_run_ring", run_ring_late)
+        seam.after_reading(CollectiveAbort, abort_read)
+        seam.run_part = run_part_late
         data = [np.full(10_000, float(i + 1), dtype=np.float32) for i in range(4)]
         arrays = [d.copy() for d in data]
         results: dict[int, object] = {}

@@ -26,8 +26,16 @@ import pccl_trio as pccl
 from pccl_trio.ops._staging import _DeviceSender
 from pccl_trio.testing import StrictDevice
 
-from .conftest import CONFIGS, Cluster, die_mid_all_reduce, form_run, joined, run_all, sync_all
-from .test_shared_state import kill_during_fetch
+from .conftest import (
+    CONFIGS,
+    Cluster,
+    die_mid_all_reduce,
+    form_run,
+    joined,
+    kill_during_fetch,
+    run_all,
+    sync_all,
+)
 
 #: Small slices: many per segment, so each sender stages several in a row.
 SLICES = 256

@@ -24,8 +24,7 @@ from pccl_trio._core.messages import PROTOCOL_VERSION
 from pccl_trio.peer._election import WATCH_TIMEOUTS
 from pccl_trio.testing import MemoryNetwork, PeerSeam
 
-from .conftest import all_do
-from .test_master_recovery import Progress, check_run, train
+from .conftest import Progress, all_do, check_run, train
 
 RUN = "home"
 

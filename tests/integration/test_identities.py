@@ -37,11 +37,22 @@ from pccl_trio._identity import load_identity
 from pccl_trio.testing import PeerSeam
 from pccl_trio.transport import Credential, FramedStream, secure_client, secure_server
 
-from .conftest import CONFIGS, Cluster, big_state, form_run, run_all, start_cluster, sync_all
-from .test_p2p_named import frames_until_closed, hold_fetches, joiner_state, shared_state_request
-from .test_run_secret import reduce_exactly
+from .conftest import (
+    CONFIGS,
+    SECRET,
+    Cluster,
+    big_state,
+    form_run,
+    frames_until_closed,
+    hold_fetches,
+    joiner_state,
+    reduce_exactly,
+    run_all,
+    shared_state_request,
+    start_cluster,
+    sync_all,
+)
 
-SECRET = b"the run's secret, 32 bytes long!"
 LIMITS = {"max_control_frame": 1 << 20, "max_data_frame": (64 << 20) + 64}
 
 

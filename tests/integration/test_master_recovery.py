@@ -12,7 +12,6 @@ peers never diverged) and the weights end bit-identical.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +32,19 @@ from pccl_trio._core.messages import (
 )
 from pccl_trio._identity import load_identity
 from pccl_trio.peer._seam import Vote
-from pccl_trio.testing import MemoryNetwork, PeerSeam
+from pccl_trio.testing import PeerSeam
 
-from .conftest import CONFIGS, FINE, form_run, run_all, started
+from .conftest import (
+    FINE,
+    Masters,
+    Progress,
+    check_run,
+    form_run,
+    run_all,
+    started,
+    train,
+)
 
-STEPS = 12
-KILL_AFTER = 4  # steps every peer completed before the master dies
 #: Seconds without a master before it is restarted. A killed master's connections close
 #: at once, so the peers are without it from the start, and try to get it back (every
 #: heartbeat interval) meanwhile.
@@ -49,133 +55,9 @@ RESTART_DELAY = 0.5
 NETWORKS = ("memory", "tcp")
 
 
-@dataclasses.dataclass
-class Masters:
-    """Masters started and killed at will, on the memory network or loopback TCP."""
-
-    kind: str
-    nursery: trio.Nursery
-    config: pccl.Config
-    memory: MemoryNetwork | None
-
-    async def start(self, name: str, port: int = 0) -> tuple[str, trio.CancelScope]:
-        """A master at ``name`` (a memory host; over TCP, 127.0.0.1 at ``port``, 0: a
-        free one): its address and the scope that kills it."""
-        scope = trio.CancelScope()
-
-        async def run(*, task_status: trio.TaskStatus[object]) -> None:
-            with scope:
-                if self.memory is not None:
-                    listener = await self.memory.host(name).listen(name, 48148)
-                    await pccl.serve_master([listener], config=self.config, task_status=task_status)
-                else:
-                    await pccl.serve_master_tcp(
-                        port, "127.0.0.1", config=self.config, task_status=task_status
-                    )
-
-        started = await self.nursery.start(run)
-        if self.memory is not None:
-            return f"{name}:48148", scope
-        return f"127.0.0.1:{started[1]}", scope  # type: ignore[index]
-
-    def communicator(
-        self, host: str, address: str, identity: Path | None = None
-    ) -> pccl.Communicator:
-        network = self.memory.host(host) if self.memory is not None else pccl.TcpNetwork()
-        config = self.config if identity is None else dataclasses.replace(
-            self.config, identity=identity
-        )
-        return pccl.Communicator(
-            address, config=config, network=network,
-            **({"p2p_host": "127.0.0.1"} if self.memory is None else {}),
-        )
-
-
-@pytest.fixture
-async def masters(network_kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Masters]:
-    yield Masters(kind=network_kind, nursery=nursery, config=CONFIGS[network_kind],
-                  memory=MemoryNetwork() if network_kind == "memory" else None)
-
-
-@dataclasses.dataclass
-class Progress:
-    """Steps each peer completed (and when, in trio's clock), the bytes each sync
-    after a peer's first received, and an event set once every peer completed
-    ``KILL_AFTER`` steps."""
-
-    steps: list[int]
-    syncs: list[list[int]]
-    stepped: trio.Event
-    times: list[list[float]]
-
-    @classmethod
-    def of(cls, peers: int) -> Progress:
-        return cls(steps=[0] * peers, syncs=[[] for _ in range(peers)], stepped=trio.Event(),
-                   times=[[] for _ in range(peers)])
-
-    def next_step(self, peer: int, after: float) -> float:
-        """When ``peer`` completed its first step after ``after``."""
-        return next(t for t in self.times[peer] if t > after)
-
-
-async def train(
-    comms: list[pccl.Communicator], progress: Progress, *, doomed: int | None = None
-) -> list[pccl.SharedState]:
-    """Every peer trains ``STEPS`` steps, reporting to ``progress``; peer ``doomed``
-    trains along until its process is killed (its communicator fails), and is left
-    out of ``progress``, whose peers are the others in order."""
-    states = [
-        pccl.SharedState([pccl.TensorInfo("w", np.zeros(50_000, np.float32))]) for _ in comms
-    ]
-    counted = [i for i in range(len(comms)) if i != doomed]
-
-    async def peer(i: int) -> None:
-        comm, state = comms[i], states[i]
-        weights = state.tensors[0].data
-        for step in range(STEPS):
-            grads = np.full(weights.shape, float(i + 1 + step), np.float32)
-            while True:
-                try:
-                    await comm.all_reduce(grads)
-                    break
-                except pccl.CollectiveAborted:
-                    grads[:] = float(i + 1 + step)  # restored anyway; keep it explicit
-            weights -= 0.001 * grads
-            state.revision += 1
-            info = await comm.sync_shared_state(state)
-            if i == doomed:
-                continue
-            at = counted.index(i)
-            if step:
-                progress.syncs[at].append(info.rx_bytes)
-            progress.steps[at] += 1
-            progress.times[at].append(trio.current_time())
-            if min(progress.steps) >= KILL_AFTER:
-                progress.stepped.set()
-
-    async def doomed_peer(i: int) -> None:
-        try:
-            await peer(i)
-        except (pccl.PCCLError, trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # killed
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(comms)):
-            nursery.start_soon(doomed_peer if i == doomed else peer, i)
-    return [states[i] for i in counted]
-
-
 async def kill_once_stepped(progress: Progress, scope: trio.CancelScope) -> None:
     await progress.stepped.wait()
     scope.cancel()
-
-
-def check_run(states: list[pccl.SharedState], progress: Progress) -> None:
-    assert progress.steps == [STEPS] * len(states)
-    assert all(s.revision == STEPS for s in states)  # every step advanced it by one
-    assert all(rx == 0 for peer in progress.syncs for rx in peer), progress.syncs  # no divergence
-    first = states[0].tensors[0].data.tobytes()
-    assert all(s.tensors[0].data.tobytes() == first for s in states)
 
 
 async def train_through_a_restart(

@@ -25,10 +25,8 @@ from pccl_trio._core.messages import (
     MAX_BENCHMARK_BYTES,
     PROTOCOL_VERSION,
     BenchmarkRequest,
-    Message,
     P2PHello,
     PeerEndpoint,
-    SharedStateRange,
     SharedStateRequest,
     SharedStateResponse,
 )
@@ -37,7 +35,19 @@ from pccl_trio.peer import _shared_state as sharing
 from pccl_trio.testing import PeerSeam
 from pccl_trio.transport import FramedStream
 
-from .conftest import Cluster, big_state, form_run, joined, same_content, state_bytes, sync_all
+from .conftest import (
+    Cluster,
+    big_state,
+    form_run,
+    frames_until_closed,
+    hold_fetches,
+    joined,
+    joiner_state,
+    same_content,
+    shared_state_request,
+    state_bytes,
+    sync_all,
+)
 
 #: A host that is neither a stranger's own nor the one of the peer it claims to be.
 ELSEWHERE = "elsewhere"
@@ -66,48 +76,6 @@ async def answered(stream: trio.abc.Stream) -> bytes:
         data = b""
     await stream.aclose()
     return data
-
-
-async def frames_until_closed(framed: FramedStream) -> list[Message | DataFrame]:
-    """Every frame the other side sent until it closed the connection."""
-    frames: list[Message | DataFrame] = []
-    try:
-        while True:
-            frame = await framed.receive()
-            assert isinstance(frame, Message | DataFrame), frame
-            frames.append(frame)
-    except trio.BrokenResourceError:
-        pass
-    await framed.aclose()
-    return frames
-
-
-def hold_fetches(joiner: pccl.Communicator) -> tuple[trio.Event, trio.Event, list[int]]:
-    """Hold ``joiner``'s shared-state fetches: ``held`` is set once one is about to
-    start (``syncs`` names its sync), and it starts once ``release`` is set."""
-    held, release = trio.Event(), trio.Event()
-    syncs: list[int] = []
-    seam = PeerSeam(joiner)
-    fetch_from = seam.fetch_from
-
-    async def hold(endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
-        syncs.append(fetcher.sync)
-        held.set()
-        await release.wait()
-        await fetch_from(endpoint, fetcher)
-
-    seam.fetch_from = hold
-    return held, release, syncs
-
-
-def shared_state_request(
-    peer_id: int, sync: int, *ranges: tuple[str, int, int]
-) -> SharedStateRequest:
-    return SharedStateRequest(
-        protocol_version=PROTOCOL_VERSION, peer_id=peer_id, sync=sync,
-        ranges=tuple(SharedStateRange(key=k, offset=o, nbytes=n) for k, o, n in ranges),
-        frame_bytes=1 << 16,
-    )
 
 
 async def refusal(
@@ -145,15 +113,6 @@ async def served(framed: FramedStream, request: BenchmarkRequest) -> int:
 
 
 # --- shared state ------------------------------------------------------------------------
-
-
-def joiner_state(founder: pccl.SharedState) -> pccl.SharedState:
-    """A joiner that holds the founders' moments but zero weights: it fetches weights."""
-    weights, moments = (t.data for t in founder.tensors)
-    return pccl.SharedState([
-        pccl.TensorInfo("weights", np.zeros_like(weights)),
-        pccl.TensorInfo("moments", moments.copy()),
-    ])
 
 
 async def test_shared_state_goes_only_to_the_plans_fetchers(cluster: Cluster, clock: object) -> None:

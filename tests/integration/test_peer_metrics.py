@@ -19,13 +19,13 @@ import pccl_trio as pccl
 from .conftest import (
     TCP_CONFIG,
     Cluster,
+    Masters,
     die_mid_all_reduce,
     form_run,
     run_all,
     start_cluster,
     sync_all,
 )
-from .test_master_recovery import Masters, masters  # noqa: F401  (the fixture)
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -103,7 +103,7 @@ async def test_retries_are_counted(cluster: Cluster, clock: object) -> None:
 
 
 @pytest.mark.parametrize("network_kind", ["memory"])  # in virtual time
-async def test_master_reconnects_are_counted(masters: Masters, clock: object) -> None:  # noqa: F811
+async def test_master_reconnects_are_counted(masters: Masters, clock: object) -> None:
     with trio.fail_after(120):
         address, scope = await masters.start("master")
         registries = [CollectorRegistry() for _ in range(2)]

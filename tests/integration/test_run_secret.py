@@ -37,10 +37,7 @@ from pccl_trio._core.messages import (
 from pccl_trio._core.wire import DATA_HEADER, encode_control, encode_data
 from pccl_trio.testing import PeerSeam
 
-from .conftest import CONFIGS, Cluster, form_run, run_all, start_cluster
-
-SECRET = b"the run's secret, 32 bytes long!"
-
+from .conftest import CONFIGS, SECRET, Cluster, form_run, reduce_exactly, run_all, start_cluster
 
 #: Its runs bring their own secrets (or none): the two networks only (``conftest``).
 NETWORKS = ("memory", "tcp")
@@ -63,16 +60,6 @@ def with_config(cluster: Cluster, host: str, **changes: object) -> pccl.Communic
         cluster.master_address, 0, 2, config=config, network=cluster.network(host),
         **({"p2p_host": "127.0.0.1"} if cluster.memory is None else {}),
     )
-
-
-async def reduce_exactly(comms: list[pccl.Communicator], tag: int = 0) -> None:
-    count = 300_000  # several slices per segment
-    arrays = [np.arange(count, dtype=np.float32) + i for i in range(len(comms))]
-    expected = sum(np.arange(count, dtype=np.float32) + i for i in range(len(comms)))
-    results = await run_all(comms, lambda i, c: c.all_reduce(arrays[i], tag=tag))
-    assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
-    for array in arrays:
-        assert array.tobytes() == expected.tobytes()
 
 
 @pytest.mark.parametrize("protection", ["mac", "encrypt", "mixed"])

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import trio
 
 import pccl_trio as pccl
 from pccl_trio.peer import _shared_state as sharing
-from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, big_state, form_run, joined, run_all, same_content, state_bytes, sync_all
+from .conftest import (
+    Cluster,
+    big_state,
+    form_run,
+    joined,
+    kill_during_fetch,
+    run_all,
+    same_content,
+    state_bytes,
+    sync_all,
+)
 
 
 def make_state(seed: int, *, revision: int = 0, zero: bool = False) -> pccl.SharedState:
@@ -32,7 +39,6 @@ def make_state(seed: int, *, revision: int = 0, zero: bool = False) -> pccl.Shar
         ],
         revision=revision,
     )
-
 
 
 def step(state: pccl.SharedState, grad: np.ndarray) -> None:
@@ -184,56 +190,6 @@ async def test_bad_states_are_refused_before_voting(cluster: Cluster, clock: obj
         assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
         for c in comms:
             await c.aclose()
-
-
-
-def kill_during_fetch(
-    monkeypatch: pytest.MonkeyPatch,
-    cluster: Cluster,
-    victims: dict[str, pccl.Communicator],
-    nursery: trio.Nursery,
-    *,
-    after_pieces: int,
-) -> list[int]:
-    """Small pieces, and the ``victims`` die once the fetching peer has received
-    ``after_pieces`` frames; the fetch waits until they are gone. Returns the bytes
-    received when they died."""
-    monkeypatch.setattr(sharing, "PIECE_BYTES", 256 << 10)
-    monkeypatch.setattr(sharing, "FRAME_BYTES", 64 << 10)
-    token = trio.lowlevel.current_trio_token()
-    original = sharing.Fetcher.count
-    frames: list[int] = []
-    dead = threading.Event()
-
-    async def kill() -> None:
-        for host, comm in victims.items():
-            await cluster.kill(host, comm)
-        dead.set()
-
-    def count(self: sharing.Fetcher, nbytes: int) -> None:
-        original(self, nbytes)
-        frames.append(nbytes)
-        if len(frames) < after_pieces:
-            return
-        on_trio = threading.current_thread() is threading.main_thread()
-        if len(frames) == after_pieces:
-            if on_trio:
-                # The trio thread cannot wait for the kill: the victims stop serving
-                # right now, so the fetch cannot go on from them while they close.
-                for host, comm in victims.items():
-                    if cluster.memory is not None:  # dies right now, in virtual time
-                        cluster.memory.kill(host)
-                    PeerSeam(comm).stop_serving()
-                nursery.start_soon(kill)
-            else:
-                token.run_sync_soon(nursery.start_soon, kill)
-        if not on_trio:
-            # Every fetching thread (one per distributor) waits until the victims are
-            # gone: another victim's thread must not finish the fetch meanwhile.
-            dead.wait(30)
-
-    monkeypatch.setattr(sharing.Fetcher, "count", count)
-    return frames
 
 
 async def test_a_distributor_dying_mid_transfer_leaves_no_torn_state(

@@ -132,3 +132,16 @@ def namespaces_work(tc: bool = True) -> bool:
     made = subprocess.run(["ip", "netns", "add", name], capture_output=True, check=False)
     subprocess.run(["ip", "netns", "delete", name], capture_output=True, check=False)
     return made.returncode == 0
+
+
+# --- a run with a secret, as several modules start it ---------------------------------
+
+SECRET = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"
+
+
+
+def environment(secret: str | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PCCL_TRIO_RUN_SECRET"}
+    if secret is not None:
+        env["PCCL_TRIO_RUN_SECRET"] = secret
+    return env

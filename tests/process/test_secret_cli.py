@@ -13,14 +13,7 @@ import trio
 
 import pccl_trio as pccl
 
-SECRET = "9f8e7d6c5b4a39281706f5e4d3c2b1a0"
-
-
-def environment(secret: str | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PCCL_TRIO_RUN_SECRET"}
-    if secret is not None:
-        env["PCCL_TRIO_RUN_SECRET"] = secret
-    return env
+from .conftest import SECRET, environment
 
 
 def refused(*argv: str) -> subprocess.CompletedProcess[str]:

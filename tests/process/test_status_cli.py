@@ -16,7 +16,7 @@ import trio
 
 import pccl_trio as pccl
 
-from .test_secret_cli import SECRET, environment
+from .conftest import SECRET, environment
 
 pytestmark = pytest.mark.process
 
