@@ -387,9 +387,7 @@ async def die_mid_all_reduce(
 STEPS = 12
 
 
-
 KILL_AFTER = 4  # steps every peer completed before the master dies
-
 
 
 @dataclasses.dataclass
@@ -434,12 +432,10 @@ class Masters:
         )
 
 
-
 @pytest.fixture
 async def masters(network_kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Masters]:
     yield Masters(kind=network_kind, nursery=nursery, config=CONFIGS[network_kind],
                   memory=MemoryNetwork() if network_kind == "memory" else None)
-
 
 
 @dataclasses.dataclass
@@ -461,7 +457,6 @@ class Progress:
     def next_step(self, peer: int, after: float) -> float:
         """When ``peer`` completed its first step after ``after``."""
         return next(t for t in self.times[peer] if t > after)
-
 
 
 async def train(
@@ -511,14 +506,12 @@ async def train(
     return [states[i] for i in counted]
 
 
-
 def check_run(states: list[pccl.SharedState], progress: Progress) -> None:
     assert progress.steps == [STEPS] * len(states)
     assert all(s.revision == STEPS for s in states)  # every step advanced it by one
     assert all(rx == 0 for peer in progress.syncs for rx in peer), progress.syncs  # no divergence
     first = states[0].tensors[0].data.tobytes()
     assert all(s.tensors[0].data.tobytes() == first for s in states)
-
 
 
 async def frames_until_closed(framed: FramedStream) -> list[Message | DataFrame]:
@@ -533,7 +526,6 @@ async def frames_until_closed(framed: FramedStream) -> list[Message | DataFrame]
         pass
     await framed.aclose()
     return frames
-
 
 
 def hold_fetches(joiner: pccl.Communicator) -> tuple[trio.Event, trio.Event, list[int]]:
@@ -554,7 +546,6 @@ def hold_fetches(joiner: pccl.Communicator) -> tuple[trio.Event, trio.Event, lis
     return held, release, syncs
 
 
-
 def shared_state_request(
     peer_id: int, sync: int, *ranges: tuple[str, int, int]
 ) -> SharedStateRequest:
@@ -563,7 +554,6 @@ def shared_state_request(
         ranges=tuple(SharedStateRange(key=k, offset=o, nbytes=n) for k, o, n in ranges),
         frame_bytes=1 << 16,
     )
-
 
 
 def joiner_state(founder: pccl.SharedState) -> pccl.SharedState:
@@ -575,11 +565,6 @@ def joiner_state(founder: pccl.SharedState) -> pccl.SharedState:
     ])
 
 
-
-SECRET = b"the run's secret, 32 bytes long!"
-
-
-
 async def reduce_exactly(comms: list[pccl.Communicator], tag: int = 0) -> None:
     count = 300_000  # several slices per segment
     arrays = [np.arange(count, dtype=np.float32) + i for i in range(len(comms))]
@@ -588,7 +573,6 @@ async def reduce_exactly(comms: list[pccl.Communicator], tag: int = 0) -> None:
     assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
     for array in arrays:
         assert array.tobytes() == expected.tobytes()
-
 
 
 def kill_during_fetch(

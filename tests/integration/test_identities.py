@@ -39,7 +39,7 @@ from pccl_trio.transport import Credential, FramedStream, secure_client, secure_
 
 from .conftest import (
     CONFIGS,
-    SECRET,
+    RUN_SECRET,
     Cluster,
     big_state,
     form_run,
@@ -62,7 +62,7 @@ NETWORKS = ("memory", "tcp")
 
 def base_config(kind: str) -> pccl.Config:
     base = CONFIGS[kind]
-    return dataclasses.replace(base, run_secret=SECRET, slice_bytes=64 << 10)
+    return dataclasses.replace(base, run_secret=RUN_SECRET, slice_bytes=64 << 10)
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ async def impostor(
     address = PeerSeam(comm).p2p_address
     target = "127.0.0.1" if cluster.memory is None else address[0]
     stream = await cluster.network(host).connect(target, address[1])
-    channel = await secure_client(stream, Credential(secret=SECRET, identity=key), purpose)
+    channel = await secure_client(stream, Credential(secret=RUN_SECRET, identity=key), purpose)
     return FramedStream(stream, channel=channel, **LIMITS)
 
 
@@ -300,7 +300,7 @@ async def test_a_listener_answering_for_a_peer_must_prove_its_key(
             listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
             host = "127.0.0.1"
         port = listener.socket.getsockname()[1] if secured.memory is None else 7000  # type: ignore[attr-defined]
-        credential = Credential(secret=SECRET, identity=keys.private("mallory"))
+        credential = Credential(secret=RUN_SECRET, identity=keys.private("mallory"))
 
         async def answer() -> None:
             async with listener:

@@ -37,7 +37,7 @@ from pccl_trio._core.messages import (
 from pccl_trio._core.wire import DATA_HEADER, encode_control, encode_data
 from pccl_trio.testing import PeerSeam
 
-from .conftest import CONFIGS, SECRET, Cluster, form_run, reduce_exactly, run_all, start_cluster
+from .conftest import CONFIGS, RUN_SECRET, Cluster, form_run, reduce_exactly, run_all, start_cluster
 
 #: Its runs bring their own secrets (or none): the two networks only (``conftest``).
 NETWORKS = ("memory", "tcp")
@@ -47,7 +47,7 @@ NETWORKS = ("memory", "tcp")
 async def secured(network_kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Cluster]:
     base = CONFIGS[network_kind]
     cluster = await start_cluster(
-        nursery, network_kind, dataclasses.replace(base, run_secret=SECRET, slice_bytes=64 << 10)
+        nursery, network_kind, dataclasses.replace(base, run_secret=RUN_SECRET, slice_bytes=64 << 10)
     )
     yield cluster
     cluster.master_scope.cancel()
@@ -223,8 +223,8 @@ async def test_an_altered_data_frame_aborts_the_attempt(
 
 def test_frames_on_the_wire_reveal_no_field() -> None:
     """A sealed control frame does not contain its fields in clear."""
-    client = ClientHandshake(SECRET, Purpose.SHARED_STATE)
-    server = ServerHandshake(SECRET, frozenset(Purpose))
+    client = ClientHandshake(RUN_SECRET, Purpose.SHARED_STATE)
+    server = ServerHandshake(RUN_SECRET, frozenset(Purpose))
     server.finish(client.finish(server.reply(client.hello())))
     assert client.channel is not None
     sealed = encode_control(request_weights("secret_weights"), client.channel)
