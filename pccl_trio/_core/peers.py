@@ -291,8 +291,9 @@ class Peer:
     pending_vote: bool = False  # it asked whether peers are pending; not answered yet
     tags_in_flight: set[int] = dataclasses.field(default_factory=set)  # collectives
     ballot: Ballot | None = None  # its shared-state vote, while VOTE_SYNC
-    # When it entered its vote state, and when it asked whether peers are pending (the
-    # stall timer of a waiting vote starts at its first voter's, see ``stalls``).
+    # When it entered its vote state (a joiner: when it registered, its registration
+    # being its vote), and when it asked whether peers are pending (the stall timer of
+    # a waiting vote starts at its first voter's, see ``stalls``).
     voted_at: float = 0.0
     pending_since: float = 0.0
     # How long its pending-peers question may wait for a peer to arrive.
@@ -528,6 +529,7 @@ class PeerTable:
             pool_size=message.pool_size,
             identity=conn.identity,
             phase=phase,
+            voted_at=self.now,
         )
         self.reserve_ids(peer_id)
         self.known_ids.add(peer_id)

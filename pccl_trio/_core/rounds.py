@@ -274,13 +274,41 @@ class Rounds:
             )
 
     def waiting(self) -> Iterator[Waiting]:
-        """The establishment vote, while some members voted and others did not."""
+        """The establishment vote, while some members voted and others did not; and
+        each peer waiting to be admitted, while some member has not voted."""
         if self._current is not None:
             return
         yield from run_vote(
             self._table, Call.UPDATE_TOPOLOGY,
             voted=lambda p: p.state is PeerState.VOTE_ESTABLISH,
             since=lambda p: p.voted_at, fail=self._refuse,
+        )
+        accepted = self._table.accepted()
+        if all(p.state is PeerState.VOTE_ESTABLISH for p in accepted):
+            return  # nobody to wait for (the next round starts, or nobody is a member)
+        for joiner in self._table.peers.values():
+            if joiner.phase is PeerPhase.REGISTERED:
+                yield self._admission(joiner)
+
+    def _admission(self, joiner: Peer) -> Waiting:
+        """A peer's wait to be admitted: its registration (or its vote after a round
+        that failed) is its vote; the members admit it with theirs."""
+        table = self._table
+        return Waiting(
+            key=("admission", joiner.peer_id),
+            call="connect",
+            where=f"peer {joiner.peer_id}",
+            since=joiner.voted_at,
+            missing=lambda: [
+                p for p in table.accepted() if p.state is not PeerState.VOTE_ESTABLISH
+            ],
+            fail=lambda reason: table.kick_peer(joiner, reason, KickCause.REFUSED),
+            awaited="the members that did not admit it (by update_topology)",
+            rule=(
+                "the members admit a waiting peer when every one of them calls "
+                "update_topology(); a training loop asks are_peers_pending() between "
+                "steps and calls update_topology() when it says True"
+            ),
         )
 
     def _refuse(self, reason: str) -> None:

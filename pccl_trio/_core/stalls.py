@@ -55,6 +55,8 @@ class Waiting:
         since: when its first voter voted.
         missing: the peers it waits for (computed when needed).
         fail: refuses the vote for its voters, with the reason given.
+        awaited: who ``missing`` are, as the log line and the reason name them.
+        rule: what the missing peers should have done, for the reason.
     """
 
     key: Hashable
@@ -63,6 +65,8 @@ class Waiting:
     since: float
     missing: Callable[[], Sequence[Peer]]
     fail: Callable[[str], None]
+    awaited: str = "the peers that did not call it"
+    rule: str = "every peer must make the same calls in the same order"
 
 
 Source = Callable[[], Iterable[Waiting]]
@@ -149,8 +153,8 @@ class Stalls:
                 # names what the others wait in now.
                 due.append((waiting, bounded(
                     f"{waiting.call} of {waiting.where} waited {age:.0f}s for "
-                    f"{self._who(waiting)}; every peer must make the same calls in the "
-                    f"same order (the master's stall timeout is {self._timeout:g}s)"
+                    f"{self._who(waiting)}; {waiting.rule} (the master's stall timeout "
+                    f"is {self._timeout:g}s)"
                 )))
                 continue
             key = (waiting.key, waiting.since)
@@ -184,4 +188,4 @@ class Stalls:
         """The missing peers and what each waits in: ``the peers that did not call it:
         peer 3 waits in all_reduce(tag=1); peer 5 is in no call``."""
         calls = "; ".join(pending_calls(peer) for peer in waiting.missing())
-        return f"the peers that did not call it: {calls}"
+        return f"{waiting.awaited}: {calls}"

@@ -225,6 +225,47 @@ def test_the_timeout_counts_from_the_first_voter() -> None:
     assert "peer 3 is in no call" in h.last(2, PeersPendingResult).error
 
 
+def test_a_joiner_the_members_never_admit_is_warned_about_then_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, "pccl_trio.master")
+    h = harness()
+    accepted(h, 1, 2)
+    h.now = 3.0
+    h.register(3)
+    h.vote(1)  # one member admits; peer 2 never asks
+    elapse(h, 3.0 + TIMEOUT - 0.5, [1, 2, 3])
+    assert h.kick_reason(3) is None
+    lines = [line for line in stall_lines(caplog) if line.startswith("connect of peer")]
+    assert len(lines) == 4, lines  # after 10, 20, 40 and 80 s
+    assert all("did not admit it" in line and "peer 2 is in no call" in line for line in lines)
+    assert all("peer 1 " not in line for line in lines), lines
+    # The status shows what the joiner waits for.
+    (waiting,) = [w for w in h.core.status().waiting if w.call == "connect"]
+    assert waiting.missing == (h.peer_ids[2],)
+    elapse(h, 3.0 + TIMEOUT, [1, 2, 3])
+    reason = h.kick_reason(3)
+    assert reason is not None and reason.startswith("connect of peer 3 waited 100s")
+    assert "peer 2 is in no call" in reason and "are_peers_pending()" in reason
+    assert h.view(3) is None
+    # The members go on: peer 1's vote waits for peer 2 alone, then a round runs.
+    h.vote(2)
+    assert h.last(1, P2PInfo).round == h.latest_round
+
+
+def test_a_joiner_the_members_admit_is_never_stalled() -> None:
+    h = harness()
+    accepted(h, 1, 2)
+    h.register(3)
+    h.vote(1)
+    h.vote(2)  # the round admitting peer 3 starts
+    for conn in (1, 2, 3):
+        h.report(conn)
+    assert h.where(3) == (ACC, IDLE)
+    elapse(h, 3 * TIMEOUT, [1, 2, 3])
+    assert h.kick_reason(3) is None
+
+
 # --- a seeded random walk ------------------------------------------------------------
 #
 # Peers of two groups vote, initiate, ask, sync, optimize, complete, report, close and

@@ -9,6 +9,7 @@ what it waits in; the run goes on afterwards.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -176,6 +177,32 @@ async def test_two_against_three_tensors(cluster: Cluster, clock: object) -> Non
             assert (tensors[0][index] == tensors[1][index]).all()
             assert (tensors[1][index] == 2.0 * (index + 1)).all()
         assert (tensors[1][2] == 3.0).all()  # restored: never reduced
+        await still_reduces(comms)
+        for comm in comms:
+            await comm.aclose()
+
+
+async def test_a_joiner_the_members_never_admit(
+    cluster: Cluster, clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "pccl_trio.master")
+    with trio.fail_after(600):
+        (member,) = await form_run([], [cluster.communicator("member")])
+        # The member is connected but never asks whether peers are pending.
+        joiner = cluster.communicator("joiner")
+        error, elapsed = await refused(joiner.connect())
+        assert isinstance(error, pccl.Kicked), error
+        assert "connect of peer" in str(error) and "did not admit it" in str(error), error
+        assert f"peer {member.peer_id} is in no call" in str(error), error
+        assert "update_topology()" in str(error), error
+        on_time(cluster, elapsed)
+        warnings = [
+            r.getMessage() for r in caplog.records
+            if r.getMessage().startswith("connect of peer") and "fails after" in r.getMessage()
+        ]
+        assert warnings and all(f"peer {member.peer_id} is in no call" in w for w in warnings)
+        # The run goes on: a joiner the member admits takes part.
+        comms = await form_run([member], [cluster.communicator("second")])
         await still_reduces(comms)
         for comm in comms:
             await comm.aclose()
