@@ -111,8 +111,19 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} bytes"
+
+
 def _count(counts: Sequence[RunCount], event: str, label: str | None = None) -> int:
     return sum(c.count for c in counts if c.event == event and (label is None or c.label == label))
+
+
+def _total(counts: Sequence[RunCount], event: str) -> int:
+    return sum(c.total for c in counts if c.event == event)
 
 
 def render(reply: StatusReply, address: str) -> str:
@@ -127,10 +138,13 @@ def _render(reply: StatusReply, address: str) -> str:
     lines = [
         f"pccl_trio run at {address}: up {_duration(reply.uptime_seconds)}, "
         f"{reply.peers_total} peers in {len(reply.groups)} groups",
-        f"collectives: {_count(c, 'completed', 'success')} succeeded, "
+        f"collectives: {_count(c, 'completed', 'success')} succeeded through the master, "
         f"{_count(c, 'aborted')} attempts aborted, {_count(c, 'completed', 'aborted')} "
         f"ended aborted, {_count(c, 'completed', 'rejected')} rejected, "
         f"{_count(c, 'completed', 'blocked')} blocked",
+        f"leases: {_count(c, 'leased')} granted, {_count(c, 'lease_ended')} ended, "
+        f"{_total(c, 'lease_ended')} all-reduces succeeded under them (a lease lets a "
+        "group repeat a tag's all-reduce without the master; counted when it ends)",
         f"peers: {_count(c, 'joined')} joined, {_count(c, 'returned')} came back, "
         f"{_count(c, 'left')} left ({_count(c, 'kicked')} kicked); syncs: "
         f"{_count(c, 'synced')} ({_count(c, 'sync_failed')} failed fetches); "
@@ -147,6 +161,11 @@ def _render(reply: StatusReply, address: str) -> str:
             f"{g.group:>5}  {g.world:>5}  {ring[:30]:<30} {predicted:>10}  "
             f"{g.revision if g.has_revision else '-':>8}  "
             f"{'ring must be re-established' if g.stale else 'ready'}"
+        )
+    if any(g.predicted_seconds >= 0 for g in reply.groups):
+        lines.append(
+            f"(predicted: one all-reduce of {_size(reply.reference_bytes)} on the ring, from "
+            "its measured links)"
         )
     lines += ["", f"{'peer':>6}  {'group':>5}  {'address':<22} {'phase':<11} {'state':<16} silent"]
     for p in reply.peers:

@@ -280,12 +280,20 @@ class Collectives:
         attempt before the latest succeeded, and take the latest one over."""
         lease = resolution.lease
         tag, latest = lease.tag, resolution.latest
-        attempts = latest - lease.first + 1 if latest else 0
+        starters = resolution.starters
+        others = resolution.members - starters.keys()
+        done = bool(latest) and not others and all(
+            r.state == LeaseState.COMPLETE for r in starters.values()
+        )
+        # Counted here: the attempts before the latest any member started, and that one
+        # if every member completed it; one adopted below is counted with its verdict.
+        succeeded = resolution.reported - lease.first if resolution.reported else 0
+        succeeded += done and latest == resolution.reported
         self._table.report(
             RunKind.LEASE_ENDED,
-            f"peer group {lease.group}'s lease on tag {tag} ended after {attempts} attempts "
-            f"({lease.ending})",
-            group=lease.group, tag=tag, attempts=attempts, reason=lease.ending,
+            f"peer group {lease.group}'s lease on tag {tag} ended after {succeeded} "
+            f"all-reduces ({lease.ending})",
+            group=lease.group, tag=tag, attempts=succeeded, reason=lease.ending,
         )
         for peer_id in resolution.stragglers:
             self._table.send(
@@ -295,9 +303,7 @@ class Collectives:
         if not latest:
             return
         key = (lease.group, tag)
-        starters = resolution.starters
-        others = resolution.members - starters.keys()
-        if not others and all(r.state == LeaseState.COMPLETE for r in starters.values()):
+        if done:
             # Every member holds the result: what each may have returned on its own.
             for peer_id in sorted(starters):
                 self._table.send(

@@ -39,9 +39,15 @@ every member's agreement relies on:
 
 A master that took a run over knows no lease: the first report of one makes it end it
 the same way, once the group's members are back (until then, nobody knows who they
-are: ``announce``). Every lease also ends, silently, when its
-group's ring is installed anew or goes stale with no attempt in flight (the members
-drop theirs then too, see ``Membership``).
+are: ``announce``). A lease also ends when its group's ring is installed anew or goes
+stale (``expire``): its members stop using it then on their own, but only their
+reports say how many attempts ran under it, so it is ended like any other.
+
+Every lease that ends is counted once it is resolved: the attempts before the latest
+any member reported (those gone included) succeeded everywhere, and the latest one
+too if every member completed it; an attempt the master settles itself (``adopt``) is
+counted with its verdict instead. A member leaving the run on purpose reports its
+leases first, so a run that ends by its peers leaving is counted in full.
 """
 
 from __future__ import annotations
@@ -88,6 +94,9 @@ class Resolution:
     latest: int  # the latest attempt a member started (0: none)
     starters: dict[int, LeaseReport]  # the members that started ``latest``
     stragglers: tuple[int, ...]  # members whose last attempt is ``latest - 1``, under the lease
+    # The latest attempt any member reported starting, members gone included (0: none):
+    # every attempt before it succeeded everywhere.
+    reported: int
 
 
 class Leases:
@@ -208,15 +217,15 @@ class Leases:
                 self.end(lease, f"peer {peer.peer_id} left the run")
 
     def expire(self) -> None:
-        """Forget the standing leases whose group's ring was installed again or went
-        stale: no attempt runs under them, and every member drops them too."""
-        for key, lease in list(self._leases.items()):
+        """End the standing leases whose group's ring was installed again or went
+        stale: every member stops using them then, and reports how far it got."""
+        for lease in list(self._leases.values()):
             if lease.ending:
                 continue
-            if (lease.group in self._book.stale_groups
-                    or self._book.epochs.get(lease.group, 0) != lease.epoch):
-                del self._leases[key]
-                self._decided[key] = max(self._decided.get(key, 0), lease.first)
+            if self._book.epochs.get(lease.group, 0) != lease.epoch:
+                self.end(lease, "its ring was installed anew")
+            elif lease.group in self._book.stale_groups:
+                self.end(lease, "its ring went stale")
 
     def resolved(self) -> Iterator[Resolution]:
         """The ending leases every member still in the run reported on, each forgotten
@@ -263,6 +272,7 @@ class Leases:
             yield Resolution(
                 lease=lease, members=frozenset(members), latest=latest, starters=starters,
                 stragglers=tuple(sorted(stragglers)),
+                reported=max((r.seq for r in lease.reports.values()), default=0),
             )
         for peer_id, reason in liars:
             peer = self._table.peers.get(peer_id)

@@ -168,8 +168,9 @@ class MasterCollector:
         yield family
         family = core.CounterMetricFamily(
             "pccl_master_leased_collectives",
-            "All-reduces run under leases, counted when their lease ends (until then only "
-            "the peers' metrics count them).",
+            "All-reduces that succeeded under leases, counted when their lease ends (until "
+            "then only the peers' metrics count them); one the master settled when its "
+            "lease ended counts in pccl_master_collectives_total instead.",
         )
         family.add_metric([], leased)
         yield family

@@ -139,6 +139,10 @@ class AllReduces:
         """Whether a lease on ``tag`` stands here (``_leases``)."""
         return self._leases.standing(tag)
 
+    async def leave(self) -> None:
+        """This peer leaves the run: the master hears how far it got under its leases."""
+        await self._leases.leave()
+
     def check_idle(self, call: str) -> None:
         """Connected, with no all-reduce in flight (``call`` is the call asking)."""
         self._life.check_connected()

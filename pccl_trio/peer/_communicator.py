@@ -646,6 +646,8 @@ class Communicator:
         if self._life.status is Status.CLOSED:
             await trio.lowlevel.checkpoint()
             return
+        if self._life.status is Status.CONNECTED:
+            await self._all_reduces.leave()
         await self._shutdown()
 
     async def __aenter__(self) -> Communicator:

@@ -29,9 +29,17 @@ message made when it is sent, from the state at that moment.
 The master's verdicts about leased attempts come back through ``_on_verdict``: to the
 attempt they are about, if it waits here; and about an attempt this peer never
 started, they close its number here, so the data path drops its frames. A lease is
-forgotten when its ring is installed anew (the master forgets it too), or a new lease
-on the tag replaces it. A master that takes the run over knows no lease: every lease
-with an attempt in flight here is reported to it again; the others answer when asked.
+forgotten when its ring is installed anew, or a new lease on the tag replaces it. The
+master ends a lease whose ring was installed anew too, and only the members' reports
+tell it how many attempts ran under it: so a lease forgotten with attempts started
+under it is kept aside (``_forgotten``) until the master heard how far this peer got,
+to answer its ``LeaseEnd`` and take its verdict. A master that takes the run over
+knows no lease: every lease with an attempt in flight here is reported to it again;
+the others answer when asked.
+
+A peer leaving the run on purpose (``leave``, from ``Communicator.aclose``) first
+reports every lease it started attempts under, so that the master counts them even
+when every member leaves before it could ask.
 """
 
 from __future__ import annotations
@@ -104,6 +112,10 @@ class Leases:
         self._receiver = receiver
         self._membership = membership
         self._by_tag: dict[int, Lease] = {}
+        # Leases forgotten with attempts started under them, until the master's verdict
+        # after hearing how far this peer got (by tag).
+        self._forgotten: dict[int, Lease] = {}
+        self._flushed = trio.lowlevel.ParkingLot()  # woken when ``_due`` is empty
         self._due: list[Lease | Message] = []  # for the master, in order
         self._flushing = False
         self._watching = False
@@ -201,10 +213,18 @@ class Leases:
 
     # --- what the master says ----------------------------------------------------------
 
+    def _held(self, tag: int, first: int) -> Lease | None:
+        """The lease on ``tag`` numbered from ``first`` this peer holds, or forgot with
+        attempts the master has not heard of."""
+        for lease in (self._by_tag.get(tag), self._forgotten.get(tag)):
+            if lease is not None and lease.first == first:
+                return lease
+        return None
+
     def _on_end(self, message: LeaseEnd) -> None:
         """The master ends a lease: report where this peer stands (once)."""
-        lease = self._by_tag.get(message.tag)
-        if lease is None or lease.first != message.lease:
+        lease = self._held(message.tag, message.lease)
+        if lease is None:
             # Not one this peer holds: it started nothing under it.
             self._queue(self._report_of(None, message.tag, message.lease))
             return
@@ -217,6 +237,12 @@ class Leases:
     def _on_verdict(self, verdict: CollectiveVerdict) -> bool:
         """A verdict about an attempt under a lease goes to that attempt; one about an
         attempt this peer never started closes its number. True: it is taken."""
+        forgotten = self._forgotten.get(verdict.tag)
+        if forgotten is not None and forgotten.first <= verdict.seq <= forgotten.last:
+            # About its last attempt, which this peer returned from before the ring
+            # changed: the master heard how far it got.
+            del self._forgotten[verdict.tag]
+            return True
         lease = self._by_tag.get(verdict.tag)
         if lease is None or not lease.first <= verdict.seq <= lease.last:
             return False
@@ -240,6 +266,7 @@ class Leases:
         """A master took this peer back: it knows no lease. Those with an attempt in
         flight are reported to it; the others answer when it asks."""
         self._due.clear()  # all of it was for the master that was lost
+        self._forgotten.clear()  # the new master never asks about them
         for lease in self._by_tag.values():
             self._close(lease)
             lease.told = _Told.NOTHING
@@ -255,8 +282,27 @@ class Leases:
 
     def _forget(self, tag: int) -> None:
         lease = self._by_tag.pop(tag, None)
-        if lease is not None:
-            self._receiver.lease_forgotten(lease.first)
+        if lease is None:
+            return
+        lease.standing = False
+        self._receiver.lease_forgotten(lease.first)
+        if lease.next > lease.first and lease.told is not _Told.FINAL:
+            self._forgotten[tag] = lease  # the master asks how far this peer got
+
+    async def leave(self) -> None:
+        """This peer leaves the run: report every lease it started attempts under that
+        the master has not heard of, and return once they went out (or could not)."""
+        if self._session.away or not self._session.member:
+            return
+        for lease in [*self._by_tag.values(), *self._forgotten.values()]:
+            if lease.next > lease.first and lease.told is _Told.NOTHING:
+                self._close(lease)
+                self._tell(lease)
+        # Shielded and bounded: a healthy link takes it at once, and a closing peer
+        # must not wait long for a master that does not read.
+        with trio.CancelScope(shield=True), trio.move_on_after(self._config.connect_timeout):
+            while self._flushing:
+                await self._flushed.park()
 
     def _tell(self, lease: Lease) -> None:
         """The master must hear about ``lease`` (what, is decided when it is sent)."""
@@ -283,6 +329,7 @@ class Leases:
             return  # the run is over for this peer
         finally:
             self._flushing = False
+            self._flushed.unpark_all()
 
     def _message(self, lease: Lease) -> Message | None:
         """What the master must hear about ``lease`` now (None: nothing new)."""

@@ -265,21 +265,76 @@ def test_nothing_started_under_the_lease_ends_it_quietly(h: MasterHarness) -> No
 # --- what a lease does not survive ----------------------------------------------------------
 
 
-def test_a_new_ring_drops_the_lease_without_a_word(h: MasterHarness) -> None:
+def leased_count(h: MasterHarness) -> tuple[int, int]:
+    """(leases ended, all-reduces counted as run under them), as the master's status
+    counts them."""
+    counts = [c for c in h.core.status().counts if c.event == "lease_ended"]
+    return sum(c.count for c in counts), sum(c.total for c in counts)
+
+
+def test_a_new_ring_ends_the_lease_and_counts_what_ran_under_it(h: MasterHarness) -> None:
     first = granted(h, 1, 2, 3)
     for conn in (1, 2, 3):
         h.vote(conn, accept=False)
     for conn in (1, 2, 3):
         h.report(conn)
+    # The ring was installed anew: every member hears that the lease ends.
+    for conn in (1, 2, 3):
+        (end,) = h.received(conn, LeaseEnd)
+        assert (end.tag, end.lease) == (TAG, first)
     h.take_all()
+    # Ten attempts ran under it; the members report that, and hear that the last one
+    # succeeded (which each of them knew).
+    for conn in (1, 2, 3):
+        h.lease_report(conn, TAG, first, first + 9, COMPLETE)
+    for conn in (1, 2, 3):
+        (verdict,) = got(h, conn)
+        assert verdict == CollectiveVerdict(tag=TAG, seq=first + 9, outcome=Outcome.SUCCESS)
+    assert leased_count(h) == (1, 10)
     # A vote for the tag now is a plain vote: no lease to end.
     for conn in (1, 2, 3):
         h.initiate(conn, TAG, lease=True)
     for conn in (1, 2, 3):
         assert [type(m) for m in got(h, conn)] == [CollectiveCommence]
-    # Late reports of the dropped lease are nobody's business.
+    # Late reports of the ended lease are nobody's business.
     h.lease_report(1, TAG, first, first, COMPLETE)
     assert got(h, 1) == []
+
+
+@pytest.mark.parametrize("leaving", [(3,), (3, 2), (3, 2, 1)])
+def test_members_that_leave_after_reporting_are_counted(
+    h: MasterHarness, leaving: tuple[int, ...]
+) -> None:
+    first = granted(h, 1, 2, 3)
+    # Seven attempts ran; the members leaving report before their connection closes.
+    for conn in leaving:
+        h.lease_report(conn, TAG, first, first + 6, COMPLETE)
+        h.close(conn)
+    for conn in (1, 2, 3):
+        if conn not in leaving:
+            h.lease_report(conn, TAG, first, first + 6, COMPLETE)
+    assert leased_count(h) == (1, 7)
+
+
+def test_an_attempt_a_member_gone_had_started_is_not_counted(h: MasterHarness) -> None:
+    first = granted(h, 1, 2, 3)
+    h.lease_report(3, TAG, first, first + 4, RUNNING)  # started the fifth, then died
+    h.close(3)
+    for conn in (1, 2):
+        h.lease_report(conn, TAG, first, first + 3, COMPLETE)
+    assert leased_count(h) == (1, 4)
+
+
+def test_an_attempt_the_master_settles_is_counted_with_its_verdict(h: MasterHarness) -> None:
+    first = granted(h, 1, 2, 3)
+    for conn in (1, 2, 3):
+        h.lease_report(conn, TAG, first, first + 2, RUNNING)
+    assert leased_count(h) == (1, 2)  # the first two; the third runs on
+    for conn in (1, 2, 3):
+        h.complete(conn, TAG, first + 2)
+    assert {h.last(c, CollectiveVerdict).outcome for c in (1, 2, 3)} == {Outcome.SUCCESS}
+    successes = [c for c in h.core.status().counts if (c.event, c.label) == ("completed", "success")]
+    assert sum(c.count for c in successes) == 2  # the granting one, and this one
 
 
 # --- a master that took the run over -------------------------------------------------------

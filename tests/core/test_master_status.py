@@ -213,6 +213,25 @@ def test_the_screen_does_not_pass_control_characters_through() -> None:
     assert "\x1b" not in screen and "\x07" not in screen and "evil?[2J?" in screen
 
 
+def test_the_screen_says_what_leased_work_is_and_what_predicted_means() -> None:
+    from pccl_trio._core.status import GroupStatus, RunCount
+    from pccl_trio._status import render
+
+    reply = StatusReply(
+        uptime_seconds=1.0, reference_bytes=64 << 20, peers_total=0, tallies=(), peers=(),
+        groups=(GroupStatus(group=0, world=2, ring=(1, 2), predicted_seconds=0.5, stale=False,
+                            revision=0, has_revision=False),),
+        waiting=(), collectives=(), kicks=(),
+        counts=(RunCount(event="completed", label="success", count=2),
+                RunCount(event="leased", label="", count=2),
+                RunCount(event="lease_ended", label="", count=2, total=38)),
+    )
+    screen = render(reply, "m:1")
+    assert "collectives: 2 succeeded through the master" in screen, screen
+    assert "leases: 2 granted, 2 ended, 38 all-reduces succeeded under them" in screen, screen
+    assert "predicted: one all-reduce of 64 MiB" in screen, screen
+
+
 def test_an_observer_without_an_allowed_identity_gets_nothing() -> None:
     from pccl_trio._core.master import (
         Close,

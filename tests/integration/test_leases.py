@@ -9,9 +9,11 @@ the lease ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -393,3 +395,74 @@ async def test_a_bucket_reads_its_tensors_in_place_through_the_master_and_leased
         assert all(3 * chunk <= whole + 3 * 4 and whole == 8 * 8000 for chunk, whole in copied)
         for comm in comms:
             await comm.aclose()
+
+
+@pytest.fixture
+def run_events(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
+    """The master's run events, as logged (each record carries its ``run_event``)."""
+    caplog.set_level(logging.DEBUG, logger="pccl_trio.master.run")
+    return caplog
+
+
+def kinds_of(caplog: pytest.LogCaptureFixture, kind: str) -> list[Any]:
+    """The master's run events of ``kind`` (a ``RunKind`` value), as logged so far."""
+    events = [r.run_event for r in caplog.records if hasattr(r, "run_event")]
+    return [e for e in events if e.kind.value == kind]
+
+
+@contextlib.asynccontextmanager
+async def left(caplog: pytest.LogCaptureFixture, peers: int) -> AsyncIterator[trio.Event]:
+    """An event set once the master has logged ``peers`` peers leaving in all."""
+    gone = trio.Event()
+    seen = len(kinds_of(caplog, "left"))
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            nonlocal seen
+            event = getattr(record, "run_event", None)
+            if event is not None and event.kind.value == "left":
+                seen += 1
+            if seen >= peers:
+                gone.set()
+
+    handler = Watch()
+    logger = logging.getLogger("pccl_trio.master.run")
+    logger.addHandler(handler)
+    try:
+        yield gone
+    finally:
+        logger.removeHandler(handler)
+
+
+def counted(records: pytest.LogCaptureFixture) -> tuple[int, int, int, int]:
+    """(all-reduces the master decided a success of, all-reduces counted under leases,
+    leases granted, leases ended), from the master's run events."""
+    successes = sum(
+        1 for e in kinds_of(records, "completed") if str(e.fields["outcome"]) == "success"
+    )
+    ended = kinds_of(records, "lease_ended")
+    leased = sum(e.fields["attempts"] for e in ended)
+    return successes, leased, len(kinds_of(records, "leased")), len(ended)
+
+
+async def test_every_all_reduce_is_counted_when_the_run_ends_by_its_peers_leaving(
+    cluster: Cluster, clock: object, run_events: pytest.LogCaptureFixture
+) -> None:
+    steps = 12
+    with trio.fail_after(300):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        for step in range(steps):
+            if step == steps // 2:
+                # A joiner is admitted: the ring is installed anew, the lease ends.
+                comms = await form_run(comms, [cluster.communicator("p2")])
+            arrays = inputs(len(comms), seed=step)
+            infos = await run_all(comms, lambda i, c, arrays=arrays: c.all_reduce(arrays[i]))
+            assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+        async with left(run_events, len(comms)) as gone:
+            for comm in comms:  # the run ends: every peer leaves, one after another
+                await comm.aclose()
+            await gone.wait()  # until the master saw them leave
+    successes, leased, granted, ended = counted(run_events)
+    assert successes + leased == steps, (successes, leased)
+    assert granted == ended == 2, (granted, ended)
+    assert leased == steps - 2  # each lease's first all-reduce went through the master

@@ -104,10 +104,13 @@ async def test_counters_move_by_exactly_what_happened(
         after = await scrape(url)
         assert value(after, "pccl_master_peers_left_total") == 1
         assert value(after, "pccl_master_leases_ended_total") == 1
-        assert value(after, "pccl_master_leased_collectives_total") == 3
         succeeded = value(after, "pccl_master_collectives_total", outcome="success")
         assert succeeded in ((1,) if aborted else (1, 2)), succeeded
         assert value(after, "pccl_master_collectives_total", outcome="aborted") == int(aborted)
+        # Each of the four all-reduces counted once: the first through the master, the
+        # next two under the lease, the last under the lease unless the master settled it.
+        leased = value(after, "pccl_master_leased_collectives_total")
+        assert leased + succeeded + aborted == 4, (leased, succeeded, aborted)
         assert value(after, "pccl_master_collective_aborts_total") >= int(aborted)
         assert value(after, "pccl_master_kicks_total", cause="liveness") == 0
         # The survivors go on: re-established, one more all-reduce (through the master:
@@ -130,6 +133,31 @@ async def test_counters_move_by_exactly_what_happened(
         assert value(final, changes) > value(joined, changes)
         for comm in survivors:
             await comm.aclose()
+
+
+async def test_a_run_that_ends_by_its_peers_leaving_counts_every_all_reduce(
+    observed: tuple[Cluster, str], clock: object
+) -> None:
+    cluster, url = observed
+    steps = 40
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        data = [np.arange(1000, dtype=np.float32) for _ in range(3)]
+        for step in range(steps):
+            if step == steps // 2:  # a joiner: its ring ends the first lease
+                comms = await form_run(comms, [cluster.communicator("p2")])
+            infos = await run_all(comms, lambda i, c: c.all_reduce(data[i]))
+            assert all(isinstance(info, pccl.ReduceInfo) for info in infos), infos
+        for comm in comms:
+            await comm.aclose()
+        samples = await scrape(url)
+        while value(samples, "pccl_master_peers_left_total") < 3:
+            samples = await scrape(url)  # until the master saw every peer leave
+    successes = value(samples, "pccl_master_collectives_total", outcome="success")
+    leased = value(samples, "pccl_master_leased_collectives_total")
+    assert (successes, leased) == (2, steps - 2)
+    assert value(samples, "pccl_master_leases_total") == 2
+    assert value(samples, "pccl_master_leases_ended_total") == 2
 
 
 async def test_status_shows_the_run_and_changes_nothing(
