@@ -354,6 +354,7 @@ class Communicator:
             InvalidUsage: already connected or closed.
         """
         life = self._life
+        life.check_loop("connect()")
         if life.status is not Status.NEW:
             raise InvalidUsage(
                 f"connect() on a communicator that is {life.status.name.lower()}; "
@@ -424,6 +425,7 @@ class Communicator:
                 again is safe.
             MasterConnectionError, Kicked: the run is over for this peer.
         """
+        self._life.check_loop("update_topology()")
         self._all_reduces.check_idle("update_topology")
         await self._through_master_loss(self._membership.update_topology)
 
@@ -448,6 +450,7 @@ class Communicator:
                 meanwhile (the message says which).
             MasterConnectionError, Kicked: the run is over for this peer.
         """
+        self._life.check_loop("optimize_topology()")
         self._all_reduces.check_idle("optimize_topology")
         await self._through_master_loss(self._optimizer.optimize)
 
@@ -478,6 +481,7 @@ class Communicator:
             InvalidArgument: the state is malformed.
             InvalidUsage: all-reduces are in flight, or another membership call runs.
         """
+        self._life.check_loop("sync_shared_state()")
         self._life.check_connected()
         if not isinstance(strategy, SharedStateSyncStrategy):
             raise InvalidArgument(
@@ -503,6 +507,7 @@ class Communicator:
             InvalidArgument: ``wait`` is not a number >= 0.
             MasterConnectionError, Kicked: the run is over for this peer.
         """
+        self._life.check_loop("are_peers_pending()")
         self._life.check_connected()
         if isinstance(wait, bool) or not isinstance(wait, int | float) or not wait >= 0:
             raise InvalidArgument(f"wait must be a number of seconds >= 0, got {wait!r}")
@@ -568,6 +573,7 @@ class Communicator:
             InvalidUsage: the tag is already in flight, or a topology update runs.
             TooFewPeers: the peer group has a single peer.
         """
+        self._life.check_loop("all_reduce()")
         self._all_reduces.check_launch()
         request = check_reduce_arguments(
             send, recv, op=op, tag=tag, quantization=quantization, hint=distribution_hint
@@ -589,6 +595,7 @@ class Communicator:
         Arguments are checked before this returns (``InvalidArgument`` /
         ``InvalidUsage``); everything else is raised by ``await handle.wait()``.
         """
+        self._life.check_loop("all_reduce_async()")
         self._all_reduces.check_launch()
         request = check_reduce_arguments(
             send, recv, op=op, tag=tag, quantization=quantization, hint=distribution_hint
@@ -632,6 +639,7 @@ class Communicator:
             CollectiveAborted: a peer of the group waits in ``sync_shared_state``
                 (each tensor holds its input or, if it completed, its result).
         """
+        self._life.check_loop("all_reduce_multiple_with_retry()")
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise InvalidArgument(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         options = check_reduce_options(op=op, quantization=quantization, hint=distribution_hint)
@@ -642,10 +650,16 @@ class Communicator:
         return await self._fusion.reduce(requests, max_in_flight)
 
     async def aclose(self) -> None:
-        """Leave the run: close every connection. Safe to call more than once."""
+        """Leave the run: close every connection. Safe to call more than once, and after
+        the trio.run that connected it ended (which closed them)."""
         if self._life.status is Status.CLOSED:
             await trio.lowlevel.checkpoint()
             return
+        if self._life.loop_ended:
+            self._life.status = Status.CLOSED  # its connections ended with that run
+            await trio.lowlevel.checkpoint()
+            return
+        self._life.check_loop("aclose()")
         if self._life.status is Status.CONNECTED:
             await self._all_reduces.leave()
         await self._shutdown()
@@ -673,21 +687,26 @@ class Communicator:
 
     async def _start_background(self) -> None:
         started = trio.Event()
+        self._life.loop = trio.lowlevel.current_trio_token()
 
         async def run() -> None:
+            crashed = False
             try:
                 async with trio.open_nursery() as nursery:
                     self._life.nursery = nursery
                     started.set()
                     await trio.sleep_forever()
             except Exception as exc:  # pragma: no cover - every task handles its own errors
+                crashed = True
                 log.exception("communicator background tasks crashed")
                 self._life.nursery = None  # closed: failing must not start tasks in it
                 self._life.fail(MasterConnectionError(f"internal error in the communicator: {exc!r}"))
             finally:
                 self._life.nursery = None
-                # Cancelled from outside (the program's trio.run ends) while this peer
-                # still waits for its master: close the sockets rather than leak them.
+                # Not closed and not crashed: cancelled from outside, by the end of the
+                # program's trio.run. Close the sockets rather than leak them (this peer
+                # may still wait for its master), and say so to any later call.
+                self._life.loop_ended = not crashed and self._life.status is not Status.CLOSED
                 await self._close_connections()
                 self._background_done.set()
 

@@ -9,6 +9,12 @@ shared state, topology) share one ``Lifecycle``: it holds the background nursery
 tasks run in, tells them whether the run is over for this peer, and, when it ends,
 wakes every waiter through the wake-ups the parts registered (``on_failure``).
 
+A communicator lives in the ``trio.run`` that connected it: its connections and
+background tasks belong to that run's event loop and end with it. Every public call
+checks first that it runs in that loop (``check_loop``), so that a call from another
+``trio.run``, after the one that connected it ended, from asyncio or from no event
+loop at all is an ``InvalidUsage`` that says which, rather than a failure deep inside.
+
 Membership calls (``connect``, ``update_topology``, ``optimize_topology``,
 ``sync_shared_state``, ``are_peers_pending`` and the re-establishment of a stale ring)
 run one at a time, inside ``operation``. The master counts on every peer that voted to
@@ -94,6 +100,10 @@ class Lifecycle:
         self.busy: Call | None = None
         self.voted = False  # the running call has sent a vote
         self.nursery: trio.Nursery | None = None
+        # The event loop this communicator lives in (set by ``connect``), and whether
+        # that loop's trio.run has ended.
+        self.loop: trio.lowlevel.TrioToken | None = None
+        self.loop_ended = False
         self._changed = trio.lowlevel.ParkingLot()
         self._wakers: list[Callable[[], object]] = []
         self._closer: Callable[[], Any] | None = None
@@ -120,6 +130,21 @@ class Lifecycle:
         if self.status is not Status.CONNECTED:
             raise InvalidUsage(
                 f"the communicator is {self.status.name.lower()}; call connect() first"
+            )
+
+    def check_loop(self, call: str) -> None:
+        """``call`` (as the API spells it) runs in this communicator's event loop (see
+        the module docstring); else an ``InvalidUsage`` says where it was called from."""
+        try:
+            token = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            raise InvalidUsage(_outside_trio(call, connected=self.loop is not None)) from None
+        if self.loop is not None and token is not self.loop:
+            ended = "; that trio.run has ended" if self.loop_ended else ""
+            raise InvalidUsage(
+                f"{call} was called in another trio.run than the one that connected this "
+                f"communicator{ended}: a communicator lives and ends with the trio.run "
+                "that connected it; create and connect a new Communicator in this one"
             )
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -193,3 +218,20 @@ class Lifecycle:
         for wake in self._wakers:
             wake()
         self.notify()
+
+
+def _outside_trio(call: str, *, connected: bool) -> str:
+    """Why ``call`` cannot run where it was called: not in a Trio event loop
+    (``connected``: the communicator lives in one already)."""
+    import asyncio  # only on this error path: it is slow to import
+
+    try:
+        asyncio.get_running_loop()
+        where = "from asyncio"
+    except RuntimeError:
+        where = "outside any event loop"
+    which = ", the one that connected the communicator" if connected else ""
+    return (
+        f"{call} was called {where}, but pccl_trio runs on Trio: call it from code that "
+        f"runs under trio.run(){which}"
+    )
