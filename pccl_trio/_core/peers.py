@@ -619,7 +619,8 @@ class PeerTable:
         peer = conn.peer
         self.report(
             RunKind.KICKED,
-            f"kicking {f'peer {peer.peer_id}' if peer else f'connection {conn.conn}'}: {reason}",
+            f"kicking {f'peer {peer.peer_id}' if peer else f'connection {conn.conn}'} "
+            f"from {conn.host}: {reason}",
             level=logging.WARNING, peer=peer.peer_id if peer else None,
             group=peer.peer_group if peer else None, cause=cause, reason=reason,
         )

@@ -43,7 +43,7 @@ import enum
 import struct
 from collections.abc import Mapping
 
-from .channel import TAG_SIZE, Channel
+from .channel import MAGIC, TAG_SIZE, Channel
 from .errors import LocalProtocolError, RemoteProtocolError
 from .messages import Message, decode_message, encode_message, message_kinds
 
@@ -72,6 +72,11 @@ __all__ = [
 class FrameType(enum.IntEnum):
     CONTROL = 1
     DATA = 2
+
+
+#: What a plain decoder reads as a frame's length when the other side opens with the
+#: run-secret handshake (its magic bytes).
+_HANDSHAKE_AS_LENGTH = int.from_bytes(MAGIC, "big")
 
 
 class DecoderState(enum.Enum):
@@ -424,6 +429,11 @@ class FrameDecoder:
             raise RemoteProtocolError("frame with an empty body")
         limit = max(self._max_control, self._max_data)
         if body_length > limit:
+            if self._channel is None and body_length == _HANDSHAKE_AS_LENGTH:
+                raise RemoteProtocolError(
+                    "the other side speaks the run-secret handshake, and this side has no "
+                    "run secret: give both sides the same secret, or neither"
+                )
             raise RemoteProtocolError(
                 f"frame of {body_length} bytes exceeds the {limit}-byte limit"
             )

@@ -192,6 +192,7 @@ class _MasterServer:
 
     async def serve_connection(self, stream: trio.abc.Stream, arrived: Arrived) -> None:
         channel: Channel | None = None
+        host = remote_host(stream)  # before anything can close it
         try:
             if self.credential is not None:
                 _purpose, channel = await secure_server(
@@ -201,8 +202,8 @@ class _MasterServer:
             arrived()
             await trio.aclose_forcefully(stream)
             if isinstance(exc, HANDSHAKE_ERRORS):  # closed without a word
-                log.info("closing a connection from %s: no run-secret handshake (%s)",
-                         remote_host(stream), exc or "too slow")
+                log.info("closing a connection from %s: no run-secret handshake: %s",
+                         host, str(exc) or "it did not complete in time")
                 return
             raise
         conn = _Connection(
@@ -212,7 +213,7 @@ class _MasterServer:
         self.connections[conn.conn_id] = conn
         try:
             await self.events_send.send(ConnectionOpened(
-                conn=conn.conn_id, host=remote_host(stream),
+                conn=conn.conn_id, host=host,
                 identity=b"" if channel is None else channel.peer_identity,
             ))
             with conn.scope:

@@ -258,7 +258,10 @@ class Communicator:
         p2p.handle(SharedStateRequest, self._serve_shared_state)
         p2p.handle(BenchmarkRequest, self._optimizer.serve_benchmark)
         life.close_with(self._close_connections)
-        life.describe_with(lambda: f"peer {session.peer_id}")
+        life.describe_with(
+            lambda: f"peer {session.peer_id}" if session.peer_id is not None
+            else f"a peer joining the run at {session.address or 'a master not found yet'}"
+        )
         self._finder: Finder | None = None
         self._elector: Elector | None = None
         if discovery is not None:

@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .._config import Config
+from .._config import SECRET_ENVIRONMENT, Config
 from .._core.errors import RemoteProtocolError
 from .._core.messages import (
     PROTOCOL_VERSION,
@@ -319,13 +319,18 @@ class MasterSession:
         """Drop the queued messages nobody will wait for any more."""
         self._inbox.discard(unwanted)
 
-    def _welcome_hint(self) -> str:
-        """Why a master may never welcome a peer that sent no handshake."""
+    def _link_failed(self, failure: str) -> str:
+        """``failure`` (what happened to the link), led by its likely cause when the
+        master never welcomed this peer and this peer has no run secret: a master
+        with one closes such connections at their first bytes."""
         if self.peer_id is not None or self._config.secret is not None:
-            return ""
+            return failure
         return (
-            " (it never welcomed this peer: if the run has a run secret, give this peer "
-            "the same one, e.g. through PCCL_TRIO_RUN_SECRET)"
+            f"the master at {self.address} never welcomed this peer, which has no run "
+            "secret: a master with a run secret closes connections from peers without "
+            f"it at once. Give this peer the run's secret ({SECRET_ENVIRONMENT}, "
+            "--secret-file PATH, or Config(run_secret=...)), or check that "
+            f"{self.address} is a pccl_trio master ({failure})"
         )
 
     async def _read(self, link: FramedStream, epoch: int) -> None:
@@ -339,11 +344,11 @@ class MasterSession:
                     with trio.move_on_after(min(0.1, self.heartbeat_interval)) as grace:
                         message = await link.receive_message()
                 if silence.cancelled_caught and grace.cancelled_caught:
-                    raise MasterConnectionError(
+                    raise MasterConnectionError(self._link_failed(
                         f"the master at {self.address} sent nothing for "
                         f"{self.liveness_timeout}s (liveness timeout): it or the network "
-                        "is down" + self._welcome_hint()
-                    )
+                        "is down"
+                    ))
                 if isinstance(message, Kick):
                     raise Kicked(message.reason)
                 if isinstance(message, Heartbeat):
@@ -365,10 +370,9 @@ class MasterSession:
             self._lost(MasterConnectionError(f"the master sent malformed data ({exc})"), epoch)
         except trio.BrokenResourceError as exc:
             self._lost(
-                MasterConnectionError(
+                MasterConnectionError(self._link_failed(
                     f"lost the connection to the master at {self.address} ({exc})"
-                    + self._welcome_hint()
-                ),
+                )),
                 epoch,
             )
         except trio.ClosedResourceError:

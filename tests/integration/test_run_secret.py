@@ -9,6 +9,7 @@ with another one, or raw bytes) or is a man in the middle who alters a data fram
 from __future__ import annotations
 
 import dataclasses
+import logging
 import struct
 from collections.abc import AsyncIterator
 
@@ -104,16 +105,61 @@ async def test_a_peer_without_the_secret_cannot_join(
     with trio.fail_after(60):
         comms = await form_run([], [with_config(secured, f"p{i}") for i in range(2)])
         stranger = with_config(secured, "stranger", run_secret=secret)
+        start = trio.current_time()
         with pytest.raises(pccl.MasterConnectionError) as caught:
             await stranger.connect()
+        if secured.memory is not None:  # refused at its first bytes, not after a timeout
+            assert trio.current_time() - start < secured.config.liveness_timeout
+        message = str(caught.value)
         if secret is None:
-            assert "run secret" in str(caught.value)
+            # The likely cause comes first, with what to do.
+            assert message.startswith(
+                f"the master at {secured.master_address} never welcomed this peer, which "
+                "has no run secret: a master with a run secret closes connections"
+            ), message
+            assert "Give this peer the run's secret (PCCL_TRIO_RUN_SECRET" in message
         else:
-            assert "did not complete the run-secret handshake" in str(caught.value)
+            assert "did not complete the run-secret handshake" in message
         assert comms[0].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) == 2
         await reduce_exactly(comms)
         for comm in comms:
             await comm.aclose()
+
+
+async def test_a_master_without_a_secret_says_what_a_peer_with_one_is(
+    network_kind: str, clock: object, nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = await start_cluster(nursery, network_kind, CONFIGS[network_kind])
+    with trio.fail_after(60):
+        peer = pccl.Communicator(
+            cluster.master_address, 0, 0, config=dataclasses.replace(cluster.config, run_secret=RUN_SECRET),
+            network=cluster.network("p0"),
+            **({"p2p_host": "127.0.0.1"} if cluster.memory is None else {}),  # type: ignore[arg-type]
+        )
+        with pytest.raises(pccl.MasterConnectionError, match="did not complete the run-secret handshake"):
+            await peer.connect()
+    (kick,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kicking")]
+    host = "127.0.0.1" if cluster.memory is None else "p0"
+    assert kick == (
+        f"kicking connection 1 from {host}: malformed input: the other side speaks the "
+        "run-secret handshake, and this side has no run secret: give both sides the same "
+        "secret, or neither"
+    ), kick
+    cluster.master_scope.cancel()
+
+
+async def test_a_refused_handshake_is_logged_with_the_address(
+    secured: Cluster, clock: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "pccl_trio.master")
+    with trio.fail_after(60):
+        stranger = with_config(secured, "stranger", run_secret=None)
+        with pytest.raises(pccl.MasterConnectionError):
+            await stranger.connect()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("closing a connection")]
+    host = "127.0.0.1" if secured.memory is None else "stranger"
+    assert line.startswith(f"closing a connection from {host}: no run-secret handshake: "), line
+    assert "()" not in line, line
 
 
 async def raw(cluster: Cluster, host: str, address: tuple[str, int]) -> trio.abc.Stream:
