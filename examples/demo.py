@@ -47,6 +47,11 @@ class Peer:
                 self.on_record(json.loads(line))
         self.changed.set()
 
+    @property
+    def who(self) -> str:
+        """How the narration names it: its peer id once it joined the run."""
+        return self.name if self.peer_id is None else f"peer {self.peer_id}"
+
     def on_record(self, record: dict[str, object]) -> None:
         event = record["event"]
         if event == "joined":
@@ -55,22 +60,22 @@ class Peer:
         elif event == "synced":
             rx, tx = int(record["rx"]), int(record["tx"])  # type: ignore[call-overload]
             what = f"received {rx} bytes of shared state" if rx else f"sent {tx} bytes of shared state"
-            say(self.name, f"{what} at step {record['step']} (world {record['world']})")
+            say(self.who, f"{what} at step {record['step']} (world {record['world']})")
         elif event == "step":
             step, world = int(record["step"]), int(record["world"])  # type: ignore[call-overload]
             self.hashes[step] = str(record["weights"])
             if world != self.world or step % 20 == 0:
-                say(self.name, f"step {step:4d}  world {world}  loss {record['loss']:.4f}  "
+                say(self.who, f"step {step:4d}  world {world}  loss {record['loss']:.4f}  "
                                f"weights {record['weights']}")
             self.step, self.world = step, world
         elif event == "optimized" and record["ring"] and record["ring"][0] == self.peer_id:
-            say(self.name, f"optimize_topology: ring {record['ring']}, predicted "
+            say(self.who, f"optimize_topology: ring {record['ring']}, predicted "
                            f"{record['predicted_ms']} ms per gradient all-reduce")
         elif event == "aborted":
-            say(self.name, f"step {record['step']} aborted for every peer, retrying: "
-                           f"{record['reason']}...")
+            say(self.who, f"step {record['step']} aborted for every peer, retrying: "
+                          f"{record['reason']}")
         elif event == "error":
-            say(self.name, f"{record['kind']}: {record['message']}")
+            say(self.who, f"{record['kind']}: {record['message']}")
         self.changed.set()
         self.changed = trio.Event()
 
@@ -115,7 +120,7 @@ async def main() -> None:
 
         try:
             with trio.fail_after(60):
-                first = [await spawn(f"peer-{i}", i) for i in range(3)]
+                first = [await spawn(f"proc-{i}", i) for i in range(3)]
                 for peer in first:
                     await peer.wait_until(lambda p: p.world == 3 and p.step >= 30)
                 victim = first[1]
@@ -130,7 +135,7 @@ async def main() -> None:
                 for peer in [*survivors, late]:
                     await peer.wait_until(lambda p: p.world == 3)
                 joined_at = late.step
-                say("demo", f"{late.name} was admitted and took the run's weights at step "
+                say("demo", f"{late.who} was admitted and took the run's weights at step "
                             f"{joined_at} from the shared-state sync")
                 for peer in [*survivors, late]:
                     await peer.wait_until(lambda p: p.step >= joined_at + 30)
@@ -147,7 +152,7 @@ async def main() -> None:
     digests = {p.hashes[common] for p in final}
     say("demo", f"master exited with code {code}")
     say("demo", "weights at step " + str(common) + ": "
-        + ", ".join(f"{p.name} {p.hashes[common]}" for p in final))
+        + ", ".join(f"{p.who} {p.hashes[common]}" for p in final))
     if code != 0 or len(digests) != 1:
         raise SystemExit("demo failed: the peers did not end bit-identical")
     say("demo", "all peers hold bit-identical weights: done")

@@ -58,18 +58,19 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import torch
 import trio
-from torch import nn
 
 import pccl_trio as pccl
 
+if TYPE_CHECKING:  # torch is imported where it is used: the launcher never needs it
+    import torch
+    from torch import nn
+
 TEST_FRACTION = 0.2
-T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------------
@@ -87,6 +88,7 @@ class Data:
 def load_data(seed: int) -> Data:
     """scikit-learn's 8x8 digits (1797 images, in the wheel), scaled to [0, 1], shuffled
     by ``seed`` and split 80/20 into train and test."""
+    import torch
     from sklearn.datasets import load_digits  # imported here: only the trainer needs it
 
     digits = load_digits()
@@ -99,16 +101,23 @@ def load_data(seed: int) -> Data:
 
 
 def make_model(seed: int, hidden: int) -> nn.Module:
+    import torch
+    from torch import nn
+
     torch.manual_seed(seed)  # every peer starts from the same weights
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
 def flat_parameters(model: nn.Module) -> torch.Tensor:
+    import torch
+
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
 def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
     """Copy ``flat`` into the model's parameters (copies: the model never aliases it)."""
+    import torch
+
     offset = 0
     with torch.no_grad():
         for p in model.parameters():
@@ -118,6 +127,9 @@ def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """Mean cross-entropy and accuracy of ``model`` on ``(x, y)``."""
+    import torch
+    from torch import nn
+
     with torch.no_grad():
         logits = model(x)
         loss = nn.functional.cross_entropy(logits, y).item()
@@ -130,6 +142,9 @@ def inner_steps(
     steps: int, batch: int, generator: torch.Generator,
 ) -> float:
     """``steps`` AdamW steps on batches drawn from ``(x, y)``; the mean batch loss."""
+    import torch
+    from torch import nn
+
     total = 0.0
     for _ in range(steps):
         index = torch.randint(len(y), (batch,), generator=generator)
@@ -145,26 +160,32 @@ def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
 
 
-async def retrying(call: Callable[[], Awaitable[T]], retryable: type[pccl.PCCLError]) -> T:
-    """``call()`` again until it does not raise ``retryable`` (a membership call or a
-    sync that failed for the group: every peer retries the same call)."""
-    while True:
-        try:
-            return await call()
-        except retryable as exc:
-            emit(event="retry", error=type(exc).__name__, message=str(exc)[:200])
-
-
 # ---------------------------------------------------------------------------------------
 # One peer of a run
 
 
-async def train_peer(master: str, args: argparse.Namespace) -> None:
+@dataclass
+class Trainer:
+    """What one peer trains: its data, its local model and inner optimizer, the outer
+    model and momentum (the run's shared state) and the outer optimizer."""
+
+    data: Data
+    model: nn.Module
+    inner: torch.optim.Optimizer
+    outer: torch.Tensor
+    momentum: torch.Tensor
+    outer_optimizer: torch.optim.Optimizer
+    state: pccl.SharedState
+    quantization: pccl.QuantizationOptions | None
+
+
+def make_trainer(args: argparse.Namespace) -> Trainer:
+    import torch
+
     torch.set_num_threads(1)  # several peers share this machine's cores
     data = load_data(args.seed)
     model = make_model(args.seed, args.hidden)
     inner = torch.optim.AdamW(model.parameters(), lr=args.inner_lr)
-
     # The outer model: one flat tensor, its Nesterov momentum pre-allocated so that
     # SGD updates it in place (a buffer the shared state already points at).
     outer = flat_parameters(model).clone()
@@ -178,26 +199,52 @@ async def train_peer(master: str, args: argparse.Namespace) -> None:
                                   algorithm=pccl.QuantizationAlgorithm.MIN_MAX)
         if args.quantize else None
     )
+    return Trainer(data, model, inner, outer, momentum, outer_optimizer, state, quantization)
 
-    async with pccl.Communicator(master, 0, p2p_host="127.0.0.1") as comm:
-        assert comm.peer_id is not None
-        emit(event="joined", peer=comm.peer_id)
-        just_joined = True  # connect() ended in the others' update_topology
-        waiting = resync = False
-        pending: torch.Tensor | None = None  # a pseudo-gradient whose all-reduce aborted
-        inner_loss = math.nan
-        while state.revision < args.outer_steps:
+
+async def train_peer(master: str, args: argparse.Namespace) -> None:
+    """One peer, in the README's loop: a communicator per stay in the run; a peer
+    kicked after it stepped joins again as a newcomer (revision 0, so its first sync
+    brings the run's outer model)."""
+    emit(event="loading")  # importing torch and the data takes a few seconds
+    trainer = make_trainer(args)
+    while trainer.state.revision < args.outer_steps:
+        async with pccl.Communicator(master, 0, p2p_host="127.0.0.1") as comm:
+            emit(event="joined", peer=comm.peer_id)
+            await train_in_run(comm, trainer, args)
+            if trainer.state.revision >= args.outer_steps:
+                emit_finished(comm, trainer)
+
+
+async def train_in_run(comm: pccl.Communicator, trainer: Trainer, args: argparse.Namespace) -> None:
+    """Outer steps with one communicator; returns when this peer must join again.
+
+    The README's loop, with what DiLoCo changes: the run holds for company before
+    outer step 0 and at ``--hold-at`` (testing the revision after the sync, which
+    every peer shares), a peer alone otherwise takes the outer step on its own
+    pseudo-gradient (``TooFewPeers`` from the all-reduce), and an aborted all-reduce
+    is made again with the same pseudo-gradient, without redoing the inner steps.
+    """
+    state, outer = trainer.state, trainer.outer
+    me = comm.peer_id
+    assert me is not None  # connected
+    # connect() returned at the end of the others' update_topology: a joiner's first
+    # call is the optimize_topology they make next.
+    joined, resync, stepped, waiting = True, False, False, False
+    pending: torch.Tensor | None = None  # a pseudo-gradient whose all-reduce aborted
+    inner_loss = math.nan
+    while state.revision < args.outer_steps:
+        try:
             if not resync:
                 # Admit the peers waiting to join; while the run waits for company, the
                 # master holds the question until one asks (no polling).
-                if just_joined or await comm.are_peers_pending(wait=math.inf if waiting else 0):
-                    if not just_joined:
-                        await retrying(comm.update_topology, pccl.UpdateTopologyFailed)
-                    await retrying(comm.optimize_topology, pccl.TopologyOptimizationFailed)
-                just_joined = False
+                if joined or await comm.are_peers_pending(wait=math.inf if waiting else 0):
+                    if not joined:
+                        await comm.update_topology()
+                    joined = False
+                    await comm.optimize_topology()
             resync = False
-            synced = await retrying(lambda: comm.sync_shared_state(state),
-                                    pccl.SharedStateSyncFailed)
+            synced = await comm.sync_shared_state(state)
             if synced.rx_bytes:
                 emit(event="synced", peer=comm.peer_id, step=state.revision, rx=synced.rx_bytes)
                 pending = None  # the outer model changed under it
@@ -206,7 +253,11 @@ async def train_peer(master: str, args: argparse.Namespace) -> None:
             # Before the first outer step (and, in the demo, at --hold-at): wait for
             # company. The revision is the run's after the sync, so every peer takes
             # the same branch.
-            waiting = state.revision in (0, args.hold_at) and world < args.world
+            holding = state.revision in (0, args.hold_at) and world < args.world
+            if holding and not waiting:
+                emit(event="waiting", peer=comm.peer_id, step=state.revision, world=world,
+                     wanted=args.world)
+            waiting = holding
             if waiting:
                 continue
             if state.revision == args.stall_after:
@@ -215,48 +266,70 @@ async def train_peer(master: str, args: argparse.Namespace) -> None:
 
             if pending is None:
                 # Inner steps, off the event loop, on this peer's slice of the data.
-                rank = members.index(comm.peer_id)
-                shard = slice(rank, None, len(members))
-                generator = torch.Generator().manual_seed(
-                    args.seed * 1_000_003 + state.revision * 1009 + rank)
-                load_flat(model, outer)
-                inner_loss = await trio.to_thread.run_sync(
-                    inner_steps, model, inner, data.train_x[shard], data.train_y[shard],
-                    args.inner_steps, args.batch, generator)
-                pending = outer - flat_parameters(model)  # the pseudo-gradient
-
+                pending, inner_loss = await trio.to_thread.run_sync(
+                    local_round, trainer, args, state.revision, members.index(me),
+                    len(members),
+                )
             # The pseudo-gradient, averaged over the peers.
             try:
                 info = await comm.all_reduce(pending, op=pccl.ReduceOp.AVG,
-                                             quantization=quantization)
+                                             quantization=trainer.quantization)
                 world = info.world_size
-            except pccl.CollectiveAborted as exc:
-                # Aborted for every peer (a peer died, or one's sync failed): the step
-                # starts over at its sync, at the same revision, which moves nothing
-                # between peers that hold the same outer model; the pseudo-gradient,
-                # restored to its input, is all-reduced again without recomputing it.
-                emit(event="aborted", peer=comm.peer_id, step=state.revision,
-                     reason=str(exc)[:100])
-                resync = True
-                continue
             except pccl.TooFewPeers:
                 world = 1  # alone: its own pseudo-gradient is the average
+        except (pccl.CollectiveAborted, pccl.SharedStateSyncFailed) as exc:
+            # Aborted for every peer (a peer died, or one's sync failed), or this peer's
+            # sync failed: the step starts over at its sync, at the same revision,
+            # which moves nothing between peers that hold the same outer model; the
+            # pseudo-gradient, restored to its input, is all-reduced again.
+            emit(event="aborted", peer=comm.peer_id, step=state.revision, reason=str(exc))
+            resync = True
+            continue
+        except (pccl.UpdateTopologyFailed, pccl.TopologyOptimizationFailed) as exc:
+            emit(event="retry", peer=comm.peer_id, error=type(exc).__name__, message=str(exc))
+            continue  # every voter got the same verdict: the step starts over at the top
+        except pccl.Kicked as exc:
+            if not stepped:
+                raise  # kicked before any step: a mistake to fix (the reason names it)
+            emit(event="error", kind=type(exc).__name__, message=f"{exc}; joining again")
+            state.revision = 0  # a newcomer: its first sync brings the run's state
+            return
 
-            # The outer step, in place on the shared tensors; then the next revision.
-            outer.grad, pending = pending, None
-            outer_optimizer.step()
-            state.revision += 1
-            load_flat(model, outer)
-            loss, _ = evaluate(model, data.train_x, data.train_y)
-            emit(event="step", peer=comm.peer_id, step=state.revision, peers=sorted(comm.ring),
-                 world=world, inner_loss=round(inner_loss, 4), loss=round(loss, 4))
+        # The outer step, in place on the shared tensors; then the next revision.
+        outer.grad, pending = pending, None
+        trainer.outer_optimizer.step()
+        state.revision += 1
+        stepped = True
+        load_flat(trainer.model, outer)
+        loss, _ = evaluate(trainer.model, trainer.data.train_x, trainer.data.train_y)
+        emit(event="step", peer=comm.peer_id, step=state.revision, peers=sorted(comm.ring),
+             world=world, inner_loss=round(inner_loss, 4), loss=round(loss, 4))
 
-        test_loss, test_accuracy = evaluate(model, data.test_x, data.test_y)
-        digest = hashlib.sha256(outer.numpy().tobytes() + momentum.numpy().tobytes())
-        emit(event="finished", peer=comm.peer_id, step=state.revision,
-             loss=round(evaluate(model, data.train_x, data.train_y)[0], 4),
-             test_loss=round(test_loss, 4), test_accuracy=round(test_accuracy, 4),
-             digest=digest.hexdigest())
+
+def local_round(
+    trainer: Trainer, args: argparse.Namespace, revision: int, rank: int, ranks: int
+) -> tuple[torch.Tensor, float]:
+    """The inner steps of outer step ``revision`` on the slice of rank ``rank`` of
+    ``ranks``: the pseudo-gradient and the mean inner loss."""
+    import torch
+
+    data = trainer.data
+    shard = slice(rank, None, ranks)
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + revision * 1009 + rank)
+    load_flat(trainer.model, trainer.outer)
+    inner_loss = inner_steps(trainer.model, trainer.inner, data.train_x[shard],
+                             data.train_y[shard], args.inner_steps, args.batch, generator)
+    return trainer.outer - flat_parameters(trainer.model), inner_loss
+
+
+def emit_finished(comm: pccl.Communicator, trainer: Trainer) -> None:
+    data, model = trainer.data, trainer.model
+    test_loss, test_accuracy = evaluate(model, data.test_x, data.test_y)
+    digest = hashlib.sha256(trainer.outer.numpy().tobytes() + trainer.momentum.numpy().tobytes())
+    emit(event="finished", peer=comm.peer_id, step=trainer.state.revision,
+         loss=round(evaluate(model, data.train_x, data.train_y)[0], 4),
+         test_loss=round(test_loss, 4), test_accuracy=round(test_accuracy, 4),
+         digest=digest.hexdigest())
 
 
 async def run_peer(master: str, args: argparse.Namespace) -> None:
@@ -284,6 +357,8 @@ def train_single(args: argparse.Namespace) -> None:
     (outer x inner), each on ``world`` x ``batch`` samples, so the same samples as the
     whole DiLoCo run, and what synchronous data-parallel training (a gradient
     all-reduce every step) over ``world`` peers computes."""
+    import torch
+
     torch.set_num_threads(1)
     data = load_data(args.seed)
     model = make_model(args.seed, args.hidden)
@@ -338,6 +413,11 @@ class Peer:
         self.ended = True
         self.changed.set()
 
+    @property
+    def who(self) -> str:
+        """How the narration names it: its peer id once it joined the run."""
+        return self.name if self.peer_id is None else f"peer {self.peer_id}"
+
     def last(self, event: str) -> dict[str, Any] | None:
         return next((r for r in reversed(self.records) if r["event"] == event), None)
 
@@ -354,26 +434,34 @@ class Peer:
 
 
 def narrate(worlds: dict[int, int]) -> Callable[[Peer, dict[str, Any]], None]:
-    """Print what a peer's record says (each outer step once); note each step's world."""
+    """Print what a peer's record says (each outer step once); note each step's world.
+    A process is named by its launch label until it joined, then by its peer id."""
+    waits: set[int] = set()
 
     def on_record(peer: Peer, record: dict[str, Any]) -> None:
         event = record["event"]
-        if event == "joined":
+        if event == "loading":
+            say(peer.name, "importing torch and loading the data (a few seconds)")
+        elif event == "joined":
             say(peer.name, f"joined the run as peer {record['peer']}")
         elif event == "synced":
-            say(peer.name, f"received {record['rx']} bytes of shared state: the outer model "
-                           f"and momentum at outer step {record['step']}")
+            say(peer.who, f"received {record['rx']} bytes of shared state: the outer model "
+                          f"and momentum at outer step {record['step']}")
+        elif event == "waiting" and record["step"] not in waits:
+            waits.add(record["step"])
+            say("run", f"at outer step {record['step']} the run has {record['world']} of "
+                       f"{record['wanted']} peers: waiting for the others to join")
         elif event == "step" and record["step"] not in worlds:
             worlds[record["step"]] = record["world"]
             say("run", f"outer step {record['step']:>3}  peers {record['peers']}  "
                        f"loss {record['loss']:.4f}  (inner loss {record['inner_loss']:.4f})")
         elif event == "aborted":
-            say(peer.name, f"all-reduce of outer step {record['step'] + 1} aborted, "
-                           f"again after a sync: {record['reason']}")
+            say(peer.who, f"all-reduce of outer step {record['step'] + 1} aborted, "
+                          f"again after a sync: {record['reason']}")
         elif event == "stalled":
-            say(peer.name, f"stops after outer step {record['step']} (it is about to be killed)")
+            say(peer.who, f"stops after outer step {record['step']} (it is about to be killed)")
         elif event in ("error", "retry"):
-            say(peer.name, json.dumps(record))
+            say(peer.who, json.dumps(record))
 
     return on_record
 
@@ -421,9 +509,9 @@ async def launch(args: argparse.Namespace) -> int:
                 return peer
 
             with trio.fail_after(args.timeout):
-                churn = args.kill_at > 0  # kill peer-1 after --kill-at, then add a joiner
+                churn = args.kill_at > 0  # kill proc-1 after --kill-at, then add a joiner
                 first = [
-                    await spawn(f"peer-{i}", *(["--stall-after", str(args.kill_at)]
+                    await spawn(f"proc-{i}", *(["--stall-after", str(args.kill_at)]
                                                if churn and i == 1 else []))
                     for i in range(args.world)
                 ]
@@ -444,7 +532,7 @@ async def launch(args: argparse.Namespace) -> int:
         for peer in peers:
             record = peer.last("finished")
             if record is not None:
-                say(peer.name, f"finished at outer step {record['step']}: train loss "
+                say(peer.who, f"finished at outer step {record['step']}: train loss "
                                f"{record['loss']:.4f}, test loss {record['test_loss']:.4f}, test "
                                f"accuracy {record['test_accuracy']:.4f}, outer parameters and "
                                f"momentum sha256 {str(record['digest'])[:16]}")
@@ -481,23 +569,31 @@ async def launch(args: argparse.Namespace) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="DiLoCo on pccl_trio: with no mode flag, a whole demo on loopback "
-                    "(a master, peers, one killed, one joining).")
+                    "(a master, peers, one killed, one joining), ending with a RESULT line "
+                    "(docs/diloco.md).")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--peer", metavar="HOST:PORT", help="run one peer of the run at this master")
     mode.add_argument("--single", action="store_true",
                       help="train the same model with plain AdamW in one process, for comparison")
-    parser.add_argument("--outer-steps", type=int, default=30, help="outer steps of the run (T)")
-    parser.add_argument("--inner-steps", type=int, default=20, help="AdamW steps per outer step (H)")
-    parser.add_argument("--batch", type=int, default=32, help="samples per inner step and peer")
+    parser.add_argument("--outer-steps", type=int, default=30,
+                        help="outer steps of the run, T (default %(default)s)")
+    parser.add_argument("--inner-steps", type=int, default=20,
+                        help="AdamW steps per outer step, H (default %(default)s)")
+    parser.add_argument("--batch", type=int, default=32,
+                        help="samples per inner step and peer (default %(default)s)")
     parser.add_argument("--world", type=int, default=3,
                         help="peers the demo starts; a peer waits for this many before outer "
-                             "step 0; --single takes batches of world x batch")
+                             "step 0; --single takes batches of world x batch (default %(default)s)")
     parser.add_argument("--quantize", action="store_true",
                         help="all-reduce the pseudo-gradient as uint8 (min-max)")
-    parser.add_argument("--seed", type=int, default=0, help="data split, model init and batches")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP")
-    parser.add_argument("--inner-lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--outer-lr", type=float, default=0.7, help="outer Nesterov SGD learning rate")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="data split, model init and batches (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=64,
+                        help="hidden units of the MLP (default %(default)s)")
+    parser.add_argument("--inner-lr", type=float, default=1e-3,
+                        help="AdamW learning rate (default %(default)s)")
+    parser.add_argument("--outer-lr", type=float, default=0.7,
+                        help="outer Nesterov SGD learning rate (default %(default)s)")
     parser.add_argument("--kill-at", type=int, default=None,
                         help="demo: the outer step after which a peer is killed and a joiner "
                              "started (default T/3; 0: no kill, no joiner)")
@@ -505,7 +601,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="at this outer step the run waits until it has --world peers "
                              "(2T/3: the demo's joiner takes part for certain)")
     parser.add_argument("--stall-after", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=300.0, help="demo: give up after this many seconds")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="demo: give up after this many seconds (default %(default)s)")
     args = parser.parse_args(argv)
     for name in ("outer_steps", "inner_steps", "batch", "world", "hidden"):
         if getattr(args, name) < 1:

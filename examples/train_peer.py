@@ -104,7 +104,7 @@ async def train_in_run(
             loss, grad = loss_and_gradient(params, x, y)
             info = await comm.all_reduce(grad, op=pccl.ReduceOp.AVG, tag=0)
         except (pccl.CollectiveAborted, pccl.SharedStateSyncFailed) as exc:
-            emit(event="aborted", peer=comm.peer_id, step=int(step[0]), reason=str(exc)[:120])
+            emit(event="aborted", peer=comm.peer_id, step=int(step[0]), reason=str(exc))
             resync = True  # the step starts over at its sync, at the same revision
             continue
         except (pccl.TooFewPeers, pccl.UpdateTopologyFailed, pccl.TopologyOptimizationFailed):
