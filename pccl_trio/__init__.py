@@ -1,11 +1,24 @@
 """pccl_trio: fault-tolerant collective communications for training over ordinary networks.
 
-A master tracks who is in the run; peers join and leave at any moment. Use it as::
+A master tracks who is in the run; peers join and leave at any moment. A trainer
+connects, then at the same point of every step admits waiting peers, syncs its shared
+state and all-reduces its gradients::
 
     import pccl_trio as pccl
 
-    async with pccl.Communicator("127.0.0.1:48148") as comm:
-        await comm.update_topology()
+    async with pccl.Communicator("10.0.0.1:48148") as comm:
+        # connect() returned inside the others' update_topology: a joiner's first
+        # call is the optimize_topology they make next (the README's loop).
+        await comm.optimize_topology()
+        while training:
+            if await comm.are_peers_pending():
+                await comm.update_topology()
+                await comm.optimize_topology()
+            await comm.sync_shared_state(state)
+            await comm.all_reduce(gradients, op=pccl.ReduceOp.AVG)
+
+The README's loop adds what each error means; ``docs/troubleshooting.md`` says what
+to do about each.
 """
 
 from ._config import Config as Config
@@ -37,6 +50,7 @@ from .master import serve_master_tcp as serve_master_tcp
 from .peer import AsyncReduceHandle as AsyncReduceHandle
 from .peer import Communicator as Communicator
 from .peer import CommunicatorStatistics as CommunicatorStatistics
+from .peer import state_digest as state_digest
 from .transport import Network as Network
 from .transport import TcpNetwork as TcpNetwork
 from .transport import list_masters as list_masters

@@ -15,6 +15,7 @@ import trio
 
 from ._bench import parse_size
 from ._config import SECRET_ENVIRONMENT, Config, read_run_secret
+from ._core.messages import PROTOCOL_VERSION
 from ._identity import IdentityError, load_allowlist, load_identity, public_hex
 from ._logging import FORMATS, configure
 from .master import serve_master
@@ -303,8 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     commands = {"master": master_main, "identity": identity_main, "bench": bench_main,
                 "status": status_main}
+    if argv and argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"pccl-trio {__version__} (protocol {PROTOCOL_VERSION})")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: pccl-trio {master,status,identity,bench} [options]\n\n"
+        print("usage: pccl-trio {master,status,identity,bench} [options]\n"
+              "       pccl-trio --version\n\n"
               "commands:\n  master   run the master of a run (see pccl-trio master --help)\n"
               "  status   show a running master's view of its run (see pccl-trio status --help)\n"
               "  identity print this node's public identity key, creating the key file\n"

@@ -105,3 +105,16 @@ def test_bad_configuration_is_an_invalid_argument(monkeypatch: pytest.MonkeyPatc
 def test_a_malformed_master_address_is_explained(address: str, says: str) -> None:
     with pytest.raises(pccl.InvalidArgument, match=f"expected 'host:port'.*{says}|{says}"):
         pccl.Communicator(address)
+
+
+def test_the_version_is_the_package_metadata_and_the_cli_prints_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from importlib.metadata import version
+
+    from pccl_trio._cli import main
+    from pccl_trio._core.messages import PROTOCOL_VERSION
+
+    assert pccl.__version__ == version("pccl_trio")
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"pccl-trio {pccl.__version__} (protocol {PROTOCOL_VERSION})\n"

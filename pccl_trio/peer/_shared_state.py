@@ -88,6 +88,7 @@ __all__ = [
     "Serving",
     "Tensor",
     "prepare_state",
+    "state_digest",
     "request_pieces",
     "serve_requests",
 ]
@@ -213,6 +214,28 @@ def prepare_state(state: object) -> list[Tensor]:
             )
         )
     return tensors
+
+
+def state_digest(state: object) -> str:
+    """A hex BLAKE2b-256 digest of what a sync keeps identical in ``state``: each
+    tensor's name, dtype and size, then its bytes, in order, leaving out the tensors
+    with ``allow_content_inequality``. Peers holding the same state get the same
+    digest (whatever memory the tensors live in); the revision is not part of it.
+
+    It reads every byte (a GPU tensor is copied to the host piece by piece): a
+    fraction of a second per GiB on a host, more from a GPU. Log it now and then on
+    every peer to check that the weights agree.
+
+    Raises:
+        InvalidArgument: ``state`` is not a valid ``SharedState``.
+    """
+    outer = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    for tensor in prepare_state(state):
+        if tensor.allow_content_inequality:
+            continue
+        outer.update(f"{tensor.key}\0{tensor.array.dtype.str}\0{tensor.nbytes}\0".encode())
+        outer.update(tensor.content_digest())
+    return outer.hexdigest()
 
 
 # --- serving ---------------------------------------------------------------------------

@@ -252,3 +252,25 @@ def test_an_observer_without_an_allowed_identity_gets_nothing() -> None:
     assert [type(m) for m in sent] == [Kick] and "identit" in sent[0].reason  # type: ignore[attr-defined]
     assert any(isinstance(a, Close) for a in actions)
     assert core.status().counts == ()  # an observer refused is not a kick of the run
+
+
+def test_the_json_fields_are_documented_every_one() -> None:
+    """``docs/observability.md`` lists every field of the reply, and of each record in
+    its lists, exactly."""
+    import dataclasses as dc
+    import pathlib
+    import re
+
+    from pccl_trio._core import status
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "observability.md").read_text()
+    table = text.split("| field | holds |", 1)[1].split("\n\n", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| (.*) \|$", table, re.M)}
+    assert set(rows) == {f.name for f in dc.fields(StatusReply)}
+    records = {"tallies": status.PeerTally, "peers": status.PeerStatus, "groups": status.GroupStatus,
+               "waiting": status.WaitStatus, "collectives": status.CollectiveStatus,
+               "kicks": status.KickStatus, "counts": status.RunCount}
+    for name, kind in records.items():
+        listed = re.match(r"`\{([^}]*)\}`", rows[name])
+        assert listed is not None, rows[name]
+        assert listed.group(1).split(", ") == [f.name for f in dc.fields(kind)], name
