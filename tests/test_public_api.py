@@ -118,3 +118,17 @@ def test_the_version_is_the_package_metadata_and_the_cli_prints_it(
     assert pccl.__version__ == version("pccl_trio")
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"pccl-trio {pccl.__version__} (protocol {PROTOCOL_VERSION})\n"
+
+
+def test_the_troubleshooting_table_has_a_row_for_every_error_class() -> None:
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "troubleshooting.md").read_text()
+    rows = set(re.findall(r"^\| `(\w+)`", text.split("## Errors", 1)[1].split("\n## ", 1)[0], re.M))
+    errors = {
+        name for name in dir(pccl)
+        if isinstance(getattr(pccl, name), type) and issubclass(getattr(pccl, name), pccl.PCCLError)
+    }
+    assert errors == set(ERRORS) | {"PCCLError"}
+    assert rows == errors, rows ^ errors
