@@ -71,6 +71,9 @@ class Peer:
         elif event == "optimized" and record["ring"] and record["ring"][0] == self.peer_id:
             say(self.who, f"optimize_topology: ring {record['ring']}, predicted "
                            f"{record['predicted_ms']} ms per gradient all-reduce")
+        elif event == "waiting":
+            say(self.who, f"alone in the run at step {record['step']}: waiting for a peer to "
+                          "join (the master answers when one asks)")
         elif event == "aborted":
             say(self.who, f"step {record['step']} aborted for every peer, retrying: "
                           f"{record['reason']}")

@@ -81,6 +81,8 @@ async def train_in_run(
         try:
             if not resync:
                 alone = world(comm) < 2
+                if alone and not joined:
+                    emit(event="waiting", peer=comm.peer_id, step=int(step[0]))
                 # Alone: the master answers once a peer asks to join (no polling).
                 if joined or await comm.are_peers_pending(wait=math.inf if alone else 0):
                     if not joined:
