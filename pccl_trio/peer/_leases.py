@@ -115,9 +115,7 @@ class Leases:
         # Leases forgotten with attempts started under them, until the master's verdict
         # after hearing how far this peer got (by tag).
         self._forgotten: dict[int, Lease] = {}
-        self._flushed = trio.lowlevel.ParkingLot()  # woken when ``_due`` is empty
-        self._due: list[Lease | Message] = []  # for the master, in order
-        self._flushing = False
+        self._reports = _Reports(context)
         self._watching = False
         self._watch_lot = trio.lowlevel.ParkingLot()
         self._session.route(LeaseEnd, self._on_end)
@@ -184,10 +182,10 @@ class Leases:
         if lease is None:
             return
         if lease.told is _Told.RUNNING:
-            self._tell(lease)
+            self._reports.tell(lease)
         elif not attempt.complete and lease.told is _Told.NOTHING:
             self._close(lease)
-            self._tell(lease)
+            self._reports.tell(lease)
 
     def unsure(self, attempt: RingAttempt, why: str) -> None:
         """``attempt``'s part is complete, but it cannot learn (or tell) whether every
@@ -197,7 +195,7 @@ class Leases:
             log.info("peer %s: tag %d attempt %d: %s; asking the master",
                      self._session.peer_id, attempt.tag, attempt.seq, why)
             self._close(lease)
-            self._tell(lease)
+            self._reports.tell(lease)
 
     def ended(self, attempt: RingAttempt) -> None:
         """``attempt`` is over here (its caller has its outcome)."""
@@ -226,13 +224,13 @@ class Leases:
         lease = self._held(message.tag, message.lease)
         if lease is None:
             # Not one this peer holds: it started nothing under it.
-            self._queue(self._report_of(None, message.tag, message.lease))
+            self._reports.tell(_report_of(None, message.tag, message.lease))
             return
         log.info("peer %s: the lease on tag %d ends: %s", self._session.peer_id, message.tag,
                  message.reason)
         self._close(lease)
         if lease.told is _Told.NOTHING:
-            self._tell(lease)
+            self._reports.tell(lease)
 
     def _on_verdict(self, verdict: CollectiveVerdict) -> bool:
         """A verdict about an attempt under a lease goes to that attempt; one about an
@@ -265,13 +263,13 @@ class Leases:
     def _on_back(self) -> None:
         """A master took this peer back: it knows no lease. Those with an attempt in
         flight are reported to it; the others answer when it asks."""
-        self._due.clear()  # all of it was for the master that was lost
+        self._reports.clear()  # all of it was for the master that was lost
         self._forgotten.clear()  # the new master never asks about them
         for lease in self._by_tag.values():
             self._close(lease)
             lease.told = _Told.NOTHING
             if lease.attempt is not None:
-                self._tell(lease)
+                self._reports.tell(lease)
 
     # --- telling the master ------------------------------------------------------------
 
@@ -297,92 +295,11 @@ class Leases:
         for lease in [*self._by_tag.values(), *self._forgotten.values()]:
             if lease.next > lease.first and lease.told is _Told.NOTHING:
                 self._close(lease)
-                self._tell(lease)
+                self._reports.tell(lease)
         # Shielded and bounded: a healthy link takes it at once, and a closing peer
         # must not wait long for a master that does not read.
         with trio.CancelScope(shield=True), trio.move_on_after(self._config.connect_timeout):
-            while self._flushing:
-                await self._flushed.park()
-
-    def _tell(self, lease: Lease) -> None:
-        """The master must hear about ``lease`` (what, is decided when it is sent)."""
-        self._queue(lease)
-
-    def _queue(self, item: Lease | Message) -> None:
-        self._due.append(item)
-        if not self._flushing:
-            self._flushing = True
-            self._life.spawn(self._flush)
-
-    async def _flush(self) -> None:
-        try:
-            while self._due:
-                item = self._due.pop(0)
-                message = self._message(item) if isinstance(item, Lease) else item
-                if message is None:
-                    continue
-                try:
-                    await self._session.send(message)
-                except MasterLost:
-                    continue  # the master that comes back hears it again (``_on_back``)
-        except PCCLError:
-            return  # the run is over for this peer
-        finally:
-            self._flushing = False
-            self._flushed.unpark_all()
-
-    def _message(self, lease: Lease) -> Message | None:
-        """What the master must hear about ``lease`` now (None: nothing new)."""
-        if lease.told is _Told.NOTHING:
-            report = self._report_of(lease, lease.tag, lease.first)
-            lease.told = _Told.RUNNING if report.state == LeaseState.RUNNING else _Told.FINAL
-            agreement = lease.attempt.agreement if lease.attempt is not None else None
-            if lease.told is _Told.RUNNING and agreement is not None:
-                # Its CollectiveComplete is due when the part ends, agreed or not.
-                agreement.wake_on_completion()
-            return report
-        if lease.told is _Told.RUNNING:
-            state = self._state(lease)
-            if state != LeaseState.RUNNING:
-                lease.told = _Told.FINAL
-                attempt = lease.attempt
-                return CollectiveComplete(
-                    tag=lease.tag, seq=lease.next - 1, aborted=state == LeaseState.FAILED,
-                    invalid=bounded(attempt.invalid or "") if attempt is not None else "",
-                )
-        return None
-
-    @staticmethod
-    def _state(lease: Lease) -> LeaseState:
-        """Where the last attempt started under ``lease`` is (NONE: none was)."""
-        if lease.next == lease.first:
-            return LeaseState.NONE
-        attempt = lease.attempt
-        if attempt is None:
-            return lease.ended
-        if attempt.complete:
-            return LeaseState.COMPLETE
-        if attempt.failure is not None or not attempt.live:
-            return LeaseState.FAILED
-        return LeaseState.RUNNING
-
-    def _report_of(self, lease: Lease | None, tag: int, first: int) -> LeaseReport:
-        vote = lease.vote if lease is not None else None
-        state = LeaseState.NONE if lease is None else self._state(lease)
-        attempt = lease.attempt if lease is not None else None
-        invalid = attempt.invalid if attempt is not None and state == LeaseState.FAILED else None
-        return LeaseReport(
-            tag=tag, lease=first,
-            seq=0 if state == LeaseState.NONE or lease is None else lease.next - 1,
-            state=state,
-            count=vote.count if vote else 0, dtype=vote.dtype if vote else 0,
-            op=vote.op if vote else 0,
-            quantized_dtype=vote.quantized_dtype if vote else 0,
-            quantization=vote.quantization if vote else 0,
-            distribution_hint=vote.distribution_hint if vote else 0,
-            slice_bytes=vote.slice_bytes if vote else 0,
-            invalid=bounded(invalid or ""),
-        )
+            await self._reports.sent()
 
     # --- attempts that run long ---------------------------------------------------------
 
@@ -403,10 +320,114 @@ class Leases:
                         self._session.liveness_timeout,
                     )
                     self._close(lease)
-                    self._tell(lease)
+                    self._reports.tell(lease)
                 else:
                     soonest = min(soonest, lease.report_at)
             if math.isinf(soonest):
                 await self._watch_lot.park()
             else:
                 await trio.sleep_until(soonest)
+
+
+class _Reports:
+    """What this peer must tell the master about its leases, in one queue sent in order
+    by one task (``_flush``), each message made when it is sent, from the state at that
+    moment (see the module docstring)."""
+
+    def __init__(self, context: PeerContext) -> None:
+        self._life = context.lifecycle
+        self._session = context.session
+        self._due: list[Lease | Message] = []  # for the master, in order
+        self._flushing = False
+        self._flushed = trio.lowlevel.ParkingLot()  # woken when ``_due`` is empty
+
+    def tell(self, item: Lease | Message) -> None:
+        """The master must hear ``item``: a message, or about a lease (what, is decided
+        when it is sent)."""
+        self._due.append(item)
+        if not self._flushing:
+            self._flushing = True
+            self._life.spawn(self._flush)
+
+    def clear(self) -> None:
+        """Drop what is queued (for a master that was lost)."""
+        self._due.clear()
+
+    async def sent(self) -> None:
+        """Return once everything queued went out (or could not)."""
+        while self._flushing:
+            await self._flushed.park()
+
+    async def _flush(self) -> None:
+        try:
+            while self._due:
+                item = self._due.pop(0)
+                message = _message(item) if isinstance(item, Lease) else item
+                if message is None:
+                    continue
+                try:
+                    await self._session.send(message)
+                except MasterLost:
+                    continue  # the master that comes back hears it again (``_on_back``)
+        except PCCLError:
+            return  # the run is over for this peer
+        finally:
+            self._flushing = False
+            self._flushed.unpark_all()
+
+
+def _message(lease: Lease) -> Message | None:
+    """What the master must hear about ``lease`` now (None: nothing new)."""
+    if lease.told is _Told.NOTHING:
+        report = _report_of(lease, lease.tag, lease.first)
+        lease.told = _Told.RUNNING if report.state == LeaseState.RUNNING else _Told.FINAL
+        agreement = lease.attempt.agreement if lease.attempt is not None else None
+        if lease.told is _Told.RUNNING and agreement is not None:
+            # Its CollectiveComplete is due when the part ends, agreed or not.
+            agreement.wake_on_completion()
+        return report
+    if lease.told is _Told.RUNNING:
+        state = _state(lease)
+        if state != LeaseState.RUNNING:
+            lease.told = _Told.FINAL
+            attempt = lease.attempt
+            return CollectiveComplete(
+                tag=lease.tag, seq=lease.next - 1, aborted=state == LeaseState.FAILED,
+                invalid=bounded(attempt.invalid or "") if attempt is not None else "",
+            )
+    return None
+
+
+def _state(lease: Lease) -> LeaseState:
+    """Where the last attempt started under ``lease`` is (NONE: none was)."""
+    if lease.next == lease.first:
+        return LeaseState.NONE
+    attempt = lease.attempt
+    if attempt is None:
+        return lease.ended
+    if attempt.complete:
+        return LeaseState.COMPLETE
+    if attempt.failure is not None or not attempt.live:
+        return LeaseState.FAILED
+    return LeaseState.RUNNING
+
+
+def _report_of(lease: Lease | None, tag: int, first: int) -> LeaseReport:
+    """This peer's ``LeaseReport`` on the lease on ``tag`` numbered from ``first``
+    (``lease`` None: one it does not hold, so it started nothing under it)."""
+    vote = lease.vote if lease is not None else None
+    state = LeaseState.NONE if lease is None else _state(lease)
+    attempt = lease.attempt if lease is not None else None
+    invalid = attempt.invalid if attempt is not None and state == LeaseState.FAILED else None
+    return LeaseReport(
+        tag=tag, lease=first,
+        seq=0 if state == LeaseState.NONE or lease is None else lease.next - 1,
+        state=state,
+        count=vote.count if vote else 0, dtype=vote.dtype if vote else 0,
+        op=vote.op if vote else 0,
+        quantized_dtype=vote.quantized_dtype if vote else 0,
+        quantization=vote.quantization if vote else 0,
+        distribution_hint=vote.distribution_hint if vote else 0,
+        slice_bytes=vote.slice_bytes if vote else 0,
+        invalid=bounded(invalid or ""),
+    )
