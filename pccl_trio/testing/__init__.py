@@ -1,5 +1,6 @@
 """Public test helpers: an in-memory network with failure hooks, the test seam of a
-communicator (``PeerSeam``), and a strict stand-in for cupy (``StrictDevice``).
+communicator (``PeerSeam``), a strict stand-in for cupy (``StrictDevice``), and a WAN
+emulator of network namespaces joined by a delay line (``Wan``, root only).
 
 Not imported by ``import pccl_trio``; import it explicitly::
 
@@ -16,3 +17,7 @@ from ._memory import MemoryHost as MemoryHost
 from ._memory import MemoryListener as MemoryListener
 from ._memory import MemoryNetwork as MemoryNetwork
 from ._memory import MemoryStream as MemoryStream
+from ._wan import Wan as Wan
+from ._wan import WanPlan as WanPlan
+from ._wan import two_continents as two_continents
+from ._wan import wan_available as wan_available
