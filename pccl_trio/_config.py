@@ -44,7 +44,10 @@ class Config:
         establish_attempts: how many failed p2p establishment rounds ``update_topology``
             rides out internally before raising ``UpdateTopologyFailed``.
         p2p_connection_pool_size: TCP connections per ring neighbour when the
-            communicator is asked for "a good default" (0).
+            communicator is asked for "a good default" (0). 0 here too (the default):
+            each pool sized to its path, from the round trip its first connection's
+            handshake took (one connection on a LAN, up to 16 over a long fat link:
+            ``peer/_p2p.py``); 1 to 1024: exactly that many.
         slice_bytes: payload of one all-reduce data frame (and the span of one
             quantized block); a slice is forwarded as soon as it arrived. Each frame
             costs the data path a fixed amount of work, so smaller slices cost more
@@ -162,7 +165,7 @@ class Config:
     max_control_frame: int = 1 << 20
     max_data_frame: int = (64 << 20) + 64
     establish_attempts: int = 5
-    p2p_connection_pool_size: int = 1
+    p2p_connection_pool_size: int = 0
     slice_bytes: int = 4 << 20
     bucket_bytes: int = 25 << 20
     threaded_data_path: bool = True
@@ -239,10 +242,11 @@ class Config:
             if not (isinstance(value, int) and value >= 1):
                 raise InvalidArgument(f"Config.{name} must be a positive integer, got {value!r}")
         if not (isinstance(self.p2p_connection_pool_size, int)
-                and 1 <= self.p2p_connection_pool_size <= MAX_POOL_SIZE):
+                and not isinstance(self.p2p_connection_pool_size, bool)
+                and 0 <= self.p2p_connection_pool_size <= MAX_POOL_SIZE):
             raise InvalidArgument(
-                f"Config.p2p_connection_pool_size must be an integer from 1 to {MAX_POOL_SIZE}, "
-                f"got {self.p2p_connection_pool_size!r}"
+                f"Config.p2p_connection_pool_size must be an integer from 0 (sized to each "
+                f"path) to {MAX_POOL_SIZE}, got {self.p2p_connection_pool_size!r}"
             )
         if not (isinstance(self.bucket_bytes, int) and not isinstance(self.bucket_bytes, bool)
                 and self.bucket_bytes >= 0):

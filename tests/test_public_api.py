@@ -81,7 +81,10 @@ def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError, match="heartbeat_interval"):
         pccl.Config(heartbeat_interval=-1.0)
     with pytest.raises(ValueError, match="pool_size"):
-        pccl.Config(p2p_connection_pool_size=0)
+        pccl.Config(p2p_connection_pool_size=-1)
+    with pytest.raises(ValueError, match="pool_size"):
+        pccl.Config(p2p_connection_pool_size=True)
+    assert pccl.Config().p2p_connection_pool_size == 0  # sized to each path
 
 
 def test_bad_configuration_is_an_invalid_argument(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -407,7 +407,7 @@ class Communicator:
         try:
             await self._session.open(
                 peer_group=self._peer_group, p2p_port=p2p_port,
-                advertised_host=self._advertised_host, pool_size=self._p2p.pool_size,
+                advertised_host=self._advertised_host, pool_size=self._p2p.registered_pool_size,
                 probing=targets is not None,
             )
         except MasterConnectionError:

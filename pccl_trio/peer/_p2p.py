@@ -15,7 +15,14 @@ With a run secret, the run-secret handshake comes before the first frame, within
 frame's kind; a connection that fails it is closed without a word.
 
 The ring's connections are *pools*: ``pool_size`` connections to the next peer of the
-ring (tx), and as many from the previous one (rx), each named by its slot. A data
+ring (tx), and as many from the previous one (rx), each named by its slot. With
+``pool_size`` 0 each pool is sized to its path: one TCP connection carries at most
+its send buffer in flight, so a long fat path needs several to be filled. The pool's
+first connection times its TCP handshake, which is one round trip, and ``pool_for``
+turns that into a count: enough connections that their buffers hold what
+``POOL_TARGET_RATE`` keeps in flight over that round trip, at most ``POOL_MOST``. On a
+LAN or loopback that is one; over 100 ms it is 8. The peer registers ``POOL_MOST`` as
+its pool size then, so that its successor admits every slot it may open. A data
 connection is admitted (``_admit``) only from a predecessor the master named (a round's
 ``P2PInfo``, which may reach this peer a moment after it reached the connecting one),
 from the host the master knows it at, into a slot below the pool size it registered
@@ -43,6 +50,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import typing
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -68,6 +76,7 @@ from .._core.messages import (
 from .._core.ring import neighbours
 from .._core.wire import Admission
 from ..transport import (
+    SOCKET_BUFFER_BYTES,
     Arrived,
     Connection,
     Credential,
@@ -87,7 +96,21 @@ from ._lifecycle import Lifecycle
 from ._protocol import Protocol, run_protocol
 from ._session import MasterSession
 
-__all__ = ["LINK_ERRORS", "P2PConnections", "claim_refusal"]
+__all__ = ["LINK_ERRORS", "POOL_MOST", "POOL_TARGET_RATE", "P2PConnections", "claim_refusal", "pool_for"]
+
+#: The most connections a pool sized to its path opens.
+POOL_MOST = 16
+#: The rate, in bytes per second, a pool sized to its path is meant to carry.
+POOL_TARGET_RATE = 2.5e9 / 8
+
+
+def pool_for(round_trip: float, *, window: int = SOCKET_BUFFER_BYTES) -> int:
+    """The connections of a pool sized to a path of ``round_trip`` seconds, each of
+    which keeps at most ``window`` bytes in flight (see the module docstring)."""
+    if not round_trip > 0:
+        return 1
+    needed = POOL_TARGET_RATE * round_trip / window
+    return POOL_MOST if needed >= POOL_MOST else max(1, math.ceil(needed))
 
 log = logging.getLogger("pccl_trio.peer")
 
@@ -120,11 +143,12 @@ class _Pool:
 
     peer_id: int
     slots: dict[int, Connection] = dataclasses.field(default_factory=dict)
+    size: int = 0  # the connections it was opened with (tx)
 
-    def healthy(self, size: int) -> bool:
-        """All ``size`` connections open at both ends (we never read a tx connection,
-        so a remote close shows only as an end of stream waiting there)."""
-        return len(self.slots) == size and not any(
+    def healthy(self) -> bool:
+        """All its connections open at both ends (we never read a tx connection, so a
+        remote close shows only as an end of stream waiting there)."""
+        return len(self.slots) == self.size and not any(
             s.closed or s.closed_by_peer() for s in self.slots.values()
         )
 
@@ -182,7 +206,10 @@ class P2PConnections:
         self._network = network
         self._life = lifecycle
         self._session = session
+        #: Connections per ring neighbour; 0: each pool sized to its path.
         self.pool_size = pool_size
+        # The last TCP handshake's time to each peer: one round trip.
+        self._round_trips: dict[int, float] = {}
         self._listener: trio.abc.Listener[Any] | None = None
         self._handlers: dict[type[Message], Callable[[FramedStream, Any], Awaitable[None]]] = {}
         self._tx: dict[int, _Pool] = {}
@@ -347,7 +374,7 @@ class P2PConnections:
         to or from peers that are no longer neighbours; the peers that could not be
         reached."""
         reopen = successor is not None and not (
-            successor in self._tx and self._tx[successor].healthy(self.pool_size)
+            successor in self._tx and self._tx[successor].healthy()
         )
         stale_tx = [p for p in self._tx if p != successor]
         stale_rx = [p for p in self._rx if p != predecessor]
@@ -382,8 +409,14 @@ class P2PConnections:
         connections = [s for _, s in sorted(pool.slots.items())] if pool else []
         return [c for c in connections if not c.closed]
 
+    @property
+    def registered_pool_size(self) -> int:
+        """The pool size this peer registers: its successor admits slots below it."""
+        return self.pool_size or POOL_MOST
+
     async def _open_pool(self, endpoint: PeerEndpoint) -> bool:
-        """Open ``pool_size`` connections to ``endpoint``; False if any failed."""
+        """Open a pool to ``endpoint`` (``pool_size`` connections, or as many as its
+        path needs: ``pool_for``); False if any failed."""
         pool = _Pool(peer_id=endpoint.peer_id)
         ok = True
 
@@ -411,9 +444,22 @@ class P2PConnections:
                 if framed is not None:
                     await framed.aclose()
 
-        async with trio.open_nursery() as nursery:
-            for slot in range(self.pool_size):
-                nursery.start_soon(open_slot, slot)
+        pool.size = self.pool_size
+        first = 0
+        if not pool.size:
+            await open_slot(0)  # its handshake times the path's round trip
+            pool.size = pool_for(self._round_trips.get(endpoint.peer_id, 0.0))
+            first = 1
+            if pool.size > 1:
+                log.info(
+                    "peer %s: %d connections to peer %d (round trip %.1f ms)",
+                    self._session.peer_id, pool.size, endpoint.peer_id,
+                    self._round_trips[endpoint.peer_id] * 1e3,
+                )
+        if ok:
+            async with trio.open_nursery() as nursery:
+                for slot in range(first, pool.size):
+                    nursery.start_soon(open_slot, slot)
         if not ok:
             await pool.aclose()
             return False
@@ -460,7 +506,9 @@ class P2PConnections:
             RemoteProtocolError: it did not prove the identity the master named.
         """
         with trio.fail_after(self._config.connect_timeout):
+            started = trio.current_time()
             stream = await self._network.connect(endpoint.host, endpoint.port)
+            self._round_trips[endpoint.peer_id] = trio.current_time() - started
             if self._credential is None:
                 return self.framed(stream)
             try:

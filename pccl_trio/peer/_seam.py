@@ -95,7 +95,7 @@ class PeerSeam:
         assert peer_id is not None, "the communicator is not registered yet"
         host, port = self.p2p_address
         return PeerEndpoint(
-            peer_id=peer_id, host=host, port=port, pool_size=self._comm._p2p.pool_size,
+            peer_id=peer_id, host=host, port=port, pool_size=self._comm._p2p.registered_pool_size,
             identity=self.identity,
         )
 

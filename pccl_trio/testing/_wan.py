@@ -73,6 +73,9 @@ class WanPlan:
         queue_seconds: the token bucket's queue, in seconds at ``rate``.
         mtu: the devices' MTU (at most 65535).
         seed: for loss and jitter.
+        sysctls: kernel settings of every host's namespace (``{"net.ipv4.tcp_slow_start
+            _after_idle": "0"}``), for experiments; by default each host has the
+            machine's.
     """
 
     hosts: int
@@ -85,6 +88,7 @@ class WanPlan:
     queue_seconds: float = 0.02
     mtu: int = 65000
     seed: int = 0
+    sysctls: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 2 <= self.hosts <= 250:
@@ -179,6 +183,8 @@ class Wan:
         self._in(name, "ip", "link", "set", device, "name", "w0")
         self._in(name, "ip", "link", "set", "w0", "mtu", str(self.plan.mtu), "up")
         self._in(name, "ip", "addr", "add", f"{self.address(host)}/24", "dev", "w0")
+        for key, value in self.plan.sysctls.items():
+            self._in(name, "sysctl", "-q", "-w", f"{key}={value}")
         if self.plan.rate is not None:
             rate = _bits_per_second(self.plan.rate)
             burst = max(2 * self.plan.mtu, int(rate / 8 * 0.001))

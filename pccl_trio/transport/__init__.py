@@ -26,6 +26,7 @@ from ._exposure import listen_host as listen_host
 from ._framed import Connection as Connection
 from ._framed import FramedStream as FramedStream
 from ._keepalive import keep_alive as keep_alive
+from ._network import SOCKET_BUFFER_BYTES as SOCKET_BUFFER_BYTES
 from ._network import DiscoveringNetwork as DiscoveringNetwork
 from ._network import InMemoryStream as InMemoryStream
 from ._network import Network as Network
