@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 
 import numpy
 import pytest
@@ -214,3 +215,25 @@ def test_the_exact_solver_stops_when_told() -> None:
     assert polls == [1] and not stopped.optimal
     assert stopped == ring_of(cost, list(range(11, -1, -1)))
     assert solve_exact(cost, should_stop=lambda: False) == solve_exact(cost)
+
+
+def crossings(ring: Sequence[int], continent: Sequence[int]) -> int:
+    return sum(continent[a] != continent[b] for a, b in zip(ring, [*ring[1:], ring[0]], strict=True))
+
+
+@pytest.mark.parametrize("solver", ["exact", "heuristic"])
+@pytest.mark.parametrize("nbytes", [1 << 20, 256 << 20])
+def test_two_continents_are_crossed_only_twice(solver: str, nbytes: int) -> None:
+    """Hosts on two continents, 5 ms apart inside, 75 ms across, every link 1 Gbit/s:
+    whatever the size, every ring's slowest hop crosses the ocean, and the ring with
+    the least latency in all crosses it twice."""
+    continent = [0, 1, 0, 1, 0, 1, 0, 1]  # interleaved: the identity order crosses 8 times
+    n = len(continent)
+    latency = numpy.array([[0.005 if continent[a] == continent[b] else 0.075 for b in range(n)]
+                           for a in range(n)])
+    bandwidth = numpy.full((n, n), 125e6)
+    cost = hop_costs(bandwidth, latency, nbytes=nbytes)
+    assert crossings(list(range(n)), continent) == 8
+    ring = (solve_exact(cost) if solver == "exact"
+            else solve_heuristic(cost, iterations=20_000, seed=1, start=list(range(n))))
+    assert crossings(ring.order, continent) == 2, ring.order
