@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtt", type=float, default=0.1, help="round-trip seconds of every path")
     parser.add_argument("--rate", default="1gbit", help="every host's upload (tc's spelling)")
     parser.add_argument("--loss", type=float, default=0.0)
+    parser.add_argument("--mtu", type=int, default=65000,
+                        help="the hosts' MTU (65000 lets the delay line carry Gbit/s; a slow "
+                             "link is closer to real with 1500)")
     parser.add_argument("--pools", default="0",
                         help="comma list of p2p_connection_pool_size values (0: the default)")
     parser.add_argument("--slice-bytes", default="4M", help="Config.slice_bytes of every peer")
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     world, sizes = args.world, [parse_size(s) for s in args.sizes.split(",")]
     pools = [int(p) for p in args.pools.split(",")]
-    plan = WanPlan(hosts=world + 1, delay=args.rtt / 2, rate=args.rate, loss=args.loss,
+    plan = WanPlan(hosts=world + 1, delay=args.rtt / 2, rate=args.rate, loss=args.loss, mtu=args.mtu,
                    sysctls=dict(item.split("=", 1) for item in args.sysctl))
     print(f"# W={world}, every path {args.rtt * 1e3:g} ms RTT, uploads {args.rate}, MTU "
           f"{plan.mtu}, loss {args.loss}; float32 SUM in place; iters={args.iters} "
