@@ -18,7 +18,8 @@ The ring's connections are *pools*: ``pool_size`` connections to the next peer o
 ring (tx), and as many from the previous one (rx), each named by its slot. With
 ``pool_size`` 0 each pool is sized to its path: one TCP connection carries at most
 its send buffer in flight, so a long fat path needs several to be filled. The pool's
-first connection times its TCP handshake, which is one round trip, and ``pool_for``
+first connection's TCP handshake gives its round trip (the kernel's own measure of it,
+``kernel_round_trip``, blind to this process's delays in noticing), and ``pool_for``
 turns that into a count: enough connections that their buffers hold what
 ``POOL_TARGET_RATE`` keeps in flight over that round trip, at most ``POOL_MOST``. On a
 LAN or loopback that is one; over 100 ms it is 8. The peer registers ``POOL_MOST`` as
@@ -85,6 +86,7 @@ from ..transport import (
     SocketLink,
     comes_from,
     format_address,
+    kernel_round_trip,
     listener_address,
     remote_host,
     secure_client,
@@ -508,7 +510,10 @@ class P2PConnections:
         with trio.fail_after(self._config.connect_timeout):
             started = trio.current_time()
             stream = await self._network.connect(endpoint.host, endpoint.port)
-            self._round_trips[endpoint.peer_id] = trio.current_time() - started
+            measured = kernel_round_trip(stream)  # else the connect's time (a memory network's)
+            self._round_trips[endpoint.peer_id] = (
+                trio.current_time() - started if measured is None else measured
+            )
             if self._credential is None:
                 return self.framed(stream)
             try:

@@ -51,3 +51,23 @@ async def test_a_memory_reservation_refuses_dials_until_it_listens(
     stream = await network.host("b").connect("a", reservation.port)
     await stream.aclose()
     await listener.aclose()
+
+
+async def test_the_kernel_knows_a_tcp_stream_round_trip_and_nothing_of_a_memory_one() -> None:
+    from pccl_trio.transport import kernel_round_trip, listener_address
+
+    listener = await TCP.listen("127.0.0.1", 0)
+    host, port = listener_address(listener)
+    stream = await TCP.connect(host, port)
+    try:
+        round_trip = kernel_round_trip(stream)
+        assert round_trip is not None and round_trip >= 0.0
+    finally:
+        await stream.aclose()
+        await listener.aclose()
+    network = MemoryNetwork()
+    memory_listener = await network.host("b").listen("b", 1)
+    memory_stream = await network.host("a").connect("b", 1)
+    assert kernel_round_trip(memory_stream) is None
+    await memory_stream.aclose()
+    await memory_listener.aclose()

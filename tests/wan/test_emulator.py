@@ -13,6 +13,24 @@ from pccl_trio.testing import Wan, WanPlan, two_continents, wan_available
 
 needs_wan = pytest.mark.skipif(not wan_available(), reason="needs root, iproute2 and /dev/net/tun")
 
+#: Connects to a listener and prints the kernel's round-trip estimate of the connection.
+KERNEL_ROUND_TRIP = """
+import sys, trio
+from pccl_trio.transport import TcpNetwork, kernel_round_trip
+async def main():
+    stream = await TcpNetwork().connect(sys.argv[1], 5002)
+    print(kernel_round_trip(stream))
+trio.run(main)
+"""
+
+#: Listens on port 5002 until killed.
+LISTEN = """
+import socket, time
+listener = socket.create_server(("0.0.0.0", 5002))
+print("ready", flush=True)
+time.sleep(60)
+"""
+
 #: Connects to a closed port (a SYN and its RST: one round trip) and prints the seconds.
 ROUND_TRIP = """
 import socket, sys, time
@@ -57,6 +75,15 @@ def test_packets_take_the_path_delay_each_way() -> None:
         assert round_trip(wan, 0, 1) >= 2 * 0.030
         assert round_trip(wan, 2, 1) >= 2 * 0.080
         assert round_trip(wan, 0, 2) >= 2 * 0.005
+        # The kernel's estimate of a connection's round trip, as pools are sized by.
+        listener = wan.start(1, sys.executable, "-c", LISTEN, stdout=subprocess.PIPE)
+        assert listener.stdout is not None and listener.stdout.readline().strip() == b"ready"
+        estimate = wan.run(0, sys.executable, "-c", KERNEL_ROUND_TRIP, wan.address(1),
+                           capture_output=True, text=True, check=True)
+        listener.kill()
+        listener.wait()
+        listener.stdout.close()
+        assert float(estimate.stdout) >= 2 * 0.030
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "pwt1-" not in listed  # removed on exit
 
