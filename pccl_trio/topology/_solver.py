@@ -294,9 +294,9 @@ def solve_heuristic(
         high = bisect.bisect_left(values, best_bottleneck)
     # The cycle-cover threshold is a lower bound: a ring that meets it is optimal.
     bound = values[floor_index] if floor_index < len(values) else best_bottleneck
-    # A share of the moves of its own: the bisection may spend every move it was given
-    # on thresholds no ring meets.
-    share = iterations // 10
+    # A share of the moves of its own (a tenth, at most 20 000): the bisection may spend
+    # every move it was given on thresholds no ring meets.
+    share = min(iterations // 10, 20_000)
     best = _shorten(c, best, best_bottleneck, Budget(share, should_stop), rng, moves=share)
     return ring_of(cost, best, optimal=best_bottleneck <= bound)
 

@@ -25,7 +25,10 @@ SIZE = 8 << 20
 
 
 @pytest.mark.skipif(not namespaces_work(), reason="needs root, ip and tc (network namespaces)")
-@pytest.mark.parametrize("ring", ["scrambled", "reversed"])
+# One fast ring, scrambled against the join order: the reversed one (every hop slow
+# the other way) takes as long again and finds nothing the solver's own tests with
+# every start (``tests/topology``) do not.
+@pytest.mark.parametrize("ring", ["scrambled"])
 def test_the_fast_ring_is_found_and_used(ring: str) -> None:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
