@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import wan  # noqa: E402
 
 from pccl_trio._bench import format_size, parse_size  # noqa: E402
+from pccl_trio.testing import rate_bits  # noqa: E402
 
 
 def _scrambled(n: int) -> list[int]:
@@ -54,15 +55,6 @@ RINGS = {
     "reversed": lambda n: [0, *range(n - 1, 0, -1)],
     "joined": lambda n: list(range(n)),
 }
-
-
-def rate_bits(text: str) -> float:
-    """A tc rate (``400mbit``, ``1gbit``, ``500kbit``) in bits per second."""
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "bit": 1.0}
-    for suffix, scale in units.items():
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * scale
-    raise ValueError(f"unknown rate {text!r}: use kbit, mbit or gbit")
 
 
 def shape_pairs(topology: wan.Topology, rates: dict[tuple[int, int], str]) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import trio
 
+from ._bench import format_size
 from ._config import SECRET_ENVIRONMENT, Config, read_run_secret
 from ._core.channel import HandshakeFailed, Purpose
 from ._core.errors import RemoteProtocolError
@@ -111,13 +112,6 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:g} {unit}"
-    return f"{nbytes} bytes"
-
-
 def _count(counts: Sequence[RunCount], event: str, label: str | None = None) -> int:
     return sum(c.count for c in counts if c.event == event and (label is None or c.label == label))
 
@@ -164,7 +158,7 @@ def _render(reply: StatusReply, address: str) -> str:
         )
     if any(g.predicted_seconds >= 0 for g in reply.groups):
         lines.append(
-            f"(predicted: one all-reduce of {_size(reply.reference_bytes)} on the ring, from "
+            f"(predicted: one all-reduce of {format_size(reply.reference_bytes)} on the ring, from "
             "its measured links)"
         )
     lines += ["", f"{'peer':>6}  {'group':>5}  {'address':<22} {'phase':<11} {'state':<16} silent"]

@@ -19,5 +19,6 @@ from ._memory import MemoryNetwork as MemoryNetwork
 from ._memory import MemoryStream as MemoryStream
 from ._wan import Wan as Wan
 from ._wan import WanPlan as WanPlan
+from ._wan import rate_bits as rate_bits
 from ._wan import two_continents as two_continents
 from ._wan import wan_available as wan_available

@@ -44,7 +44,7 @@ from typing import Any
 from . import _delay_line
 from ._delay_line import PathPlan
 
-__all__ = ["Wan", "WanPlan", "two_continents", "wan_available"]
+__all__ = ["Wan", "WanPlan", "rate_bits", "two_continents", "wan_available"]
 
 
 def wan_available() -> bool:
@@ -186,7 +186,7 @@ class Wan:
         for key, value in self.plan.sysctls.items():
             self._in(name, "sysctl", "-q", "-w", f"{key}={value}")
         if self.plan.rate is not None:
-            rate = _bits_per_second(self.plan.rate)
+            rate = rate_bits(self.plan.rate)
             burst = max(2 * self.plan.mtu, int(rate / 8 * 0.001))
             limit = max(4 * self.plan.mtu, int(rate / 8 * self.plan.queue_seconds))
             self._in(name, "tc", "qdisc", "replace", "dev", "w0", "root", "tbf", "rate",
@@ -239,7 +239,7 @@ def _sh(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True)
 
 
-def _bits_per_second(rate: str) -> float:
+def rate_bits(rate: str) -> float:
     """``tc``'s rate spelling (``1gbit``, ``100mbit``, ``500kbit``) in bits per second."""
     units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1.0}
     for unit, scale in units.items():

@@ -322,16 +322,7 @@ def _shorten(
     for _ in range(moves):
         if not budget.take():
             break
-        k = rng.randrange(n)
-        if rng.random() < 0.3:
-            j = rng.randrange(n)
-            if j == k:
-                continue
-            delta, moved, touched = _swap(ring, k, j, cost)
-        else:
-            delta, moved, touched = _relocate(
-                ring, k, rng.randint(1, min(3, n - 2)), rng.randrange(n), cost
-            )
+        delta, moved, touched = _propose(ring, rng.randrange(n), rng, cost)
         if moved is None or not delta < 0:
             continue
         position = {peer: index for index, peer in enumerate(moved)}
@@ -505,14 +496,7 @@ def _repair(
         else:
             k = rng.randrange(n)
         k %= n
-        if rng.random() < 0.3:
-            j = rng.randrange(n)
-            if j == k:
-                continue
-            delta, moved, touched = _swap(ring, k, j, bad)
-        else:
-            length = rng.randint(1, min(3, n - 2))
-            delta, moved, touched = _relocate(ring, k, length, rng.randrange(n), bad)
+        delta, moved, touched = _propose(ring, k, rng, bad)
         if moved is None or delta > 0:
             continue
         ring = moved
@@ -522,6 +506,22 @@ def _repair(
             else:
                 senders.discard(a)
     return ring if not senders else None
+
+
+def _propose(
+    ring: list[int], k: int, rng: random.Random, bad: Callable[[int, int], float]
+) -> tuple[float, list[int] | None, list[int]]:
+    """A random move around position ``k``: a swap with another peer (3 in 10), else
+    a segment of 1-3 peers from ``k`` moved elsewhere; as :func:`_swap` returns it
+    (no ring when the move changes nothing)."""
+    n = len(ring)
+    if rng.random() < 0.3:
+        j = rng.randrange(n)
+        if j == k:
+            return 0, None, []
+        return _swap(ring, k, j, bad)
+    length = rng.randint(1, min(3, n - 2))
+    return _relocate(ring, k, length, rng.randrange(n), bad)
 
 
 def _swap(
