@@ -2,7 +2,8 @@
 
 Usage (as root, with iproute2 and /dev/net/tun):
     python benchmarks/long_links.py [--world 3] [--sizes 64M] [--rtt 0.1] [--rate 1gbit]
-        [--pools 0,4] [--gloo] [--repeats 3] [--iters 3] [--json FILE]
+        [--pools 0,4] [--congestion system,cubic] [--gloo] [--repeats 3] [--iters 3]
+        [--json FILE]
 
 The emulator (``pccl_trio.testing.Wan``) has ``--world`` peer hosts and one more for
 the master, every path ``--rtt``/2 one way, every host's upload shaped to ``--rate``,
@@ -11,8 +12,9 @@ MTU 65000. Each repeat, in one sitting and in this order, measures:
 - the *ceiling*: plain TCP in the ring all-reduce's pattern (every peer host sending to
   its successor at once), 16 streams each, steady state (after 3 s), the slowest of
   the hosts: what the path carries;
-- pccl_trio with each ``--pools`` value (``0``: the default configuration), through the
-  bench driver (``pccl_trio._bench``), float32 SUM in place;
+- pccl_trio with each ``--pools`` value (``0``: the default configuration) and each
+  ``--congestion`` choice (``Config.congestion_control``; ``system``: the hosts'
+  default), through the bench driver (``pccl_trio._bench``), float32 SUM in place;
 - with ``--gloo``, torch.distributed's Gloo, one rank per peer host.
 
 A ring all-reduce of S bytes moves 2(W-1)/W x S bytes over every link, so its busbw
@@ -115,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pools", default="0",
                         help="comma list of p2p_connection_pool_size values (0: the default)")
     parser.add_argument("--slice-bytes", default="4M", help="Config.slice_bytes of every peer")
+    parser.add_argument("--congestion", default="",
+                        help="comma list of Config.congestion_control values to time pccl_trio "
+                             "with (empty entry or 'system': the hosts' default), e.g. system,cubic")
     parser.add_argument("--gloo", action="store_true", help="also time torch.distributed's Gloo")
     parser.add_argument("--gloo-sizes", default=None,
                         help="the sizes Gloo is timed at (default: --sizes; it is slow over long links)")
@@ -132,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     world, sizes = args.world, [parse_size(s) for s in args.sizes.split(",")]
     pools = [int(p) for p in args.pools.split(",")]
+    congestions = [None if c in ("", "system") else c for c in args.congestion.split(",")]
     plan = WanPlan(hosts=world + 1, delay=args.rtt / 2, rate=args.rate, loss=args.loss, mtu=args.mtu,
                    sysctls=dict(item.split("=", 1) for item in args.sysctl))
     print(f"# W={world}, every path {args.rtt * 1e3:g} ms RTT, uploads {args.rate}, MTU "
@@ -140,22 +146,26 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, list[Any]] = {"ceiling": []}
     ring = [(i, (i + 1) % world) for i in range(world)]
     with Wan(plan) as wan:
+        system_congestion = wan.run(0, "cat", "/proc/sys/net/ipv4/tcp_congestion_control",
+                                    capture_output=True, text=True).stdout.strip()
+        print(f"# the hosts' congestion control: {system_congestion}", flush=True)
         for repeat in range(args.repeats):
             ceiling = min(wan.ceiling(ring, seconds=args.ceiling_seconds)) * 8
             figures["ceiling"].append(ceiling)
             print(f"repeat {repeat}: ceiling {ceiling / 1e6:7.0f}", flush=True)
-            for pool in pools:
+            for pool, congestion in ((p, c) for c in congestions for p in pools):
                 run = argparse.Namespace(iters=args.iters, warmup=args.warmup, pool=pool,
                                          slice_bytes=parse_size(args.slice_bytes),
-                                         into_recv=False,
+                                         into_recv=False, congestion_control=congestion,
                                          timeout=args.timeout)
                 result = _run_pccl(world, sizes, run, placement(wan, world))
+                what = f"pccl pool={pool}" + (f" cc={congestion}" if congestion else "")
                 for size in sizes:
                     if not result[size]["ok"]:
-                        raise RuntimeError(f"wrong result: pool {pool}, {size} bytes")
+                        raise RuntimeError(f"wrong result: {what}, {size} bytes")
                     median = statistics.median(result[size]["times"])
-                    figures.setdefault(f"pccl pool={pool} {size}", []).append(median)
-                    print(f"repeat {repeat}: pccl_trio pool={pool} {format_size(size):>8} "
+                    figures.setdefault(f"{what} {size}", []).append(median)
+                    print(f"repeat {repeat}: {what} {format_size(size):>8} "
                           f"{median:7.3f} s {busbw(size, world, median) / 1e6:7.0f}", flush=True)
             if args.gloo:
                 gloo_sizes = [parse_size(s) for s in (args.gloo_sizes or args.sizes).split(",")]
@@ -167,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{busbw(size, world, median) / 1e6:7.0f}", flush=True)
     ceiling = statistics.median(figures["ceiling"])
     print(f"\nceiling (plain TCP, ring pattern, 16 streams): {ceiling / 1e6:.0f} Mbit/s per link")
-    print(f"{'what':<28} {'size':>8} {'median s':>9} {'busbw':>7} {'of ceiling':>10}")
+    print(f"{'what':<34} {'size':>8} {'median s':>9} {'busbw':>7} {'of ceiling':>10}")
     rows = []
     for name, values in figures.items():
         if name == "ceiling":
@@ -178,10 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         rate = busbw(size, world, median)
         rows.append({"what": what, "size": size, "median_s": median, "busbw_bits": rate,
                      "of_ceiling": rate / ceiling, "repeats": values})
-        print(f"{what:<28} {format_size(size):>8} {median:9.3f} {rate / 1e6:7.0f} "
+        print(f"{what:<34} {format_size(size):>8} {median:9.3f} {rate / 1e6:7.0f} "
               f"{rate / ceiling:9.0%}")
     if args.json:
         args.json.write_text(json.dumps({"world": world, "rtt": args.rtt, "rate": args.rate,
+                                         "system_congestion": system_congestion,
                                          "loss": args.loss, "ceiling_bits": figures["ceiling"],
                                          "rows": rows}, indent=2))
     return 0

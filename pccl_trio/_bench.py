@@ -108,7 +108,7 @@ def format_size(n: int) -> str:
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
                   algorithm: str, protection: str, device: str, metrics: bool,
-                  leases: bool) -> None:
+                  leases: bool, congestion_control: str | None) -> None:
     import numpy as np
 
     import pccl_trio as pccl
@@ -137,6 +137,7 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
         slice_bytes=slice_bytes, liveness_timeout=10.0, heartbeat_interval=1.0,
         data_protection="encrypt" if protection == "encrypt" else "mac",
         insecure=protection == "none", metrics=registry, leases=leases,
+        congestion_control=congestion_control,
     )
     async with pccl.Communicator(master, 0, pool, config=config, p2p_host=host) as comm:
         while comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < world:
@@ -204,11 +205,13 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--device", choices=DEVICES, default="cpu")
     parser.add_argument("--metrics", action="store_true")
     parser.add_argument("--no-leases", action="store_true")
+    parser.add_argument("--congestion-control", default=None)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
              args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm,
-             args.protection, args.device, args.metrics, not args.no_leases)
+             args.protection, args.device, args.metrics, not args.no_leases,
+             args.congestion_control)
     return 0
 
 
@@ -237,7 +240,7 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
     """One repeat: a master and ``world`` worker processes; the first worker's results.
 
     ``args`` needs iters, warmup, pool, slice_bytes, into_recv, timeout and
-    (optionally) quantize and algorithm. Without protection the run has no secret (and
+    (optionally) quantize, algorithm and congestion_control. Without protection the run has no secret (and
     is started insecure, for placements off loopback); with it, a fresh secret.
     """
     from ._config import SECRET_ENVIRONMENT
@@ -272,6 +275,8 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
                  "--protection", protection, "--device", device,
                  *(["--metrics"] if metrics else []),
                  *([] if leases else ["--no-leases"]),
+                 *(["--congestion-control", args.congestion_control]
+                   if getattr(args, "congestion_control", None) else []),
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
             ))

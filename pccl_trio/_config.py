@@ -150,6 +150,18 @@ class Config:
             without the master (no vote, no verdict: the members agree among
             themselves; ``docs/allreduce.md``, "Leases"). A lease is granted only when
             every member asks. False: every all-reduce goes through the master.
+        congestion_control: (peers) the TCP congestion control of this peer's
+            connections (Linux's ``TCP_CONGESTION``: ``"cubic"``, ``"bbr"``, ...); None
+            (the default): the system's (``net.ipv4.tcp_congestion_control``). It
+            matters over long links: BBR without the ``fq`` qdisc paces the bursts of
+            an all-reduce that moves a few MiB per step slowly after each pause (on
+            the WAN emulator, 100 ms RTT, 1 Gbit/s: a 1 MiB all-reduce takes 0.44 s
+            with BBR, 0.32 s with CUBIC), while BBR rides out random loss that CUBIC
+            slows down for (``docs/benchmarks.md``, "Over long fat links"). A name the
+            kernel does not offer, or does not let this process choose (without
+            ``CAP_NET_ADMIN``, those in ``net.ipv4.tcp_allowed_congestion_control``),
+            makes ``Communicator`` raise ``InvalidArgument`` saying which. Applies to
+            the TCP network the communicator makes itself (``network=None``).
         metrics: (peers) Prometheus metrics of this peer's calls (all-reduces by
             outcome with durations and bytes, restores, retries, syncs, master
             reconnects; ``docs/observability.md``): None, off; a ``prometheus_client``
@@ -187,6 +199,7 @@ class Config:
     discovery_timeout: float = 10.0
     election_timeout: float = 2.0
     leases: bool = True
+    congestion_control: str | None = None
     metrics: Any = None
 
     @property
@@ -256,6 +269,14 @@ class Config:
             )
         if self.slice_bytes + 64 > self.max_data_frame:
             raise InvalidArgument("Config.slice_bytes must fit in Config.max_data_frame")
+        if self.congestion_control is not None and not (
+            isinstance(self.congestion_control, str) and self.congestion_control.isascii()
+            and 0 < len(self.congestion_control) < 16
+        ):
+            raise InvalidArgument(
+                "Config.congestion_control must be None (the system's) or the name of a TCP "
+                f"congestion control, 1 to 15 letters such as 'cubic', got {self.congestion_control!r}"
+            )
         if self.run_secret is not None:
             if not isinstance(self.run_secret, bytes | str):
                 raise InvalidArgument(

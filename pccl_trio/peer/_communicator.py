@@ -192,7 +192,11 @@ class Communicator:
             pool_size=p2p_connection_pool_size, p2p_port=p2p_port,
         )
         config = (config or Config()).with_environment_secret()
-        network = network if network is not None else TcpNetwork()
+        if network is None:
+            try:
+                network = TcpNetwork(congestion_control=config.congestion_control)
+            except ValueError as exc:
+                raise InvalidArgument(f"Config.congestion_control: {exc}") from None
         # The run's name, and the network that finds its masters.
         discovery: tuple[str, DiscoveringNetwork] | None = None
         if discover is not None:

@@ -453,10 +453,13 @@ class P2PConnections:
             pool.size = pool_for(self._round_trips.get(endpoint.peer_id, 0.0))
             first = 1
             if pool.size > 1:
+                first_link = pool.slots.get(0)
                 log.info(
-                    "peer %s: %d connections to peer %d (round trip %.1f ms)",
-                    self._session.peer_id, pool.size, endpoint.peer_id,
+                    "peer %s: %d connections to peer %d (round trip %.1f ms, congestion "
+                    "control %s)", self._session.peer_id, pool.size, endpoint.peer_id,
                     self._round_trips[endpoint.peer_id] * 1e3,
+                    first_link.congestion_control if isinstance(first_link, SocketLink)
+                    else "of the system",
                 )
         if ok:
             async with trio.open_nursery() as nursery:

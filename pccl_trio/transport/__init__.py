@@ -32,8 +32,10 @@ from ._network import InMemoryStream as InMemoryStream
 from ._network import Network as Network
 from ._network import Reservation as Reservation
 from ._network import TcpNetwork as TcpNetwork
+from ._network import check_congestion_control as check_congestion_control
 from ._network import comes_from as comes_from
 from ._network import format_address as format_address
+from ._network import kernel_congestion_control as kernel_congestion_control
 from ._network import kernel_round_trip as kernel_round_trip
 from ._network import listener_address as listener_address
 from ._network import parse_address as parse_address

@@ -50,6 +50,7 @@ from .._core.wire import (
     parse_control_length,
 )
 from ._framed import RECEIVE_CHUNK, FramedStream, drop_sent, readable_now
+from ._network import kernel_congestion_control
 
 __all__ = ["SocketLink"]
 
@@ -110,6 +111,19 @@ class SocketLink:
             socket.socket(fileno=fd), max_data_frame=max_data_frame,
             max_control_frame=max_control_frame, channel=framed.channel,
         )
+
+    @property
+    def congestion_control(self) -> str | None:
+        """The TCP congestion control the kernel runs on this connection (None if it
+        does not say, or the connection was cut)."""
+        try:
+            sock = self._use()
+        except trio.ClosedResourceError:
+            return None
+        try:
+            return kernel_congestion_control(sock)
+        finally:
+            self._done()
 
     @property
     def closed(self) -> bool:

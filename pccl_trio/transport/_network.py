@@ -11,6 +11,11 @@ connections may reach other machines, so that the rules on exposure without a ru
 secret (``_exposure``) and mDNS apply, is ``reaches_other_machines``, asked in one
 place.
 
+Every TCP socket gets Nagle turned off and large buffers (``_tune``) and, if the
+network was made with one, the congestion control named (Linux's ``TCP_CONGESTION``,
+checked once when the network is made, so that a name the kernel does not offer or
+allow fails there with its reason, not at every connection).
+
 ``comes_from`` tells whether a stream's other end is a given host (an address, or a
 name that resolves to it): peers serve a p2p connection only from the host the master
 knows the claimed peer at.
@@ -24,9 +29,11 @@ nowhere else: ``connect`` raises ``OSError`` subclasses only for "could not conn
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import struct
+import sys
 from typing import Any, Protocol, runtime_checkable
 
 import trio
@@ -102,17 +109,83 @@ class InMemoryStream(Protocol):
         ...
 
 
-def _tune(sock: trio.socket.SocketType) -> None:
+def _tune(sock: trio.socket.SocketType | socket.socket, congestion_control: bytes | None) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
         except OSError:  # pragma: no cover - a kernel that refuses; defaults still work
             pass
+    if congestion_control is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, congestion_control)
+
+
+#: Linux's socket option naming a connection's congestion control (13 in
+#: ``linux/tcp.h``; the ``socket`` module names it from Python 3.6 on Linux only).
+_TCP_CONGESTION: int = getattr(socket, "TCP_CONGESTION", 13)
+#: Where Linux lists the congestion controls a process may choose without privileges.
+_ALLOWED_CONGESTION = "/proc/sys/net/ipv4/tcp_allowed_congestion_control"
+_AVAILABLE_CONGESTION = "/proc/sys/net/ipv4/tcp_available_congestion_control"
+
+
+def check_congestion_control(name: str) -> bytes:
+    """``name`` as the bytes ``TCP_CONGESTION`` takes, once a socket took it.
+
+    Raises:
+        ValueError: this system has no such option, does not offer ``name`` or does not
+            let this process choose it; the message says which and what it offers.
+    """
+    if not isinstance(name, str) or not name.isascii() or not 0 < len(name) < 16:
+        raise ValueError(f"a congestion control is a name of 1 to 15 letters, got {name!r}")
+    if not sys.platform.startswith("linux"):
+        raise ValueError(
+            f"choosing a congestion control ({name!r}) needs Linux's TCP_CONGESTION; this is "
+            f"{sys.platform}: leave it unset to use the system's"
+        )
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, name.encode())
+    except OSError as exc:
+        available, allowed = _read_list(_AVAILABLE_CONGESTION), _read_list(_ALLOWED_CONGESTION)
+        if exc.errno == errno.ENOENT or name not in available.split():
+            raise ValueError(
+                f"this kernel offers no congestion control {name!r} (it offers: {available}); "
+                f"load its module (modprobe tcp_{name}) or choose one of those"
+            ) from None
+        raise ValueError(
+            f"this process may not choose congestion control {name!r} (allowed without "
+            f"CAP_NET_ADMIN: {allowed}; net.ipv4.tcp_allowed_congestion_control lists them): "
+            f"{exc.strerror}"
+        ) from None
+    finally:
+        probe.close()
+    return name.encode()
+
+
+def _read_list(path: str) -> str:
+    try:
+        with open(path) as file:
+            return file.read().strip() or "none"
+    except OSError:
+        return "unknown"
 
 
 class TcpNetwork:
-    """Real TCP through trio's socket layer (Nagle off, large buffers)."""
+    """Real TCP through trio's socket layer (Nagle off, large buffers).
+
+    Args:
+        congestion_control: the congestion control of every connection it makes or
+            accepts (``"cubic"``, ``"bbr"``, ...; Linux only); None: the system's
+            default (``net.ipv4.tcp_congestion_control``).
+
+    Raises:
+        ValueError: the congestion control can't be used here (the message says why).
+    """
+
+    def __init__(self, *, congestion_control: str | None = None) -> None:
+        self._congestion = (
+            None if congestion_control is None else check_congestion_control(congestion_control)
+        )
 
     @property
     def directory(self) -> Directory:
@@ -127,23 +200,53 @@ class TcpNetwork:
         )
         try:
             sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+            if self._congestion is not None:  # for the connections it will accept
+                sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, self._congestion)
             await sock.bind((host or "0.0.0.0", port))
         except BaseException:
             sock.close()
             raise
-        return _TcpReservation(sock)
+        return _TcpReservation(sock, self._congestion)
 
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        if self._congestion is not None:
+            return await self._connect_chosen(host, port)
         stream = await trio.open_tcp_stream(host, port)
-        _tune(stream.socket)
+        _tune(stream.socket, None)
         return stream
+
+    async def _connect_chosen(self, host: str, port: int) -> trio.SocketStream:
+        """``connect`` with the congestion control set before the handshake: the
+        kernel starts a connection's congestion control as it is created, and the one
+        it replaces can leave its mark (BBR turns pacing on, which stays on under
+        CUBIC). The addresses ``host`` resolves to are tried in turn."""
+        failure: OSError | None = None
+        for family, kind, proto, _name, address in await trio.socket.getaddrinfo(
+            host, port, type=trio.socket.SOCK_STREAM
+        ):
+            sock = trio.socket.socket(family, kind, proto)
+            try:
+                _tune(sock, self._congestion)
+                await sock.connect(address)
+            except OSError as exc:
+                sock.close()
+                failure = exc
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            return trio.SocketStream(sock)
+        raise failure or OSError(f"no address for {host!r}")
 
     async def listen(self, host: str, port: int) -> trio.abc.Listener[Any]:
         listeners = await trio.open_tcp_listeners(port, host=host or None)
         # One address is enough: a peer advertises one p2p endpoint.
         for extra in listeners[1:]:
             await extra.aclose()
-        return _TunedListener(listeners[0])
+        if self._congestion is not None:
+            # Accepted connections inherit it from their listener (from the SYN on).
+            listeners[0].socket.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, self._congestion)
+        return _TunedListener(listeners[0], self._congestion)
 
 
 def reaches_other_machines(network: Network) -> bool:
@@ -166,8 +269,9 @@ class Reservation(Protocol):
 
 
 class _TcpReservation:
-    def __init__(self, sock: trio.socket.SocketType) -> None:
+    def __init__(self, sock: trio.socket.SocketType, congestion_control: bytes | None) -> None:
         self._socket: trio.socket.SocketType | None = sock
+        self._congestion = congestion_control
         self.port = int(sock.getsockname()[1])
 
     async def listen(self) -> trio.abc.Listener[Any]:
@@ -176,7 +280,7 @@ class _TcpReservation:
             raise trio.ClosedResourceError("the reservation was used or closed")
         sock.listen(128)
         await trio.lowlevel.checkpoint()
-        return _TunedListener(trio.SocketListener(sock))
+        return _TunedListener(trio.SocketListener(sock), self._congestion)
 
     def close(self) -> None:
         if self._socket is not None:
@@ -185,13 +289,14 @@ class _TcpReservation:
 
 
 class _TunedListener(trio.abc.Listener[trio.SocketStream]):
-    def __init__(self, inner: trio.SocketListener) -> None:
+    def __init__(self, inner: trio.SocketListener, congestion_control: bytes | None) -> None:
         self.inner = inner
         self.socket = inner.socket
+        self._congestion = congestion_control
 
     async def accept(self) -> trio.SocketStream:
         stream = await self.inner.accept()
-        _tune(stream.socket)
+        _tune(stream.socket, self._congestion)
         return stream
 
     async def aclose(self) -> None:
@@ -237,6 +342,17 @@ def kernel_round_trip(stream: trio.abc.Stream) -> float | None:
         return None
     (microseconds,) = _TCP_INFO_RTT.unpack_from(info, _TCP_INFO_RTT_OFFSET)
     return float(microseconds) * 1e-6
+
+
+def kernel_congestion_control(sock: socket.socket | trio.socket.SocketType) -> str | None:
+    """The congestion control the kernel runs on TCP socket ``sock``, or None where
+    it does not say (another kernel, a socket already closed)."""
+    try:
+        raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, 16)
+    except OSError:
+        return None
+    name = raw.split(b"\0", 1)[0].decode(errors="replace")
+    return name or None
 
 
 def remote_host(stream: trio.abc.Stream) -> str:
