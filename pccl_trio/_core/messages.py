@@ -138,7 +138,7 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")

@@ -8,29 +8,37 @@ success only once it knows that every member holds the whole result. Should anyt
 fail before that, no member has returned, and the master's resolution can still end
 the attempt the same way for all (``_core/leases.py``).
 
-Members learn it from *completion notices* passed along the ring, on the data
-connections the attempt used: a data frame of the attempt with no payload, whose
-``offset`` is a count ``k``, says "the ``k`` members ending with me, going backwards
-around the ring, have all completed their part". A member whose own part is complete
-sends ``min(1 + h, W - 1)`` to its successor, where ``h`` is the largest count it
-heard from its predecessor (0 before any), whenever that number grows; it knows every
-member of the ring completed once ``1 + h >= W``. The last member to complete is known
-to its successor after one hop, and to everyone after ``W - 1``: for ``W = 3``, two
-tiny frames per member, where asking the master would cost two round trips through a
-fourth process and that process's time. The counts a member sends only grow, so
-``W - 1`` notices at most per member and attempt.
+Members learn it from *completion notices* passed both ways around the ring, on the
+data connections the attempt used: a data frame of the attempt with no payload, whose
+``offset`` is a count ``k``. Sent forward (to the successor, on the first connection
+of the pool to it) it says "the ``k`` members ending with me, going backwards around
+the ring, have all completed their part"; sent back (to the predecessor, on the first
+connection of its pool to this member, whose sender reads it: ``DataReceiver``) it
+says the same of the ``k`` members starting with me, going forwards. A member whose
+own part is complete sends, in each direction, ``1 + h`` where ``h`` is the largest
+count it heard from the other side (0 before any), whenever that grows; it knows every
+member of the ring completed once ``1 + h_forward + h_back >= W`` (the two runs of
+members cover the ring), and from then on it tells both neighbours ``W - 1``, the most
+a count can say, so that they know it too. The last member to complete is known to
+both its neighbours after one hop and to everyone after ``floor(W / 2)``: for ``W = 3``
+one hop, where passing the notices one way costs ``W - 1``, and asking the master two
+round trips through a fourth process. A ring of two passes them forward only (its one
+neighbour is both). The counts a member sends only grow, so ``W - 1`` notices at most
+per member, direction and attempt.
 
-A notice must leave before anything of the member's next attempt can, or its
-successor could block on the next attempt's data ahead of it: a member's attempt
-ends only once its last notice was sent (``done``).
+A forward notice must leave before anything of the member's next attempt can, or its
+successor could block on the next attempt's data ahead of it: a member's attempt ends
+only once its last notices were sent (``done``). Nothing but notices goes back, so the
+backward direction has no such order to keep; a notice that arrives after its attempt
+ended is stale and dropped.
 
 Who sends. Over TCP the notices go from the data path's worker threads: the thread
-that completes this member's part sends the first, and the reader that hears a notice
-sends the next, each only if that cannot block (``send_now``). The trio thread is then
-woken once per attempt, when the members agreed, instead of once per notice and once
-at completion. A notice a thread could not send is left to the trio thread
-(``send``). One notice is in flight at a time (``claim``, then ``sent``), so the counts
-leave in order and none twice.
+that completes this member's part sends the first ones, and the reader that hears a
+notice sends those it makes due, each only if that cannot block (``send_now``). The
+trio thread is then woken once per attempt, when the members agreed, instead of once
+per notice and once at completion. A notice a thread could not send is left to the
+trio thread (``send``). One notice per direction is in flight at a time (``claim``,
+then ``sent``), so the counts leave in order and none twice.
 """
 
 from __future__ import annotations
@@ -43,9 +51,14 @@ from ..transport import Connection, SocketLink
 from ._ledger import Ledger
 from ._protocol import Protocol, SendData, run_protocol
 
-__all__ = ["Agreement"]
+__all__ = ["BACKWARD", "FORWARD", "Agreement"]
 
 _EMPTY = memoryview(b"")
+
+
+#: The directions a notice goes in: to the successor, and back to the predecessor.
+FORWARD, BACKWARD = 0, 1
+_NAMES = ("forward", "back")
 
 
 class Agreement:
@@ -60,56 +73,77 @@ class Agreement:
         self.world = world
         self.lock = ledger.lock
         self._ledger = ledger
-        # The connection to the successor, once the part starts over TCP: the data
-        # path's threads send the notices on it.
-        self.link: SocketLink | None = None
-        self.heard = 0  # the largest count the predecessor sent
-        self.told = 0  # the largest count sent to the successor
-        self.sending = False  # a notice is on its way (``claim``d, not ``sent`` yet)
+        # Where each direction's notices go, once the part starts (``attach``): the
+        # first connection to the successor, and the first from the predecessor.
+        self.connections: list[Connection | None] = [None, None]
+        self.directions: tuple[int, ...] = (FORWARD,)
+        self.heard = [0, 0]  # the largest count that came in each direction
+        self.told = [0, 0]  # the largest count sent in each direction
+        # A notice is on its way in that direction (``claim``ed, not ``sent`` yet).
+        self.sending = [False, False]
         # The trio thread wants to hear of this member's completion, not only of the
         # agreement (the master was told that the part runs: it must hear its end).
         self.eager = False
         # The master's verdict, once the lease ended and the master resolved it.
         self.verdict: CollectiveVerdict | None = None
 
+    def attach(self, forward: Connection | None, backward: Connection | None) -> None:
+        """Send the notices on these connections (under the lock, before any slice of
+        the part leaves); back too only in a ring of three or more, and only with a
+        connection to send on."""
+        self.connections = [forward, backward]
+        both = self.world > 2 and backward is not None
+        self.directions = (FORWARD, BACKWARD) if both else (FORWARD,)
+
     @property
     def agreed(self) -> bool:
         """Whether every member of the ring completed its part (this one included,
         once it sends: a count is only heard from a member that completed)."""
-        return 1 + self.heard >= self.world
+        return 1 + self.heard[FORWARD] + self.heard[BACKWARD] >= self.world
 
     @property
     def quiet(self) -> bool:
         """Whether the data path's threads send the notices and wake the trio thread
-        only once the members agreed (under the lock)."""
-        return self.link is not None and not self.eager
+        only once the members agreed (under the lock): every direction goes over a
+        socket the threads can send on."""
+        return not self.eager and all(
+            isinstance(self.connections[d], SocketLink) for d in self.directions
+        )
 
     @property
     def done(self) -> bool:
-        """The members agreed, and this member's last notice left (under the lock)."""
-        return self.agreed and self.told >= self.world - 1 and not self.sending
+        """The members agreed, and this member's last notices left (under the lock)."""
+        return self.agreed and all(
+            self.told[d] >= self.world - 1 and not self.sending[d] for d in self.directions
+        )
 
-    def claim(self) -> int:
-        """The count to tell the successor now, reserved for the caller, which sends it
-        and then calls ``sent``; 0: nothing new, or a notice is on its way. Under the
-        lock, once this member's part is complete."""
-        if self.sending:
-            return 0
-        count = min(1 + self.heard, self.world - 1)
-        if count <= self.told:
-            return 0
-        self.sending = True
-        return count
+    def claim(self) -> tuple[int, int] | None:
+        """The notice to send now, ``(direction, count)``, reserved for the caller,
+        which sends it and then calls ``sent``; None: nothing new, or the notices due
+        are on their way. Under the lock, once this member's part is complete."""
+        for direction in self.directions:
+            if self.sending[direction]:
+                continue
+            # A count extends the run that came in the same direction; once agreed,
+            # the whole ring.
+            count = self.world - 1 if self.agreed else min(
+                1 + self.heard[direction], self.world - 1
+            )
+            if count > self.told[direction]:
+                self.sending[direction] = True
+                return direction, count
+        return None
 
-    def sent(self, count: int, *, ok: bool) -> None:
-        """The claimed notice of ``count`` left (``ok``), or was not sent (under the
-        lock)."""
-        self.sending = False
+    def sent(self, direction: int, count: int, *, ok: bool) -> None:
+        """The claimed notice of ``count`` left in ``direction`` (``ok``), or was not
+        sent (under the lock)."""
+        self.sending[direction] = False
         if ok:
-            self.told = count
+            self.told[direction] = count
 
-    def on_notice(self, count: int) -> None:
-        """The predecessor's notice (a reader, any thread).
+    def on_notice(self, count: int, *, came: int = FORWARD) -> None:
+        """A neighbour's notice (a reader, any thread): the predecessor's, which came
+        ``FORWARD``, or the successor's, sent back.
 
         Raises:
             RemoteProtocolError: the count is not one a member of this ring can send.
@@ -119,9 +153,9 @@ class Agreement:
                 f"completion notice of {count} members in a ring of {self.world}"
             )
         with self.lock:
-            if count <= self.heard:
+            if count <= self.heard[came]:
                 return
-            self.heard = count
+            self.heard[came] = count
             if not self.quiet:
                 self._wake()
                 return
@@ -138,13 +172,12 @@ class Agreement:
 
     def tell(self) -> None:
         """The part is complete (quiet, a worker thread, not under the lock): send the
-        notice due if that cannot block, and wake the trio thread only when it has
+        notices due if that cannot block, and wake the trio thread only when it has
         something to do: the members agreed, a notice is left to it, or the attempt
         failed or stopped."""
-        ledger, link = self._ledger, self.link
-        assert link is not None
+        ledger = self._ledger
         while True:
-            # The notice is sent under the lock: once ``stop`` (which takes it) has
+            # Notices are sent under the lock: once ``stop`` (which takes it) has
             # returned, no notice of this attempt can leave, and none can follow the
             # next attempt's frames.
             with self.lock:
@@ -153,18 +186,21 @@ class Agreement:
                     # agrees (and the trio thread sends the notices from now on).
                     self._wake()
                     return
-                count = self.claim()
-                if not count:
+                claimed = self.claim()
+                if claimed is None:
                     if self.done:
                         self._wake()
                     return
+                direction, count = claimed
+                link = self.connections[direction]
+                assert isinstance(link, SocketLink)
                 ok = False
                 try:
                     ok = self.send_now(link, tag=ledger.tag, seq=ledger.seq, count=count)
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # the trio thread learns it when it tries
                 finally:
-                    self.sent(count, ok=ok)
+                    self.sent(direction, count, ok=ok)
                     if not ok:
                         self._wake()  # it sends the notice, or fails trying
             if not ok:
@@ -182,8 +218,8 @@ class Agreement:
 
     @staticmethod
     def send_now(connection: SocketLink, *, tag: int, seq: int, count: int) -> bool:
-        """Tell the successor, on ``connection``, that ``count`` members completed, if
-        that cannot block (any thread): True if the notice left.
+        """Tell the neighbour at the other end of ``connection`` that ``count`` members
+        completed, if that cannot block (any thread): True if the notice left.
 
         Raises:
             trio.BrokenResourceError, trio.ClosedResourceError: the connection is gone.
@@ -200,13 +236,19 @@ class Agreement:
         finally:
             connection.send_lock.release()
 
-    async def send(self, connection: Connection, *, tag: int, seq: int, count: int) -> None:
-        """Tell the successor, on ``connection``, that ``count`` members completed
-        (the trio thread).
+    async def send(self, direction: int, *, tag: int, seq: int, count: int) -> None:
+        """Tell the neighbour in ``direction`` that ``count`` members completed (the
+        trio thread).
 
         Raises:
-            trio.BrokenResourceError, trio.ClosedResourceError: the connection is gone.
+            trio.BrokenResourceError, trio.ClosedResourceError: the connection is gone
+                (or there was none).
         """
+        connection = self.connections[direction]
+        if connection is None:
+            raise trio.ClosedResourceError(
+                f"no open connection to send the {_NAMES[direction]} notice on"
+            )
         if isinstance(connection, SocketLink) and self.send_now(
             connection, tag=tag, seq=seq, count=count
         ):

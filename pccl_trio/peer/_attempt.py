@@ -57,7 +57,7 @@ import trio
 from .._core.ring import RingSchedule
 from .._types import ReduceOp
 from ..ops import Codec, InputBackup, Staging
-from ..transport import Connection, SocketLink
+from ..transport import Connection
 from ._agreement import Agreement
 from ._blocks import Encoded
 from ._inbound import Inbound
@@ -189,16 +189,20 @@ class RingAttempt:
         self.agreement = self.ledger.telling = Agreement(world=len(self.ring), ledger=self.ledger)
         return self.agreement
 
-    async def send_all(self, connections: Sequence[Connection]) -> None:
+    async def send_all(
+        self, connections: Sequence[Connection], back: Connection | None = None
+    ) -> None:
         """Run this peer's part: send its stream over ``connections`` and wait until
-        every slice of it left and every slice of the incoming stream arrived.
+        every slice of it left and every slice of the incoming stream arrived. A
+        leased attempt's notices go on the first of them and on ``back``, the first
+        connection from the predecessor (``_agreement``).
 
         Raises:
             LocalFailure: a link broke or a frame was bad.
         """
-        if self.agreement is not None and connections and isinstance(connections[0], SocketLink):
+        if self.agreement is not None:
             with self.ledger.lock:  # before any slice leaves: none can complete the part yet
-                self.agreement.link = connections[0]
+                self.agreement.attach(connections[0] if connections else None, back)
         await self.outbound.send_all(connections)
 
     def fail(self, reason: str) -> None:

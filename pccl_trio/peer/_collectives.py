@@ -529,7 +529,7 @@ class AllReduces:
         return await self._conclude(attempt, result, verdict, complete)
 
     async def _agree(self, attempt: RingAttempt, complete: bool) -> CollectiveVerdict | None:
-        """Wait until every member completed its part (None), telling the successor
+        """Wait until every member completed its part (None), telling both neighbours
         what this peer heard (``_agreement``); or for the master's verdict, when the
         master was told this part ran (then only it decides), when this part is not
         complete, or when the notices cannot flow."""
@@ -539,23 +539,19 @@ class AllReduces:
         while agreement.verdict is None:
             if not unsure:
                 with agreement.lock:
-                    count = agreement.claim()  # 0 too while a thread sends one
-                if count:
+                    claimed = agreement.claim()  # None too while threads send them
+                if claimed is not None:
+                    direction, count = claimed
                     sent = False
                     try:
-                        connections = self._p2p.successor_connections(attempt.successor)
-                        if not connections:
-                            raise trio.ClosedResourceError("no open connection")
-                        await agreement.send(
-                            connections[0], tag=attempt.tag, seq=attempt.seq, count=count
-                        )
+                        await agreement.send(direction, tag=attempt.tag, seq=attempt.seq, count=count)
                         sent = True
                     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
                         unsure = True
                         self._leases.unsure(attempt, f"its completion notice was not sent ({exc})")
                     finally:
                         with agreement.lock:
-                            agreement.sent(count, ok=sent)
+                            agreement.sent(direction, count, ok=sent)
                     continue
                 if agreement.done and not self._leases.told_running(attempt):
                     return None

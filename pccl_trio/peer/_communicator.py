@@ -254,7 +254,7 @@ class Communicator:
         session.route(CollectiveCommence, receiver.on_commence)
         session.route(P2PInfo, p2p.expect_sender)
         session.route(ExpectBenchmark, self._optimizer.expect_benchmark)
-        p2p.handle_ring(receiver.serve)
+        p2p.handle_ring(receiver.serve, back=receiver.serve_back)
         # Replaceable through PeerSeam (a faulty distributor).
         self._serve_shared_state: Callable[
             [FramedStream, SharedStateRequest], Coroutine[Any, Any, None]

@@ -27,7 +27,13 @@ its pool size then, so that its successor admits every slot it may open. A data
 connection is admitted (``_admit``) only from a predecessor the master named (a round's
 ``P2PInfo``, which may reach this peer a moment after it reached the connecting one),
 from the host the master knows it at, into a slot below the pool size it registered
-with, and replaces an older connection in the same slot. After a round, ``rewire``
+with, and replaces an older connection in the same slot. Data goes one way on a pool,
+but the first connection of each also carries what the receiver sends back (the
+completion notices of leased attempts, ``_agreement``): the receiver sends on its rx
+slot 0 (``predecessor_connection``), and the sender runs the ring's backward reader on
+its tx slot 0 from the pool's opening until it closes (``handle_ring``). A connection
+with no reader shows its other end's close as readable bytes (``_Pool.healthy``); the
+one with a reader, by its reader ending. After a round, ``rewire``
 keeps a healthy pool to the successor or opens a new one, and closes the pools of
 peers that are no longer neighbours: which pools change is decided first, then the IO
 is done.
@@ -146,13 +152,26 @@ class _Pool:
     peer_id: int
     slots: dict[int, Connection] = dataclasses.field(default_factory=dict)
     size: int = 0  # the connections it was opened with (tx)
+    read: set[int] = dataclasses.field(default_factory=set)  # tx slots a reader reads
 
     def healthy(self) -> bool:
-        """All its connections open at both ends (we never read a tx connection, so a
-        remote close shows only as an end of stream waiting there)."""
+        """All its connections open at both ends. A tx connection nobody reads shows a
+        remote close only as an end of stream waiting there; one a reader reads may
+        hold bytes for it, and shows the close by its reader ending."""
         return len(self.slots) == self.size and not any(
-            s.closed or s.closed_by_peer() for s in self.slots.values()
+            s.closed or (slot not in self.read and s.closed_by_peer())
+            for slot, s in self.slots.items()
         )
+
+    async def read_back(
+        self, reader: Callable[[Connection, int], Awaitable[None]], first: Connection
+    ) -> None:
+        """Run ``reader`` on the ``first`` connection of this tx pool (``read`` holds
+        its slot); once it ends, the connection counts as closed by its other end."""
+        try:
+            await reader(first, self.peer_id)
+        finally:
+            self.read.discard(0)
 
     async def aclose(self) -> None:
         streams = list(self.slots.values())
@@ -214,6 +233,7 @@ class P2PConnections:
         self._round_trips: dict[int, float] = {}
         self._listener: trio.abc.Listener[Any] | None = None
         self._handlers: dict[type[Message], Callable[[FramedStream, Any], Awaitable[None]]] = {}
+        self._read_back: Callable[[Connection, int], Awaitable[None]] | None = None
         self._tx: dict[int, _Pool] = {}
         self._rx: dict[int, _Pool] = {}
         # Peers allowed to open data connections to us: predecessors named by the master.
@@ -234,16 +254,24 @@ class P2PConnections:
             raise TypeError("a ring connection is admitted before it is handled: use handle_ring")
         self._handlers[kind] = handler
 
-    def handle_ring(self, handler: Callable[[Connection, P2PHello], Awaitable[None]]) -> None:
+    def handle_ring(
+        self,
+        handler: Callable[[Connection, P2PHello], Awaitable[None]],
+        *,
+        back: Callable[[Connection, int], Awaitable[None]] | None = None,
+    ) -> None:
         """Serve ring neighbours' data connections (first frame ``P2PHello``) with
         ``handler``, once each is admitted into its pool and acknowledged (``_admit``);
         it gets the connection in the form that receives its data, and owns it until it
-        returns (it is closed afterwards)."""
+        returns (it is closed afterwards). ``back`` reads what the successor sends back
+        on the first connection of every pool opened to it (``back(connection,
+        successor)``, until the connection closes; it must not close it)."""
 
         async def admitted(framed: FramedStream, hello: P2PHello) -> None:
             await handler(await self._admit(framed, hello), hello)
 
         self._handlers[P2PHello] = admitted
+        self._read_back = back
 
     async def listen(self, host: str, port: int) -> int:
         """Start accepting p2p connections; the port listened on.
@@ -411,6 +439,13 @@ class P2PConnections:
         connections = [s for _, s in sorted(pool.slots.items())] if pool else []
         return [c for c in connections if not c.closed]
 
+    def predecessor_connection(self, predecessor: int) -> Connection | None:
+        """The first connection from ``predecessor``, whose other end reads what this
+        peer sends back on it (None if it is not open)."""
+        pool = self._rx.get(predecessor)
+        first = pool.slots.get(0) if pool else None
+        return first if first is not None and not first.closed else None
+
     @property
     def registered_pool_size(self) -> int:
         """The pool size this peer registers: its successor admits slots below it."""
@@ -472,7 +507,11 @@ class P2PConnections:
         if old is not None:
             await old.aclose()
         self._tx[endpoint.peer_id] = pool
+        if self._read_back is not None:
+            pool.read.add(0)
+            self._life.spawn(pool.read_back, self._read_back, pool.slots[0])
         return True
+
 
     # --- one-shot protocols ----------------------------------------------------------------
 

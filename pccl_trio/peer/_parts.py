@@ -87,7 +87,9 @@ class RunningParts:
         try:
             with part.scope:
                 try:
-                    await attempt.send_all(connections)
+                    await attempt.send_all(
+                        connections, self._p2p.predecessor_connection(attempt.predecessor)
+                    )
                     ok = True
                 except LocalFailure as exc:
                     log.info("peer %s: tag %d failed locally: %s", self._session.peer_id,

@@ -19,6 +19,14 @@ the next number it would take, while the lease stands; once it ended, only that 
 number, which the master may still commence here) and is stale otherwise. A frame
 with no payload is a completion notice (``_agreement``), handed to its attempt.
 
+The successor sends notices back too, on the first connection of this peer's pool to
+it: ``serve_back`` reads them there (a trio task, or a worker thread over a
+``SocketLink``, beside the senders) for as long as the connection lives. Only notices
+come back; a notice whose attempt is not running here is stale (a successor completes
+an attempt only once this peer sent it everything, so this peer registered it long
+before) and dropped, and anything else is a protocol error that ends the reader and
+leaves the pool to be reopened.
+
 A frame for a running attempt is claimed (checked against the attempt's schedule),
 then received into a staging buffer and combined into the result, or, for all-gather
 data, straight into the result buffer (see ``RingAttempt``). When a connection
@@ -45,6 +53,7 @@ import trio
 from .._core.errors import RemoteProtocolError
 from .._core.messages import CollectiveCommence, P2PHello
 from ..transport import Connection, Signal, SocketLink
+from ._agreement import BACKWARD
 from ._attempt import RingAttempt
 from ._lifecycle import Lifecycle
 from ._p2p import P2PConnections
@@ -204,6 +213,32 @@ class DataReceiver:
         finally:
             if isinstance(connection, SocketLink):
                 connection.cut()
+
+    async def serve_back(self, connection: Connection, successor: int) -> None:
+        """Read the notices ``successor`` sends back on ``connection`` until it closes
+        (the backward reader of ``P2PConnections.handle_ring``); the connection is left
+        open, for the senders."""
+        try:
+            await run_protocol(self._receive_back(successor), connection)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # closed by either side: the senders learn it as they send
+        except RemoteProtocolError as exc:
+            log.warning("peer %d sent back what is no completion notice: %s", successor, exc)
+
+    def _receive_back(self, successor: int) -> Protocol[None]:
+        by_seq = self._by_seq
+        while True:
+            tag, seq, count, nbytes = yield _RECEIVE_HEADER
+            if nbytes:
+                raise RemoteProtocolError(
+                    f"{nbytes} bytes of data for tag {tag} attempt {seq} sent back on a ring "
+                    "connection, where only completion notices come back"
+                )
+            yield ReceivePayload(_EMPTY)
+            attempt = by_seq.get(seq)
+            if (attempt is not None and attempt.agreement is not None
+                    and attempt.successor == successor):
+                attempt.agreement.on_notice(count, came=BACKWARD)
 
     def _receive(self, connection: Connection, sender: int) -> Protocol[None]:
         """Receive data frames from ``sender`` and hand each slice to its attempt.

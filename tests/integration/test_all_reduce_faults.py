@@ -258,10 +258,10 @@ async def test_an_internal_error_after_voting_still_gives_the_others_a_verdict(
 
     real = RingAttempt.send_all
 
-    async def broken(self: RingAttempt, connections: object) -> None:
+    async def broken(self: RingAttempt, connections: object, back: object = None) -> None:
         if self.schedule.rank == 0:
             raise RuntimeError("a bug in the data path")
-        await real(self, connections)  # type: ignore[arg-type]
+        await real(self, connections, back)  # type: ignore[arg-type]
 
     with trio.fail_after(120):
         comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(3)])
@@ -330,7 +330,7 @@ async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
         def at_b(attempt: RingAttempt | None) -> bool:
             return attempt is not None and attempt.ring[attempt.schedule.rank] == b_id
 
-        async def send_all(self: RingAttempt, connections: object) -> None:
+        async def send_all(self: RingAttempt, connections: object, back: object = None) -> None:
             if self.tag in (0, 1, 2) and at_b(self) and self.tag not in failed_at_b:
                 failed_at_b.add(self.tag)
                 if self.tag == 2:
@@ -338,7 +338,7 @@ async def test_a_launch_racing_an_abort_is_retried_alike_on_every_peer(
                         await trio.lowlevel.checkpoint()
                 self.fail("a link broke (injected)")
                 raise LocalFailure(self.failure or "")
-            await real_send_all(self, connections)  # type: ignore[arg-type]
+            await real_send_all(self, connections, back)  # type: ignore[arg-type]
 
         async def get(self: ReduceResult) -> pccl.ReduceInfo:
             nonlocal held
@@ -403,7 +403,7 @@ async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort
         def at_b(attempt: RingAttempt | None) -> bool:
             return attempt is not None and attempt.ring[attempt.schedule.rank] == b_id
 
-        async def send_all(self: RingAttempt, connections: object) -> None:
+        async def send_all(self: RingAttempt, connections: object, back: object = None) -> None:
             nonlocal failed_at_b
             if self.tag == 1 and at_b(self) and not failed_at_b:
                 failed_at_b = True
@@ -411,7 +411,7 @@ async def test_every_peer_retries_the_same_tensors_after_a_launch_raced_an_abort
                     await trio.lowlevel.checkpoint()
                 self.fail("a link broke (injected)")
                 raise LocalFailure(self.failure or "")
-            await real_send_all(self, connections)  # type: ignore[arg-type]
+            await real_send_all(self, connections, back)  # type: ignore[arg-type]
 
         async def get(self: ReduceResult) -> pccl.ReduceInfo:
             nonlocal held

@@ -15,7 +15,7 @@ import trio.testing
 from pccl_trio._core.ring import RingSchedule
 from pccl_trio._types import ReduceOp
 from pccl_trio.ops import BufferPool, HostStaging
-from pccl_trio.peer._agreement import Agreement
+from pccl_trio.peer._agreement import FORWARD, Agreement
 from pccl_trio.peer._attempt import RingAttempt
 from pccl_trio.transport import SocketLink
 
@@ -144,7 +144,7 @@ async def test_a_leased_part_completed_in_a_thread_tells_the_successor_from_ther
             await trio.to_thread.run_sync(run.agreement.on_notice, 1)
             await run.returned.wait()
         with run.agreement.lock:
-            assert run.agreement.done and run.agreement.claim() == 0
+            assert run.agreement.done and run.agreement.claim() is None
         await run.close()
 
 
@@ -170,7 +170,7 @@ async def test_a_leased_part_whose_master_knows_it_runs_wakes_the_trio_thread_at
         with run.agreement.lock:
             assert not run.agreement.agreed
             # Before: no thread sent the notice, it is the trio thread's to send.
-            assert run.agreement.claim() == (1 if told == "before" else 0)
+            assert run.agreement.claim() == ((FORWARD, 1) if told == "before" else None)
         await run.close()
 
 
@@ -192,8 +192,8 @@ async def test_a_notice_a_thread_cannot_send_is_left_to_the_trio_thread(
             await trio.to_thread.run_sync(run.deliver_all)
             await run.returned.wait()
         with run.agreement.lock:
-            assert run.attempt.complete and not run.agreement.sending
-            assert run.agreement.claim() == 1
+            assert run.attempt.complete and not any(run.agreement.sending)
+            assert run.agreement.claim() == (FORWARD, 1)
         await run.close()
 
 
