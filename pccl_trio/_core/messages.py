@@ -274,11 +274,19 @@ class VoteEstablish(Message):
 @message(4, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class P2PEstablished(Message):
-    """Report on connecting to the ring neighbours the master named in ``round``."""
+    """Report on connecting to the ring neighbours the master named in ``round``;
+    ``pool``: the connections the peer's pool to its successor has (0: none, it is
+    alone or failed), from which the master tells the group how finely to cut a ring
+    step (``P2PEstablishResult.stripes``)."""
 
     round: int
     success: bool
     failed_peers: tuple[int, ...] = ()
+    pool: int = 0
+
+    def _validate(self) -> None:
+        if self.pool:
+            check_pool_size(self.pool, "P2PEstablished.pool")
 
 
 @message(5, C2M)
@@ -516,6 +524,8 @@ class P2PEstablishResult(Message):
 
     ``round`` 0 with ``error`` not empty: the peer's ``VoteEstablish`` was refused (the
     other members did not vote within the master's stall timeout); no round follows.
+    ``stripes``: the most connections any pool of the ring has, which every member's
+    all-reduces on this ring cut each step's data for (``_core.ring.striped_slice``).
     """
 
     round: int
@@ -523,6 +533,10 @@ class P2PEstablishResult(Message):
     ring: tuple[int, ...]
     world: WorldSizes
     error: str = ""
+    stripes: int = 1
+
+    def _validate(self) -> None:
+        check_pool_size(self.stripes, "P2PEstablishResult.stripes")
 
 
 @message(68, M2C)

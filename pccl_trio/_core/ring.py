@@ -17,7 +17,16 @@ from collections.abc import Callable, Collection, Sequence
 
 from .errors import RemoteProtocolError
 
-__all__ = ["RingSchedule", "Segment", "chunk_bounds", "find_ring", "neighbours", "ring_edges"]
+__all__ = [
+    "STRIPED_SLICE_FLOOR",
+    "RingSchedule",
+    "Segment",
+    "chunk_bounds",
+    "find_ring",
+    "neighbours",
+    "ring_edges",
+    "striped_slice",
+]
 
 #: Bound on the search for a ring around blocked edges; past it we give up (and the
 #: master removes a peer) rather than stall the master's event loop.
@@ -103,6 +112,34 @@ def chunk_bounds(count: int, world: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+#: The smallest slice ``striped_slice`` cuts: below it a frame's fixed cost of work
+#: outweighs what one more connection carries.
+STRIPED_SLICE_FLOOR = 256 << 10
+
+
+def striped_slice(slice_bytes: int, *, nbytes: int, world: int, itemsize: int, stripes: int) -> int:
+    """The slice size a ring all-reduce of ``nbytes`` over ``world`` peers uses when the
+    ring's pools have up to ``stripes`` connections (the master's
+    ``P2PEstablishResult.stripes``, the same for every member).
+
+    A ring step moves one chunk (``nbytes / world``) over one link, dealt slice by slice
+    over that link's pool: with fewer slices than connections, some connections idle
+    for the whole step while the others are limited by their windows (at 100 ms and 8
+    connections, a W=4 64 MiB all-reduce cut in 4 MiB slices kept 4 of them busy and
+    took 1.36 s; cut in 1 MiB, 0.96 s). So with ``stripes`` > 1 a step is cut into at
+    least ``2 * stripes`` slices (two per connection, so that each has its next frame
+    queued), but never below ``STRIPED_SLICE_FLOOR`` nor above ``slice_bytes``; with
+    one connection per link (a LAN, loopback) it is ``slice_bytes``, unchanged. Whole
+    elements only.
+    """
+    if stripes <= 1:
+        return slice_bytes
+    chunk = -(-nbytes // world)
+    wanted = -(-chunk // (2 * stripes))
+    cut = min(slice_bytes, max(STRIPED_SLICE_FLOOR, wanted))
+    return max(itemsize, cut - cut % itemsize)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

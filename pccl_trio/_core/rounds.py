@@ -13,7 +13,12 @@ Each participant gets its ring, neighbours and world sizes (``P2PInfo``, CONNECT
 connects, and reports (``P2PEstablished``: WAITING, or CONNECT_FAILED). The round
 succeeds if every participant reports its neighbours reachable and none left
 meanwhile; every participant receives the same verdict (``P2PEstablishResult``) and
-is ACCEPTED from then on; after a failure they vote again. A participant that has not
+is ACCEPTED from then on; after a failure they vote again. Each report also says how
+many connections the participant's pool to its successor has, and the verdict tells
+every member of a group the most of its ring (``stripes``): all-reduces cut each ring
+step into at least two slices per connection of that (``ring.striped_slice``), the
+same cut at every member, so that a pool sized for a long link is kept busy by every
+step. A participant that has not
 reported ``round_timeout`` seconds after the start is kicked, so that one stuck peer
 cannot stall the run.
 
@@ -132,6 +137,8 @@ class _Round:
     started_at: float
     failed: bool = False  # a participant could not reach a neighbour
     dropped: bool = False  # a participant left
+    # The connections each participant reported in its pool to its successor.
+    pools: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 class Rounds:
@@ -196,6 +203,7 @@ class Rounds:
             )
         if message.success:
             peer.apply(PeerEvent.REPORT_CONNECTED)
+            current.pools[peer.peer_id] = message.pool
             return
         peer.apply(PeerEvent.REPORT_FAILED)
         current.failed = True
@@ -397,6 +405,10 @@ class Rounds:
         else:
             self._book.stale_groups.update(touched)
         event = PeerEvent.ROUND_SUCCEEDED if success else PeerEvent.ROUND_FAILED
+        stripes: dict[int, int] = {}
+        for peer in members:
+            group = peer.peer_group
+            stripes[group] = max(stripes.get(group, 1), current.pools.get(peer.peer_id, 1))
         for peer in members:
             peer.phase = PeerPhase.ACCEPTED
             peer.apply(event)
@@ -407,6 +419,7 @@ class Rounds:
                     success=success,
                     ring=tuple(self._book.rings[peer.peer_group]),
                     world=worlds[peer.peer_group],
+                    stripes=stripes[peer.peer_group],
                 ),
             )
         self._table.report(

@@ -68,7 +68,7 @@ from .._core.messages import (
     Outcome,
     bounded,
 )
-from .._core.ring import RingSchedule
+from .._core.ring import RingSchedule, striped_slice
 from .._errors import (
     CollectiveAborted,
     InvalidArgument,
@@ -281,11 +281,15 @@ class AllReduces:
             codec = Codec(request.xp, request.result.dtype, request.quantization.algorithm,
                           request.quantization.quantized_datatype, request.hint)
         staging = staging_for(request.xp, gpu_of(request.xp, request.result))
-        staging.check_slices(self._config.slice_bytes, int(request.result.nbytes))
+        itemsize = int(request.result.dtype.itemsize)
+        slice_bytes = striped_slice(
+            self._config.slice_bytes, nbytes=int(request.result.nbytes), world=len(ring),
+            itemsize=itemsize, stripes=self._membership.stripes,
+        )
+        staging.check_slices(slice_bytes, int(request.result.nbytes))
         schedule = RingSchedule.all_reduce(
-            count=int(request.result.size), itemsize=int(request.result.dtype.itemsize),
-            world=len(ring), rank=ring.index(self._session.peer_id),
-            slice_bytes=self._config.slice_bytes,
+            count=int(request.result.size), itemsize=itemsize,
+            world=len(ring), rank=ring.index(self._session.peer_id), slice_bytes=slice_bytes,
         )
         attempt = RingAttempt(
             schedule=schedule, staging=staging, send=request.send, result=request.result,

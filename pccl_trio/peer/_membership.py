@@ -61,6 +61,9 @@ class Membership:
         self._p2p = context.p2p
         self._receiver = receiver
         self.ring: tuple[int, ...] = ()
+        #: The most connections any pool of the ring has (the round's ``stripes``): how
+        #: finely all-reduces on this ring cut a step (``_core.ring.striped_slice``).
+        self.stripes = 1
         #: The node identities the master named for this peer's ring neighbours.
         self.neighbour_identities: dict[int, bytes] = {}
         self.world: WorldSizes | None = None
@@ -131,14 +134,17 @@ class Membership:
         failed = await self._p2p.rewire(
             successor, predecessor, {e.peer_id: e for e in info.neighbours}
         )
+        pool = 0 if failed or successor is None else len(self._p2p.successor_connections(successor))
         await self._session.send(
-            P2PEstablished(round=info.round, success=not failed, failed_peers=tuple(failed)),
+            P2PEstablished(round=info.round, success=not failed, failed_peers=tuple(failed),
+                           pool=pool),
             epoch=epoch,
         )
         result = await self._session.wait_for(P2PEstablishResult, lambda r: r.round == info.round)
         if result.success:
             self.ring = result.ring
             self.world = result.world
+            self.stripes = result.stripes
             self.neighbour_identities = {e.peer_id: e.identity for e in info.neighbours}
             for follower in self._followers:
                 follower(result.ring)

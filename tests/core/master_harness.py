@@ -289,12 +289,14 @@ class MasterHarness:
         return self.send(conn, VoteEstablish(accept_new_peers=accept))
 
     def report(
-        self, conn: int, round: int | None = None, ok: bool = True, failed: Sequence[int] = ()
+        self, conn: int, round: int | None = None, ok: bool = True, failed: Sequence[int] = (),
+        pool: int = 0,
     ) -> list[Action]:
-        """Report on the round of the last ``P2PInfo`` ``conn`` got (or on ``round``)."""
+        """Report on the round of the last ``P2PInfo`` ``conn`` got (or on ``round``),
+        with ``pool`` connections to its successor."""
         number = self.last(conn, P2PInfo).round if round is None else round
         return self.send(
-            conn, P2PEstablished(round=number, success=ok, failed_peers=tuple(failed))
+            conn, P2PEstablished(round=number, success=ok, failed_peers=tuple(failed), pool=pool)
         )
 
     def initiate(

@@ -169,6 +169,21 @@ def test_world_sizes_and_rings_per_group() -> None:
     assert (h.core.ring(0), h.core.ring(1), h.core.ring(2)) == ([1, 2, 3], [4], [])
 
 
+def test_every_member_of_a_group_learns_the_largest_pool_of_its_ring() -> None:
+    """All-reduces cut a ring step by the ring's largest pool (``stripes``): every
+    member of a group gets the same number, each group its own, and a member that
+    reports no pool (alone) counts as one connection."""
+    h = MasterHarness()
+    h.join(1, group=0)
+    assert h.last(1, P2PEstablishResult).stripes == 1
+    for conn, group in ((2, 0), (3, 0), (4, 1), (5, 1)):
+        h.register(conn, group=group)
+    h.vote(1)
+    for conn, pool in ((1, 1), (2, 8), (3, 3), (4, 2), (5, 0)):
+        h.report(conn, pool=pool)
+    assert [h.last(conn, P2PEstablishResult).stripes for conn in (1, 2, 3, 4, 5)] == [8, 8, 8, 2, 2]
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5], ids=lambda n: f"ring-of-{n}")
 def test_neighbours_are_the_ring_predecessor_and_successor(size: int) -> None:
     h = MasterHarness()

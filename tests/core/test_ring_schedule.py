@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pccl_trio._core.errors import RemoteProtocolError
-from pccl_trio._core.ring import RingSchedule, Segment, chunk_bounds
+from pccl_trio._core.ring import STRIPED_SLICE_FLOOR, RingSchedule, Segment, chunk_bounds, striped_slice
 
 
 def all_reduce(count: int, itemsize: int, world: int, rank: int, slice_bytes: int) -> RingSchedule:
@@ -135,3 +135,34 @@ def test_segments_that_do_not_make_a_schedule_are_refused() -> None:
         schedule([dataclasses.replace(segment, nbytes=6)], [])
     with pytest.raises(ValueError, match="rank"):
         RingSchedule(world=2, rank=2, itemsize=4, slice_bytes=16, send=[], recv=[])
+
+
+# --- how finely a step is cut for the ring's pools ---------------------------------------
+
+
+@pytest.mark.parametrize(("nbytes", "world", "stripes", "expected"), [
+    (64 << 20, 4, 1, 4 << 20),  # one connection per link: the configured slice
+    (64 << 20, 4, 8, 1 << 20),  # 16 MiB steps over 8 connections: 16 slices
+    (64 << 20, 3, 8, 1_398_100),  # ceil(ceil(64 MiB / 3) / 16), down to whole float32s
+    (256 << 20, 3, 8, 4 << 20),  # steps long enough: never above the configured slice
+    (1 << 20, 3, 8, STRIPED_SLICE_FLOOR),  # never below the floor
+    (100, 3, 16, 100),  # a slice as small as the slice size allows is fine too
+])
+def test_a_step_is_cut_into_two_slices_per_connection_within_bounds(
+    nbytes: int, world: int, stripes: int, expected: int
+) -> None:
+    slice_bytes = min(4 << 20, max(100, nbytes))
+    assert striped_slice(slice_bytes, nbytes=nbytes, world=world, itemsize=4,
+                         stripes=stripes) == expected
+
+
+@given(st.integers(1, 1 << 30), st.integers(2, 64), st.sampled_from([1, 2, 4, 8]),
+       st.integers(1, 1024), st.integers(1, 64 << 20))
+def test_a_striped_slice_holds_whole_elements_and_stays_in_bounds(
+    nbytes: int, world: int, itemsize: int, stripes: int, slice_bytes: int
+) -> None:
+    slice_bytes = max(itemsize, slice_bytes - slice_bytes % itemsize)
+    cut = striped_slice(slice_bytes, nbytes=nbytes, world=world, itemsize=itemsize, stripes=stripes)
+    assert cut % itemsize == 0 and itemsize <= cut <= slice_bytes
+    if stripes == 1:
+        assert cut == slice_bytes
