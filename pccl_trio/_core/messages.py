@@ -604,7 +604,10 @@ class SharedStatePlan(Message):
     """The outcome of a shared-state vote for this peer: after sync ``sync`` it holds
     ``revision``, once it fetched ``fetches`` from any of ``distributors`` (which hold
     the popular state). A distributor serves ``fetchers`` only, each only the tensors
-    named there. ``error`` non-empty: the vote was refused, nothing happens."""
+    named there. ``error`` non-empty: the vote was refused, nothing happens.
+    ``complete``: no member of the group fetches anything, so the sync is over with
+    its plan: the peer sends no ``SharedStateDone`` and gets no ``SharedStateComplete``.
+    """
 
     sync: int
     revision: int
@@ -612,9 +615,15 @@ class SharedStatePlan(Message):
     distributors: tuple[PeerEndpoint, ...]
     fetchers: tuple[SharedStateFetcher, ...] = ()
     error: str = ""
+    complete: bool = False
 
     def _validate(self) -> None:
         _check_unique_keys((f.key for f in self.fetches), "SharedStatePlan.fetches")
+        if self.complete and (self.fetches or self.fetchers or self.error):
+            raise RemoteProtocolError(
+                "SharedStatePlan.complete: a sync that is over with its plan has no fetches, "
+                "no fetchers and no error"
+            )
 
 
 @message(73, M2C)

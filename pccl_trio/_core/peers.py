@@ -126,6 +126,7 @@ class PeerEvent(enum.Enum):
     SYNC_START = enum.auto()
     SYNC_REFUSED = enum.auto()
     SYNC_COMPLETE = enum.auto()
+    SYNC_OVER = enum.auto()  # planned with nothing for anyone to fetch: over at once
     OPTIMIZE_START = enum.auto()
     OPTIMIZE_REFUSED = enum.auto()
 
@@ -153,6 +154,7 @@ TRANSITIONS: Mapping[tuple[PeerState, PeerEvent], PeerState] = {
     (PeerState.IDLE, PeerEvent.VOTE_SYNC): PeerState.VOTE_SYNC,
     (PeerState.VOTE_SYNC, PeerEvent.SYNC_START): PeerState.SYNCING,
     (PeerState.VOTE_SYNC, PeerEvent.SYNC_REFUSED): PeerState.IDLE,
+    (PeerState.VOTE_SYNC, PeerEvent.SYNC_OVER): PeerState.IDLE,
     (PeerState.SYNCING, PeerEvent.REPORT_SYNCED): PeerState.SYNC_DONE,
     (PeerState.SYNC_DONE, PeerEvent.SYNC_COMPLETE): PeerState.IDLE,
     (PeerState.IDLE, PeerEvent.VOTE_OPTIMIZE): PeerState.VOTE_OPTIMIZE,

@@ -14,7 +14,10 @@ function of the ballots: who is kicked, which revision everyone holds afterwards
 fetches which keys, and who may distribute them. Every remaining voter gets its
 ``SharedStatePlan`` (SYNCING), fetches from the distributors peer to peer, and reports
 ``SharedStateDone`` (SYNC_DONE); when all have, each gets ``SharedStateComplete`` (IDLE)
-and the group expects the next revision.
+and the group expects the next revision. When nobody fetches anything (every member
+holds the popular state, the common case of a training loop's every step), there is
+nothing to wait for: the plan says ``complete`` and every voter is IDLE at once, so
+the sync costs one round trip to the master instead of two.
 
 A vote the group cannot complete is refused rather than left waiting: when a member
 waits in a topology vote (``peers.BLOCKED_BY``), or when the election left nobody who
@@ -175,12 +178,7 @@ class Syncs:
                     peer = self._table.peers[peer_id]
                     peer.apply(PeerEvent.SYNC_COMPLETE)
                     self._table.send(peer, SharedStateComplete(sync=sync.number))
-                self._table.report(
-                    RunKind.SYNCED, f"sync {sync.number} of peer group {group} complete",
-                    level=logging.DEBUG, sync=sync.number, group=group,
-                    peers=len(sync.members), seconds=self._table.now - sync.started,
-                    planned_bytes=sync.planned_bytes,
-                )
+                self._report_synced(group, sync)
         groups: dict[int, list[Peer]] = {}
         for peer in self._table.accepted():
             groups.setdefault(peer.peer_group, []).append(peer)
@@ -193,6 +191,14 @@ class Syncs:
                 self._refuse(voters, out_of_order(blocker, Call.SYNC_SHARED_STATE))
             elif len(voters) == len(members):
                 self._start(group, voters)
+
+    def _report_synced(self, group: int, sync: _Sync) -> None:
+        self._table.report(
+            RunKind.SYNCED, f"sync {sync.number} of peer group {group} complete",
+            level=logging.DEBUG, sync=sync.number, group=group,
+            peers=len(sync.members), seconds=self._table.now - sync.started,
+            planned_bytes=sync.planned_bytes,
+        )
 
     def waiting(self) -> Iterator[Waiting]:
         """Each group's sync vote, while some members voted and others did not."""
@@ -288,6 +294,17 @@ class Syncs:
             distributors=tuple(election.distributors),
             fetchers=tuple(p for p, f in election.fetches.items() if f),
         )
+        if not any(election.fetches.values()):
+            for peer in remaining:
+                peer.apply(PeerEvent.SYNC_OVER)
+                peer.ballot = None
+                self._table.send(
+                    peer,
+                    SharedStatePlan(sync=number, revision=election.revision, fetches=(),
+                                    distributors=(), complete=True),
+                )
+            self._report_synced(group, self._running.pop(group))
+            return
         position = {key: index for index, key in enumerate(election.keys)}
         fetchers = tuple(
             SharedStateFetcher(

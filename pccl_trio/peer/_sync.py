@@ -147,11 +147,15 @@ class SharedStateSync:
                     received, failure = await self._fetch(plan, tensors, kept)
                     if failure:
                         await _put_back(kept)
-                await self._session.send(
-                    SharedStateDone(sync=plan.sync, success=not failure, reason=bounded(failure)),
-                    epoch=epoch,  # for the master that planned it, or for none
-                )
-                await self._session.wait_for(SharedStateComplete, lambda m: m.sync == plan.sync)
+                if not plan.complete:  # else nobody fetches: the sync is over already
+                    await self._session.send(
+                        SharedStateDone(sync=plan.sync, success=not failure,
+                                        reason=bounded(failure)),
+                        epoch=epoch,  # for the master that planned it, or for none
+                    )
+                    await self._session.wait_for(
+                        SharedStateComplete, lambda m: m.sync == plan.sync
+                    )
             except BaseException:
                 # The sync did not complete (the fetch was cancelled, its master was
                 # lost, the run ended): the old bytes go back, to match the revision,

@@ -109,8 +109,8 @@ def started(h: MasterHarness, tag: int, *conns: int) -> int:
 # --- shared state ----------------------------------------------------------------------
 
 
-def sync_vote() -> SharedStateVote:
-    entry = SharedStateEntry(key="w", hash=7, dtype=10, count=4, allow_content_inequality=False)
+def sync_vote(content: int = 7) -> SharedStateVote:
+    entry = SharedStateEntry(key="w", hash=content, dtype=10, count=4, allow_content_inequality=False)
     return SharedStateVote(revision=0, strategy=0, entries=(entry,))
 
 
@@ -202,8 +202,10 @@ def accepted_sync_voted(h: MasterHarness) -> tuple[int, int]:
 
 
 def accepted_syncing(h: MasterHarness) -> tuple[int, int]:
+    # Other content than the subject's: one of them fetches, so the sync runs until
+    # both report (a sync in which nobody fetches is over with its plan).
     accepted_sync_voted(h)
-    h.send(2, sync_vote())
+    h.send(2, sync_vote(content=8))
     return 1, 2
 
 

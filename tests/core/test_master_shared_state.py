@@ -363,7 +363,7 @@ def test_elect_kicks_strategies_mixed_with_enforce_popular(strategies: tuple[int
 
 def synced(h: MasterHarness, revision: int, states: dict[int, tuple[SharedStateEntry, ...]]) -> int:
     """Every conn in ``states`` (the whole group) votes ``revision`` and its entries; the
-    sync runs to completion. Returns its number."""
+    sync runs to completion (with its plan, when nobody fetches). Returns its number."""
     h.take_all()
     for conn, entries in states.items():
         vote(h, conn, revision, *entries)
@@ -371,6 +371,11 @@ def synced(h: MasterHarness, revision: int, states: dict[int, tuple[SharedStateE
     number = plans[next(iter(states))].sync
     assert number > 0
     assert all(p.sync == number and p.revision == revision and not p.error for p in plans.values())
+    nobody_fetches = not any(p.fetches for p in plans.values())
+    assert all(p.complete is nobody_fetches for p in plans.values())
+    if nobody_fetches:
+        assert all(h.where(conn) == (ACC, IDLE) for conn in states)
+        return number
     for conn in states:
         done(h, conn, number)
     for conn in states:
@@ -479,9 +484,11 @@ def test_a_lone_member_syncs_alone() -> None:
     h.join(1)
     h.take_all()
     vote(h, 1, 7, W1)
-    assert plan_of(h, 1) == SharedStatePlan(sync=1, revision=7, fetches=(), distributors=())
-    done(h, 1, 1)
-    assert got(h, 1) == [SharedStateComplete(sync=1)]
+    # Nobody to fetch from, nothing to fetch: the sync is over with its plan.
+    assert plan_of(h, 1) == SharedStatePlan(sync=1, revision=7, fetches=(), distributors=(),
+                                            complete=True)
+    assert h.where(1) == (ACC, IDLE)
+    assert was_kicked(done(h, 1, 1), 1)  # there is nothing left to report
 
 
 def test_waiting_peers_take_no_part_in_a_sync() -> None:
@@ -532,13 +539,12 @@ def test_a_vote_skipping_ahead_is_kicked_and_the_others_sync_without_it(skipper_
     plans = {conn: plan_of(h, conn) for conn in (1, 2)}
     number = plans[1].sync
     assert number > first
+    # Both hold W2: nobody fetches, and the sync is over with its plan.
     assert plans == {
-        1: SharedStatePlan(sync=number, revision=6, fetches=(), distributors=(endpoint(2),)),
-        2: SharedStatePlan(sync=number, revision=6, fetches=(), distributors=(endpoint(1),)),
+        1: SharedStatePlan(sync=number, revision=6, fetches=(), distributors=(), complete=True),
+        2: SharedStatePlan(sync=number, revision=6, fetches=(), distributors=(), complete=True),
     }
-    done(h, 1, number)
-    done(h, 2, number)
-    assert got(h, 1) == got(h, 2) == [SharedStateComplete(sync=number)]
+    assert h.where(1) == h.where(2) == (ACC, IDLE)
 
 
 def test_a_vote_at_an_old_revision_is_outdated_and_receives() -> None:
@@ -668,7 +674,8 @@ def test_strategies_mixed_with_enforce_popular_are_kicked(strategies: tuple[int,
         vote(h, conn, 0, W1, strategy=strategy)
     for conn, strategy in zip(conns, strategies, strict=True):
         if strategy == E:
-            assert plan_of(h, conn) == SharedStatePlan(sync=1, revision=0, fetches=(), distributors=())
+            assert plan_of(h, conn) == SharedStatePlan(sync=1, revision=0, fetches=(),
+                                                       distributors=(), complete=True)
         else:
             assert h.view(conn) is None
             assert "cannot be mixed with ENFORCE_POPULAR" in (h.kick_reason(conn) or "")
@@ -751,21 +758,21 @@ def test_peer_groups_sync_independently() -> None:
     # Each group expects its own next revision: 1 and 8. Group 0 syncs again, while in
     # group 1 peer 4 votes another tensor list and is kicked; neither disturbs the other.
     vote(h, 1, 1, a1)
-    vote(h, 2, 1, a1)
+    vote(h, 2, 1, a2)  # peer 2 fetches again: the sync runs until both report
     n0 = plan_of(h, 1).sync
     assert plan_of(h, 2).sync == n0
     vote(h, 3, 8, z1)
     actions = vote(h, 4, 8, a1)
     assert was_kicked(only(actions, 4), 4)
     assert only(actions, 1) == only(actions, 2) == []
-    assert plan_of(h, 3) == SharedStatePlan(sync=n0 + 1, revision=8, fetches=(), distributors=())
+    # Peer 3, alone in its group now, has nothing to fetch: over with its plan.
+    assert plan_of(h, 3) == SharedStatePlan(sync=n0 + 1, revision=8, fetches=(),
+                                            distributors=(), complete=True)
+    assert h.where(3) == (ACC, IDLE)
     assert h.where(1) == h.where(2) == (ACC, SYNCING)
     done(h, 1, n0)
     done(h, 2, n0)
     assert got(h, 1) == got(h, 2) == [SharedStateComplete(sync=n0)]
-    assert got(h, 3) == []
-    done(h, 3, n0 + 1)
-    assert got(h, 3) == [SharedStateComplete(sync=n0 + 1)]
 
 
 def test_a_revision_skipping_ahead_in_one_group_is_judged_by_that_group() -> None:
@@ -906,7 +913,7 @@ def test_a_bad_report_during_a_sync_is_kicked_and_the_sync_goes_on(bad: BadDone)
     h = MasterHarness()
     accepted(h, 1, 2)
     vote(h, 1, 0, W1)
-    vote(h, 2, 0, W1)
+    vote(h, 2, 0, W2)  # peer 2 fetches W1: the sync runs until both report
     number = plan_of(h, 1).sync
     h.take_all()
     actions = h.send(1, bad(h, number))
@@ -926,7 +933,7 @@ def test_a_report_outside_a_sync_is_kicked(when: str) -> None:
         number = synced(h, 0, dict.fromkeys((1, 2), (W1,)))
     elif when == "while-voting":
         vote(h, 2, 0, W1)
-        vote(h, 1, 0, W1)
+        vote(h, 1, 0, W2)  # peer 1 fetches W1: both report
         number = plan_of(h, 1).sync
         done(h, 1, number)
         done(h, 2, number)
@@ -940,8 +947,8 @@ def test_a_report_outside_a_sync_is_kicked(when: str) -> None:
 def test_a_report_for_another_groups_sync_is_kicked() -> None:
     h = MasterHarness()
     run_with(h, {1: 0, 2: 0, 3: 1})
-    for conn in (1, 2, 3):
-        vote(h, conn, 0, W1)
+    for conn, content in ((1, W1), (2, W2), (3, W1)):  # peer 2 fetches: sync n0 runs on
+        vote(h, conn, 0, content)
     n0, n1 = plan_of(h, 1).sync, plan_of(h, 3).sync
     assert plan_of(h, 2).sync == n0 != n1
     actions = done(h, 3, n0)
@@ -1116,4 +1123,5 @@ def test_kicks_are_announced_to_the_kicked_only() -> None:
     assert isinstance(h.sent[2][-1], Kick)
     reason = h.kick_reason(2) or ""
     assert "'w'" in reason and "3 x FLOAT" in reason and "4 x FLOAT" in reason
-    assert plan_of(h, 1) == SharedStatePlan(sync=1, revision=0, fetches=(), distributors=())
+    assert plan_of(h, 1) == SharedStatePlan(sync=1, revision=0, fetches=(), distributors=(),
+                                            complete=True)

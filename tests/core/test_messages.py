@@ -410,6 +410,8 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (PeerEndpoint, "pool_size"): st.integers(1, MAX_POOL_SIZE),
     (P2PEstablished, "pool"): st.integers(0, MAX_POOL_SIZE),
     (P2PEstablishResult, "stripes"): st.integers(1, MAX_POOL_SIZE),
+    # A complete plan has nothing to fetch or serve: built by the flows, not drawn.
+    (SharedStatePlan, "complete"): st.just(False),
     (TensorSpan, "count"): st.integers(1, U64_MAX),
     (CollectiveInitiate, "dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
     (CollectiveInitiate, "quantized_dtype"): st.integers(0, len(DTYPE_NAMES) - 1),

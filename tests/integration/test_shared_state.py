@@ -7,7 +7,9 @@ import pytest
 import trio
 
 import pccl_trio as pccl
+from pccl_trio._core.messages import Message, SharedStateDone
 from pccl_trio.peer import _shared_state as sharing
+from pccl_trio.peer._session import MasterSession
 
 from .conftest import (
     Cluster,
@@ -97,6 +99,37 @@ async def test_joiner_receives_the_state_then_every_sync_is_free(
         assert [s.revision for s in states] == [7, 7, 7]
         for comm in comms:
             await comm.aclose()
+
+
+async def test_a_sync_in_which_nobody_fetches_is_over_with_its_plan(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Equal states: the plan says the sync is complete, so no peer reports to the
+    master (one round trip, not two); once a peer must fetch, every peer reports."""
+    reports: list[int] = []
+    real = MasterSession.send
+
+    async def send(self: MasterSession, message: Message, *, epoch: int | None = None) -> int:
+        if isinstance(message, SharedStateDone):
+            reports.append(message.sync)
+        return await real(self, message, epoch=epoch)
+
+    monkeypatch.setattr(MasterSession, "send", send)
+    with trio.fail_after(120):
+        comms = await form_run([], [cluster.communicator(f"p{i}") for i in range(2)])
+        states = [make_state(1), make_state(1)]
+        for _ in range(2):
+            infos = await sync_all(comms, states)
+            assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+            for s in states:
+                s.revision += 1
+        assert reports == []
+        assert [s.revision for s in states] == [2, 2]
+        states[1].tensors[0].data[:] += 1  # peer 1 diverged: it fetches the weights
+        await sync_all(comms, states)
+        assert len(reports) == 2 and len(set(reports)) == 1
+        assert same_content(states)
+        await run_all(comms, lambda i, c: c.aclose())
 
 
 async def test_diverged_peer_receives_only_the_differing_tensors(
