@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the sizes Gloo is timed at (default: --sizes; it is slow over long links)")
     parser.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
                         help="a kernel setting of every host (repeatable), for experiments")
+    parser.add_argument("--back-to-back", action="store_true",
+                        help="time pccl_trio's all-reduces one after the other, after one "
+                             "barrier, instead of a barrier before each (a training loop's "
+                             "rhythm, without the barrier's own skew)")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
@@ -142,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                    sysctls=dict(item.split("=", 1) for item in args.sysctl))
     print(f"# W={world}, every path {args.rtt * 1e3:g} ms RTT, uploads {args.rate}, MTU "
           f"{plan.mtu}, loss {args.loss}; float32 SUM in place; iters={args.iters} "
-          f"warmup={args.warmup}; busbw in Mbit/s per link", flush=True)
+          f"warmup={args.warmup}{' back to back' if args.back_to_back else ''}; busbw in "
+          "Mbit/s per link", flush=True)
     figures: dict[str, list[Any]] = {"ceiling": []}
     ring = [(i, (i + 1) % world) for i in range(world)]
     with Wan(plan) as wan:
@@ -157,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = argparse.Namespace(iters=args.iters, warmup=args.warmup, pool=pool,
                                          slice_bytes=parse_size(args.slice_bytes),
                                          into_recv=False, congestion_control=congestion,
+                                         back_to_back=args.back_to_back,
                                          timeout=args.timeout)
                 result = _run_pccl(world, sizes, run, placement(wan, world))
                 what = f"pccl pool={pool}" + (f" cc={congestion}" if congestion else "")

@@ -108,7 +108,7 @@ def format_size(n: int) -> str:
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
                   algorithm: str, protection: str, device: str, metrics: bool,
-                  leases: bool, congestion_control: str | None) -> None:
+                  leases: bool, congestion_control: str | None, back_to_back: bool) -> None:
     import numpy as np
 
     import pccl_trio as pccl
@@ -162,17 +162,31 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
             error = abs((data if out is None else out) - base * world).max()
             ok = bool(error == 0 if quantization is None else error <= 1e-5 * world)
             times = []
-            for _ in range(iters):
-                xp.copyto(data, base)
+            if back_to_back:
+                # One barrier, then the timed all-reduces one after the other (each peer
+                # starts the next as soon as its last returned), each the slowest peer's.
                 await comm.all_reduce(barrier, tag=1)
-                host_before, device_before = CROSSINGS.snapshot()
-                start = time.perf_counter()
-                info = await comm.all_reduce(data, out, quantization=quantization)
-                clock[0] = time.perf_counter() - start
-                host_after, device_after = CROSSINGS.snapshot()
-                to_host, to_device = host_after - host_before, device_after - device_before
-                await comm.all_reduce(clock, op=pccl.ReduceOp.MAX, tag=2)
-                times.append(float(clock[0]))
+                for _ in range(iters):
+                    xp.copyto(data, base)
+                    start = time.perf_counter()
+                    info = await comm.all_reduce(data, out, quantization=quantization)
+                    times.append(time.perf_counter() - start)
+                slowest = np.array(times, dtype=np.float64)
+                await comm.all_reduce(slowest, op=pccl.ReduceOp.MAX, tag=2)
+                times = [float(t) for t in slowest]
+                to_host = to_device = 0
+            else:
+                for _ in range(iters):
+                    xp.copyto(data, base)
+                    await comm.all_reduce(barrier, tag=1)
+                    host_before, device_before = CROSSINGS.snapshot()
+                    start = time.perf_counter()
+                    info = await comm.all_reduce(data, out, quantization=quantization)
+                    clock[0] = time.perf_counter() - start
+                    host_after, device_after = CROSSINGS.snapshot()
+                    to_host, to_device = host_after - host_before, device_after - device_before
+                    await comm.all_reduce(clock, op=pccl.ReduceOp.MAX, tag=2)
+                    times.append(float(clock[0]))
             # The last timed one is checked too (outside the clock).
             error = abs((data if out is None else out) - base * world).max()
             ok = ok and bool(error == 0 if quantization is None else error <= 1e-5 * world)
@@ -206,12 +220,13 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--metrics", action="store_true")
     parser.add_argument("--no-leases", action="store_true")
     parser.add_argument("--congestion-control", default=None)
+    parser.add_argument("--back-to-back", action="store_true")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
              args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm,
              args.protection, args.device, args.metrics, not args.no_leases,
-             args.congestion_control)
+             args.congestion_control, args.back_to_back)
     return 0
 
 
@@ -240,8 +255,10 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
     """One repeat: a master and ``world`` worker processes; the first worker's results.
 
     ``args`` needs iters, warmup, pool, slice_bytes, into_recv, timeout and
-    (optionally) quantize, algorithm and congestion_control. Without protection the run has no secret (and
-    is started insecure, for placements off loopback); with it, a fresh secret.
+    (optionally) quantize, algorithm, congestion_control and back_to_back (the timed
+    all-reduces one after the other after one barrier, instead of a barrier before
+    each). Without protection the run has no secret (and is started insecure, for
+    placements off loopback); with it, a fresh secret.
     """
     from ._config import SECRET_ENVIRONMENT
 
@@ -277,6 +294,7 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
                  *([] if leases else ["--no-leases"]),
                  *(["--congestion-control", args.congestion_control]
                    if getattr(args, "congestion_control", None) else []),
+                 *(["--back-to-back"] if getattr(args, "back_to_back", False) else []),
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
             ))

@@ -128,11 +128,11 @@ def striped_slice(slice_bytes: int, *, nbytes: int, world: int, itemsize: int, s
     over that link's pool: with fewer slices than connections, some connections idle
     for the whole step while the others are limited by their windows (at 100 ms and 8
     connections, a W=4 64 MiB all-reduce cut in 4 MiB slices kept 4 of them busy and
-    took 1.36 s; cut in 1 MiB, 0.96 s). So with ``stripes`` > 1 a step is cut into at
-    least ``2 * stripes`` slices (two per connection, so that each has its next frame
-    queued), but never below ``STRIPED_SLICE_FLOOR`` nor above ``slice_bytes``; with
-    one connection per link (a LAN, loopback) it is ``slice_bytes``, unchanged. Whole
-    elements only.
+    took 1.22 s back to back; cut in 1 MiB, 0.99 s: ``docs/benchmarks.md``). So with
+    ``stripes`` > 1 a step is cut into at least ``2 * stripes`` slices (two per
+    connection, so that each has its next frame queued), but never below
+    ``STRIPED_SLICE_FLOOR`` nor above ``slice_bytes``; with one connection per link (a
+    LAN, loopback) it is ``slice_bytes``, unchanged. Whole elements only.
     """
     if stripes <= 1:
         return slice_bytes
