@@ -83,8 +83,6 @@ class SocketLink:
         self._cut = False
         self._released = False
         self.send_lock = threading.Lock()
-        # Set once when the socket was tuned (a fixed size turns off auto-tuning).
-        self._send_buffer: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
 
     @classmethod
     def detach(
@@ -244,7 +242,8 @@ class SocketLink:
         """Whether a frame with ``nbytes`` of payload fits in the socket's send buffer
         now, with a margin: sending it then returns without waiting for the other side.
         The kernel accounts queued bytes with overhead, so at most half the buffer
-        counts as room.
+        counts as room. The buffer's size is read each time: a buffer the kernel
+        autotunes (``pinned_buffers``) grows with the connection.
 
         Raises:
             trio.ClosedResourceError: this side cut the connection.
@@ -252,11 +251,12 @@ class SocketLink:
         sock = self._use()
         try:
             queued: int = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, _INT))[0]
+            buffer: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except OSError:
             return False
         finally:
             self._done()
-        return queued + nbytes + _FRAME_ALLOWANCE <= self._send_buffer // 2
+        return queued + nbytes + _FRAME_ALLOWANCE <= buffer // 2
 
     def send_message(self, message: Message) -> None:
         """Send one control frame (blocking)."""
