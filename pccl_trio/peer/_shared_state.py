@@ -17,7 +17,9 @@ most once (``Serving.claim``): a stranger, a peer of the run not fetching, or a 
 asking for other tensors or for the same bytes again gets a refusal, not data.
 
 A fetching peer splits the bytes it needs into *pieces* (at most ``PIECE_BYTES`` of one
-tensor) and opens one connection to every distributor. Each connection's worker takes
+tensor) and opens a connection to every distributor, or several where the path is long
+(as many as the ring's pools have, spread over the distributors: ``SharedStateSync``).
+Each connection's worker takes
 the next piece from one shared queue, asks for it (``SharedStateRequest``), and receives
 the answer's data frames straight into the tensor's memory. Fast distributors thus
 serve more pieces; none is singled out. When a distributor fails (it left, broke the

@@ -7,9 +7,10 @@ import pytest
 import trio
 
 import pccl_trio as pccl
-from pccl_trio._core.messages import Message, SharedStateDone
+from pccl_trio._core.messages import Message, PeerEndpoint, SharedStateDone
 from pccl_trio.peer import _shared_state as sharing
 from pccl_trio.peer._session import MasterSession
+from pccl_trio.testing import PeerSeam
 
 from .conftest import (
     Cluster,
@@ -129,6 +130,38 @@ async def test_a_sync_in_which_nobody_fetches_is_over_with_its_plan(
         await sync_all(comms, states)
         assert len(reports) == 2 and len(set(reports)) == 1
         assert same_content(states)
+        await run_all(comms, lambda i, c: c.aclose())
+
+
+async def test_a_joiner_fetches_over_as_many_connections_as_the_rings_pools_have(
+    cluster: Cluster, clock: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pools of 4 (as a long path gets them): the joiner's one distributor serves it
+    on 4 connections at once, whose workers share the pieces; the state arrives whole."""
+    monkeypatch.setattr(sharing, "PIECE_BYTES", 256 << 10)  # many pieces to share
+    with trio.fail_after(120):
+        founder = cluster.communicator("f0", 0, 4)
+        await form_run([], [founder])
+        states = [big_state(5)]
+        await sync_all([founder], states)
+        joiner = cluster.communicator("joiner", 0, 4)
+        comms = await form_run([founder], [joiner])
+        states[0].revision += 1
+        fresh = big_state(6, zero=True)
+        fresh.revision = 0
+        seam = PeerSeam(joiner)
+        fetch_from = seam.fetch_from
+        workers: list[int] = []  # the distributor of each worker, as it ends
+
+        async def counted(endpoint: PeerEndpoint, fetcher: sharing.Fetcher) -> None:
+            await fetch_from(endpoint, fetcher)
+            workers.append(endpoint.peer_id)
+
+        seam.fetch_from = counted
+        infos = await sync_all(comms, [states[0], fresh])
+        assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos), infos
+        assert same_content([states[0], fresh])
+        assert workers == [founder.peer_id] * 4
         await run_all(comms, lambda i, c: c.aclose())
 
 
