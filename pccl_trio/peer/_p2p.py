@@ -512,7 +512,6 @@ class P2PConnections:
             self._life.spawn(pool.read_back, self._read_back, pool.slots[0])
         return True
 
-
     # --- one-shot protocols ----------------------------------------------------------------
 
     def framed(self, stream: trio.abc.Stream, channel: Channel | None = None) -> FramedStream:
