@@ -329,7 +329,7 @@ class Communicator:
 
     def statistics(self) -> CommunicatorStatistics:
         """What this peer currently knows and holds open."""
-        tx, rx = self._p2p.counts()
+        tx, rx = self._p2p.pools.counts()
         return CommunicatorStatistics(
             peer_id=self.peer_id, ring=self.ring, tx_connections=tx, rx_connections=rx
         )
@@ -540,7 +540,7 @@ class Communicator:
         around = neighbours(self._membership.ring, self._session.peer_id or 0)
         predecessor, successor = around if around is not None else (0, 0)
         named = self._membership.neighbour_identities
-        _tx, rx = self._p2p.counts()
+        _tx, rx = self._p2p.pools.counts()
         # Its connections from the predecessor broke (which an aborted all-reduce does
         # too) and its listener refuses connections: that process is gone. A
         # successor's death would only show once something is sent: not reported.

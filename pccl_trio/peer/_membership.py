@@ -134,7 +134,7 @@ class Membership:
         failed = await self._p2p.rewire(
             successor, predecessor, {e.peer_id: e for e in info.neighbours}
         )
-        pool = 0 if failed or successor is None else len(self._p2p.successor_connections(successor))
+        pool = 0 if failed or successor is None else len(self._p2p.pools.successor_connections(successor))
         await self._session.send(
             P2PEstablished(round=info.round, success=not failed, failed_peers=tuple(failed),
                            pool=pool),

@@ -27,13 +27,12 @@ its pool size then, so that its successor admits every slot it may open. A data
 connection is admitted (``_admit``) only from a predecessor the master named (a round's
 ``P2PInfo``, which may reach this peer a moment after it reached the connecting one),
 from the host the master knows it at, into a slot below the pool size it registered
-with, and replaces an older connection in the same slot. Data goes one way on a pool,
-but the first connection of each also carries what the receiver sends back (the
-completion notices of leased attempts, ``_agreement``): the receiver sends on its rx
-slot 0 (``predecessor_connection``), and the sender runs the ring's backward reader on
-its tx slot 0 from the pool's opening until it closes (``handle_ring``). A connection
-with no reader shows its other end's close as readable bytes (``_Pool.healthy``); the
-one with a reader, by its reader ending. After a round, ``rewire``
+with, and replaces an older connection in the same slot. The pools themselves, and what
+the data path asks of them, are ``_pools.RingPools`` (``pools``). Data goes one way on
+a pool, but the first connection of each also carries what the receiver sends back
+(the completion notices of leased attempts, ``_agreement``): the receiver sends on its
+rx slot 0, and the sender runs the ring's backward reader on its tx slot 0 from the
+pool's opening until it closes (``handle_ring``). After a round, ``rewire``
 keeps a healthy pool to the successor or opens a new one, and closes the pools of
 peers that are no longer neighbours: which pools change is decided first, then the IO
 is done.
@@ -54,7 +53,6 @@ measurement): a fresh connection, the protocol run by the right driver, closed a
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import math
@@ -101,6 +99,7 @@ from ..transport import (
     threads_allowed,
 )
 from ._lifecycle import Lifecycle
+from ._pools import Pool, RingPools
 from ._protocol import Protocol, run_protocol
 from ._session import MasterSession
 
@@ -143,41 +142,6 @@ PURPOSES: dict[type[Message], Purpose] = {
 #: Accepted connections that have not sent their first frame yet, at most; more are
 #: closed at once (each holds a task and a buffer until ``connect_timeout``).
 MAX_NEW_CONNECTIONS = 64
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class _Pool:
-    """The connections to (tx) or from (rx) one neighbour, by slot."""
-
-    peer_id: int
-    slots: dict[int, Connection] = dataclasses.field(default_factory=dict)
-    size: int = 0  # the connections it was opened with (tx)
-    read: set[int] = dataclasses.field(default_factory=set)  # tx slots a reader reads
-
-    def healthy(self) -> bool:
-        """All its connections open at both ends. A tx connection nobody reads shows a
-        remote close only as an end of stream waiting there; one a reader reads may
-        hold bytes for it, and shows the close by its reader ending."""
-        return len(self.slots) == self.size and not any(
-            s.closed or (slot not in self.read and s.closed_by_peer())
-            for slot, s in self.slots.items()
-        )
-
-    async def read_back(
-        self, reader: Callable[[Connection, int], Awaitable[None]], first: Connection
-    ) -> None:
-        """Run ``reader`` on the ``first`` connection of this tx pool (``read`` holds
-        its slot); once it ends, the connection counts as closed by its other end."""
-        try:
-            await reader(first, self.peer_id)
-        finally:
-            self.read.discard(0)
-
-    async def aclose(self) -> None:
-        streams = list(self.slots.values())
-        self.slots.clear()
-        for stream in streams:
-            await stream.aclose()
 
 
 class Claimed(typing.Protocol):
@@ -234,8 +198,8 @@ class P2PConnections:
         self._listener: trio.abc.Listener[Any] | None = None
         self._handlers: dict[type[Message], Callable[[FramedStream, Any], Awaitable[None]]] = {}
         self._read_back: Callable[[Connection, int], Awaitable[None]] | None = None
-        self._tx: dict[int, _Pool] = {}
-        self._rx: dict[int, _Pool] = {}
+        #: The ring's pools (``_pools``): what the data path sends and receives on.
+        self.pools = RingPools()
         # Peers allowed to open data connections to us: predecessors named by the master.
         self._expected_senders: dict[int, PeerEndpoint] = {}
         self._expected_lot = trio.lowlevel.ParkingLot()
@@ -371,7 +335,7 @@ class P2PConnections:
                 raise RemoteProtocolError(
                     f"P2PHello claiming to be peer {hello.peer_id}, but {refusal}"
                 )
-            pool = self._rx.setdefault(hello.peer_id, _Pool(peer_id=hello.peer_id))
+            pool = self.pools.rx_pool(hello.peer_id)
             old = pool.slots.get(hello.slot)
             pool.slots[hello.slot] = framed
             if old is not None:
@@ -403,21 +367,15 @@ class P2PConnections:
         """After a round: a healthy pool to ``successor`` (opened if need be), no pools
         to or from peers that are no longer neighbours; the peers that could not be
         reached."""
-        reopen = successor is not None and not (
-            successor in self._tx and self._tx[successor].healthy()
-        )
-        stale_tx = [p for p in self._tx if p != successor]
-        stale_rx = [p for p in self._rx if p != predecessor]
+        reopen = successor is not None and not self.pools.healthy_to(successor)
         failed: list[int] = []
         if reopen:
             assert successor is not None
             endpoint = endpoints.get(successor)
             if endpoint is None or not await self._open_pool(endpoint):
                 failed.append(successor)
-        for peer_id in stale_tx:
-            await self._tx.pop(peer_id).aclose()
-        for peer_id in stale_rx:
-            await self._rx.pop(peer_id).aclose()
+        for pool in self.pools.stale(successor, predecessor):
+            await pool.aclose()
         return failed
 
     def expect_only(self, predecessor: int | None) -> None:
@@ -425,26 +383,6 @@ class P2PConnections:
         self._expected_senders = {
             p: e for p, e in self._expected_senders.items() if p == predecessor
         }
-
-    def receives_on(self, predecessor: int, connection: Connection) -> bool:
-        """Whether ``connection`` is in the pool from ``predecessor``. A connection
-        leaves it only in a round: replaced in its slot by a newer one (``_admit``), or
-        closed with the pool of a peer that is no longer the predecessor (``rewire``)."""
-        pool = self._rx.get(predecessor)
-        return pool is not None and any(c is connection for c in pool.slots.values())
-
-    def successor_connections(self, successor: int) -> list[Connection]:
-        """The open connections to ``successor``, by slot."""
-        pool = self._tx.get(successor)
-        connections = [s for _, s in sorted(pool.slots.items())] if pool else []
-        return [c for c in connections if not c.closed]
-
-    def predecessor_connection(self, predecessor: int) -> Connection | None:
-        """The first connection from ``predecessor``, whose other end reads what this
-        peer sends back on it (None if it is not open)."""
-        pool = self._rx.get(predecessor)
-        first = pool.slots.get(0) if pool else None
-        return first if first is not None and not first.closed else None
 
     @property
     def registered_pool_size(self) -> int:
@@ -454,7 +392,7 @@ class P2PConnections:
     async def _open_pool(self, endpoint: PeerEndpoint) -> bool:
         """Open a pool to ``endpoint`` (``pool_size`` connections, or as many as its
         path needs: ``pool_for``); False if any failed."""
-        pool = _Pool(peer_id=endpoint.peer_id)
+        pool = Pool(peer_id=endpoint.peer_id)
         ok = True
 
         async def open_slot(slot: int) -> None:
@@ -503,10 +441,9 @@ class P2PConnections:
         if not ok:
             await pool.aclose()
             return False
-        old = self._tx.pop(endpoint.peer_id, None)
+        old = self.pools.install(pool)
         if old is not None:
             await old.aclose()
-        self._tx[endpoint.peer_id] = pool
         if self._read_back is not None:
             pool.read.add(0)
             self._life.spawn(pool.read_back, self._read_back, pool.slots[0])
@@ -611,31 +548,11 @@ class P2PConnections:
                 link.cut()
             await framed.aclose()
 
-    # --- views and the end ---------------------------------------------------------------
-
-    def counts(self) -> tuple[dict[int, int], dict[int, int]]:
-        """Open connections per peer: ``(tx, rx)``."""
-        def count(pools: dict[int, _Pool]) -> dict[int, int]:
-            return {
-                peer: sum(not s.closed for s in pool.slots.values())
-                for peer, pool in pools.items()
-                if pool.slots
-            }
-
-        return count(self._tx), count(self._rx)
-
-    def connections(self) -> list[Connection]:
-        """Every pooled connection, tx then rx."""
-        return [s for pools in (self._tx, self._rx) for pool in pools.values()
-                for s in pool.slots.values()]
+    # --- the end -----------------------------------------------------------------------
 
     async def aclose(self) -> None:
         """Stop accepting and close every pool (shielded: it runs while failing)."""
         with trio.CancelScope(shield=True):
             if self._listener is not None:
                 await trio.aclose_forcefully(self._listener)
-            for pools in (self._tx, self._rx):
-                doomed = list(pools.values())
-                pools.clear()
-                for pool in doomed:
-                    await pool.aclose()
+            await self.pools.aclose()

@@ -79,7 +79,7 @@ class RunningParts:
         attempt = part.attempt
         self._life.raise_if_failed()
         successor = attempt.successor
-        connections = self._p2p.successor_connections(successor)
+        connections = self._p2p.pools.successor_connections(successor)
         if not connections:
             attempt.fail(f"no open connection to the next peer ({successor})")
         self._parts[attempt.tag] = part
@@ -88,7 +88,7 @@ class RunningParts:
             with part.scope:
                 try:
                     await attempt.send_all(
-                        connections, self._p2p.predecessor_connection(attempt.predecessor)
+                        connections, self._p2p.pools.predecessor_connection(attempt.predecessor)
                     )
                     ok = True
                 except LocalFailure as exc:

@@ -274,7 +274,7 @@ class DataReceiver:
     def _link_lost(self, sender: int, connection: Connection, exc: BaseException) -> None:
         """Every attempt receiving from ``sender`` lost frames with ``connection``,
         unless the connection had left the pool (see the module docstring)."""
-        if not self._life.over and not self._p2p.receives_on(sender, connection):
+        if not self._life.over and not self._p2p.pools.receives_on(sender, connection):
             return
         for attempt in list(self._by_seq.values()):
             if attempt.predecessor == sender and attempt.live:

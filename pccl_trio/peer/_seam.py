@@ -116,12 +116,12 @@ class PeerSeam:
 
     def connections(self) -> list[Connection]:
         """Every pooled ring connection, to the successor and from the predecessor."""
-        return self._comm._p2p.connections()
+        return self._comm._p2p.pools.connections()
 
     def sending_connections(self) -> list[Connection]:
         """The open connections to the ring's successor."""
         around = neighbours(self._comm.ring, self._comm.peer_id or 0)
-        return [] if around is None else self._comm._p2p.successor_connections(around[1])
+        return [] if around is None else self._comm._p2p.pools.successor_connections(around[1])
 
     def leased(self, tag: int) -> bool:
         """Whether this peer holds a standing lease on ``tag``: its next all-reduce of

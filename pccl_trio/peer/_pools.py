@@ -1,0 +1,136 @@
+"""The ring's connection pools of one peer: to its successor (tx) and from its
+predecessor (rx), by slot.
+
+Theory of operation
+-------------------
+``P2PConnections`` opens the tx pool (``_open_pool``) and admits the rx pool's
+connections (``_admit``); this module keeps them and answers what the data path asks
+of them: the connections to send a step on (``successor_connections``), the one to
+send completion notices back on (``predecessor_connection``, rx slot 0), whether a
+broken connection still belongs to the predecessor's pool (``receives_on``), and the
+counts the status and metrics show. Pools change only in an establishment round
+(``P2PConnections.rewire``): a pool to the successor is kept while ``healthy``, else
+replaced whole (``install``); pools of peers that are no longer neighbours are taken
+out (``stale``) and closed.
+
+A tx pool's first connection also carries what the successor sends back; its reader
+(``Pool.read_back``) runs for the connection's life. A tx connection nobody reads
+shows its other end's close as readable bytes, so ``healthy`` asks it; the one with a
+reader may hold bytes for the reader, and shows the close by the reader ending.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+from ..transport import Connection
+
+__all__ = ["Pool", "RingPools"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class Pool:
+    """The connections to (tx) or from (rx) one neighbour, by slot."""
+
+    peer_id: int
+    slots: dict[int, Connection] = dataclasses.field(default_factory=dict)
+    size: int = 0  # the connections it was opened with (tx)
+    read: set[int] = dataclasses.field(default_factory=set)  # tx slots a reader reads
+
+    def healthy(self) -> bool:
+        """All its connections open at both ends (see the module docstring)."""
+        return len(self.slots) == self.size and not any(
+            s.closed or (slot not in self.read and s.closed_by_peer())
+            for slot, s in self.slots.items()
+        )
+
+    async def read_back(
+        self, reader: Callable[[Connection, int], Awaitable[None]], first: Connection
+    ) -> None:
+        """Run ``reader`` on the ``first`` connection of this tx pool (``read`` holds
+        its slot); once it ends, the connection counts as closed by its other end."""
+        try:
+            await reader(first, self.peer_id)
+        finally:
+            self.read.discard(0)
+
+    async def aclose(self) -> None:
+        streams = list(self.slots.values())
+        self.slots.clear()
+        for stream in streams:
+            await stream.aclose()
+
+
+class RingPools:
+    """This peer's tx and rx pools, by neighbour (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._tx: dict[int, Pool] = {}
+        self._rx: dict[int, Pool] = {}
+
+    def healthy_to(self, successor: int) -> bool:
+        """Whether the pool to ``successor`` exists and is healthy."""
+        pool = self._tx.get(successor)
+        return pool is not None and pool.healthy()
+
+    def install(self, pool: Pool) -> Pool | None:
+        """``pool`` is the tx pool to its peer from now on; the one it replaces (the
+        caller closes it)."""
+        old = self._tx.pop(pool.peer_id, None)
+        self._tx[pool.peer_id] = pool
+        return old
+
+    def rx_pool(self, predecessor: int) -> Pool:
+        """The pool from ``predecessor``, made empty if it has none."""
+        return self._rx.setdefault(predecessor, Pool(peer_id=predecessor))
+
+    def stale(self, successor: int | None, predecessor: int | None) -> list[Pool]:
+        """Take out the pools to and from peers that are no longer ``successor`` and
+        ``predecessor`` (the caller closes them)."""
+        doomed = [self._tx.pop(p) for p in [p for p in self._tx if p != successor]]
+        return doomed + [self._rx.pop(p) for p in [p for p in self._rx if p != predecessor]]
+
+    def receives_on(self, predecessor: int, connection: Connection) -> bool:
+        """Whether ``connection`` is in the pool from ``predecessor``. A connection
+        leaves it only in a round: replaced in its slot by a newer one, or closed with
+        the pool of a peer that is no longer the predecessor."""
+        pool = self._rx.get(predecessor)
+        return pool is not None and any(c is connection for c in pool.slots.values())
+
+    def successor_connections(self, successor: int) -> list[Connection]:
+        """The open connections to ``successor``, by slot."""
+        pool = self._tx.get(successor)
+        connections = [s for _, s in sorted(pool.slots.items())] if pool else []
+        return [c for c in connections if not c.closed]
+
+    def predecessor_connection(self, predecessor: int) -> Connection | None:
+        """The first connection from ``predecessor``, whose other end reads what this
+        peer sends back on it (None if it is not open)."""
+        pool = self._rx.get(predecessor)
+        first = pool.slots.get(0) if pool else None
+        return first if first is not None and not first.closed else None
+
+    def counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Open connections per peer: ``(tx, rx)``."""
+        def count(pools: dict[int, Pool]) -> dict[int, int]:
+            return {
+                peer: sum(not s.closed for s in pool.slots.values())
+                for peer, pool in pools.items()
+                if pool.slots
+            }
+
+        return count(self._tx), count(self._rx)
+
+    def connections(self) -> list[Connection]:
+        """Every pooled connection, tx then rx."""
+        return [s for pools in (self._tx, self._rx) for pool in pools.values()
+                for s in pool.slots.values()]
+
+    async def aclose(self) -> None:
+        """Close every pool."""
+        for pools in (self._tx, self._rx):
+            doomed = list(pools.values())
+            pools.clear()
+            for pool in doomed:
+                await pool.aclose()
