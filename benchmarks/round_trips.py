@@ -81,12 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     world = args.world
     with Wan(WanPlan(hosts=world + 1, delay=args.one_way, rate=None)) as wan:
-        master = wan.start(world, sys.executable, "-m", "pccl_trio.master", "--listen",
-                           f"{wan.address(world)}:48148", "--insecure", "--log-level", "ERROR",
-                           "--liveness-timeout", "20", "--heartbeat-interval", "2",
-                           stdout=subprocess.PIPE, text=True)
-        assert master.stdout is not None
-        address = master.stdout.readline().split()[-1]
+        master, address = wan.start_master(world, "--liveness-timeout", "20",
+                                           "--heartbeat-interval", "2")
         peers = [wan.start(i, sys.executable, __file__, "peer", address, wan.address(i),
                            str(world), str(args.repeats), stdout=subprocess.PIPE, text=True,
                            stderr=subprocess.DEVNULL)

@@ -90,12 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     order = [h for pair in zip(first, second, strict=False) for h in pair]
     order += first[len(second):] + second[len(first):]
     with Wan(WanPlan(hosts=world + 1, delays=delays, rate=None)) as wan:
-        master = wan.start(world, sys.executable, "-m", "pccl_trio.master", "--listen",
-                           f"{wan.address(world)}:48148", "--insecure", "--log-level", "ERROR",
-                           "--liveness-timeout", "20", "--heartbeat-interval", "2",
-                           stdout=subprocess.PIPE, text=True)
-        assert master.stdout is not None
-        address = master.stdout.readline().split()[-1]
+        master, address = wan.start_master(world, "--liveness-timeout", "20",
+                                           "--heartbeat-interval", "2")
         peers = []
         for host in order:  # one at a time, so that the rounds append them in this order
             peers.append(wan.start(host, sys.executable, __file__, "peer", address,

@@ -218,6 +218,19 @@ class Wan:
         """Start ``argv`` on host ``host``."""
         return subprocess.Popen(self.command(host, *argv), **popen)
 
+    def start_master(self, host: int, *flags: str) -> tuple[subprocess.Popen[str], str]:
+        """Start ``pccl-trio master`` on host ``host`` (its address, port 48148,
+        ``--insecure``: the WAN is not loopback; errors only in its log; ``flags``
+        besides); the process and the address it listens on, once it does."""
+        master = subprocess.Popen(
+            self.command(host, sys.executable, "-m", "pccl_trio.master", "--listen",
+                         f"{self.address(host)}:48148", "--insecure", "--log-level", "ERROR",
+                         *flags),
+            stdout=subprocess.PIPE, text=True,
+        )
+        assert master.stdout is not None
+        return master, master.stdout.readline().split()[-1]
+
     def run(self, host: int, *argv: str, **run: Any) -> subprocess.CompletedProcess[bytes]:
         """Run ``argv`` on host ``host`` to its end."""
         return subprocess.run(self.command(host, *argv), **run)
