@@ -23,8 +23,17 @@ a count can say, so that they know it too. The last member to complete is known 
 both its neighbours after one hop and to everyone after ``floor(W / 2)``: for ``W = 3``
 one hop, where passing the notices one way costs ``W - 1``, and asking the master two
 round trips through a fourth process. A ring of two passes them forward only (its one
-neighbour is both). The counts a member sends only grow, so ``W - 1`` notices at most
-per member, direction and attempt.
+neighbour is both), and so does a member whose path from its predecessor is too short
+for the hops saved to pay for the notices (``_pools.RingPools.back_connection``): the
+counts are true either way, and the forward ones alone reach agreement, so a ring may
+mix members of both kinds. The counts a member sends only grow, so ``W - 1`` notices at most
+per member, direction and attempt. The two directions go independently: a notice
+that waits for room on one connection holds up nothing on the other, where the
+neighbour may be waiting for it to agree. A notice sent back travels against the data
+stream of its connection, so its sender then asks its TCP to go on acknowledging that
+stream at once (``acknowledge_promptly``): a reply like it would otherwise put the
+connection into Linux's interactive mode, whose delayed acknowledgements stall the
+stream's sender.
 
 A forward notice must leave before anything of the member's next attempt can, or its
 successor could block on the next attempt's data ahead of it: a member's attempt ends
@@ -117,12 +126,16 @@ class Agreement:
             self.told[d] >= self.world - 1 and not self.sending[d] for d in self.directions
         )
 
-    def claim(self) -> tuple[int, int] | None:
+    def claim(self, *, besides: tuple[int, ...] = ()) -> tuple[int, int] | None:
         """The notice to send now, ``(direction, count)``, reserved for the caller,
         which sends it and then calls ``sent``; None: nothing new, or the notices due
-        are on their way. Under the lock, once this member's part is complete."""
+        are on their way. Under the lock, once this member's part is complete.
+
+        Args:
+            besides: directions the caller will not send in now (it tried them).
+        """
         for direction in self.directions:
-            if self.sending[direction]:
+            if self.sending[direction] or direction in besides:
                 continue
             # A count extends the run that came in the same direction; once agreed,
             # the whole ring.
@@ -176,6 +189,9 @@ class Agreement:
         something to do: the members agreed, a notice is left to it, or the attempt
         failed or stopped."""
         ledger = self._ledger
+        # A direction whose socket has no room is left to the trio thread, but the
+        # other still goes now: the neighbour there may be waiting for it to agree.
+        left: tuple[int, ...] = ()
         while True:
             # Notices are sent under the lock: once ``stop`` (which takes it) has
             # returned, no notice of this attempt can leave, and none can follow the
@@ -186,9 +202,9 @@ class Agreement:
                     # agrees (and the trio thread sends the notices from now on).
                     self._wake()
                     return
-                claimed = self.claim()
+                claimed = self.claim(besides=left)
                 if claimed is None:
-                    if self.done:
+                    if self.done or left:
                         self._wake()
                     return
                 direction, count = claimed
@@ -197,14 +213,14 @@ class Agreement:
                 ok = False
                 try:
                     ok = self.send_now(link, tag=ledger.tag, seq=ledger.seq, count=count)
+                    if ok and direction == BACKWARD:
+                        link.acknowledge_promptly()
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # the trio thread learns it when it tries
                 finally:
                     self.sent(direction, count, ok=ok)
-                    if not ok:
-                        self._wake()  # it sends the notice, or fails trying
-            if not ok:
-                return
+                if not ok:
+                    left += (direction,)  # the trio thread sends it, or fails trying
 
     def deliver(self, verdict: CollectiveVerdict) -> None:
         """The master's verdict on the attempt (the trio thread)."""
@@ -249,11 +265,12 @@ class Agreement:
             raise trio.ClosedResourceError(
                 f"no open connection to send the {_NAMES[direction]} notice on"
             )
-        if isinstance(connection, SocketLink) and self.send_now(
+        if not (isinstance(connection, SocketLink) and self.send_now(
             connection, tag=tag, seq=seq, count=count
-        ):
-            return
-        await run_protocol(_notice(tag, seq, count), connection)
+        )):
+            await run_protocol(_notice(tag, seq, count), connection)
+        if direction == BACKWARD:
+            connection.acknowledge_promptly()
 
 
 def _notice(tag: int, seq: int, count: int) -> Protocol[None]:

@@ -31,7 +31,8 @@ with, and replaces an older connection in the same slot. The pools themselves, a
 the data path asks of them, are ``_pools.RingPools`` (``pools``). Data goes one way on
 a pool, but the first connection of each also carries what the receiver sends back
 (the completion notices of leased attempts, ``_agreement``): the receiver sends on its
-rx slot 0, and the sender runs the ring's backward reader on its tx slot 0 from the
+rx slot 0 (over a long enough path, ``_pools.NOTICES_BACK_FROM``, whose round trip
+``_admit`` takes from the kernel), and the sender runs the ring's backward reader on its tx slot 0 from the
 pool's opening until it closes (``handle_ring``). After a round, ``rewire``
 keeps a healthy pool to the successor or opens a new one, and closes the pools of
 peers that are no longer neighbours: which pools change is decided first, then the IO
@@ -338,6 +339,8 @@ class P2PConnections:
             pool = self.pools.rx_pool(hello.peer_id)
             old = pool.slots.get(hello.slot)
             pool.slots[hello.slot] = framed
+            if hello.slot == 0:
+                pool.round_trip = kernel_round_trip(framed.stream)
             if old is not None:
                 await old.aclose()
             await framed.send_message(P2PHelloAck())

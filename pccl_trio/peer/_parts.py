@@ -88,7 +88,7 @@ class RunningParts:
             with part.scope:
                 try:
                     await attempt.send_all(
-                        connections, self._p2p.pools.predecessor_connection(attempt.predecessor)
+                        connections, self._p2p.pools.back_connection(attempt.predecessor)
                     )
                     ok = True
                 except LocalFailure as exc:

@@ -73,7 +73,15 @@ class ReceiveMessage:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReceiveHeader:
-    """Answered with the next data frame's ``(tag, seq, offset, nbytes)``."""
+    """Answered with the next data frame's ``(tag, seq, offset, nbytes)``.
+
+    ``beside_sender``: another thread sends on the connection meanwhile, and frames
+    come seldom (the notices a ring's successor sends back): a worker thread waits for
+    the frame until the socket is readable rather than in ``recv``
+    (``SocketLink.receive_data_header``).
+    """
+
+    beside_sender: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -202,8 +210,8 @@ def drive_blocking(protocol: Protocol[T], link: SocketLink, *, idle_timeout: flo
                         link.send_data(tag=tag, seq=seq, offset=offset, payload=payload)
                     case ReceiveMessage():
                         answer = link.receive_message()
-                    case ReceiveHeader():
-                        answer = link.receive_data_header()
+                    case ReceiveHeader(beside_sender=beside_sender):
+                        answer = link.receive_data_header(wait_readable=beside_sender)
                     case ReceivePayload(view=view):
                         link.receive_payload(view)
                     case ReadClock():

@@ -66,6 +66,7 @@ log = logging.getLogger("pccl_trio.peer")
 
 _EMPTY = memoryview(bytearray())  # writable: a notice's (empty) payload is received into it
 _RECEIVE_HEADER = ReceiveHeader()
+_RECEIVE_NOTICE_HEADER = ReceiveHeader(beside_sender=True)  # the senders use its connection
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -228,7 +229,7 @@ class DataReceiver:
     def _receive_back(self, successor: int) -> Protocol[None]:
         by_seq = self._by_seq
         while True:
-            tag, seq, count, nbytes = yield _RECEIVE_HEADER
+            tag, seq, count, nbytes = yield _RECEIVE_NOTICE_HEADER
             if nbytes:
                 raise RemoteProtocolError(
                     f"{nbytes} bytes of data for tag {tag} attempt {seq} sent back on a ring "

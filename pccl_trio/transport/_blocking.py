@@ -23,6 +23,17 @@ queued, ``TIOCOUTQ``, against half the buffer's fixed size): a thread that must 
 block, such as a reader forwarding a slice of a small all-reduce, holds ``send_lock``
 and sends with ``send_data_locked`` only then.
 
+Reading beside a sender
+-----------------------
+A thread blocked in ``recv`` on a Linux TCP socket is woken by every event of the
+socket, the send-buffer space that each acknowledgement frees included (its wait does
+not say what it waits for), checks for data and sleeps again. On a connection that
+carries a bulk stream out, a reader waiting there for the few frames that come back is
+woken that way all the time: on loopback, back to back W=3 all-reduces of 16 MiB took
+17.5 ms of CPU per rank with such a reader against 15 without. A ``poll`` for readable
+bytes is woken by those alone, so such a reader waits there first
+(``receive_data_header(wait_readable=True)``).
+
 A link keeps the ``Channel`` of the stream it was detached from (its frame counters
 go on where the stream's stopped) and protects frames as ``FramedStream`` does.
 """
@@ -30,6 +41,7 @@ go on where the stream's stopped) and protects frames as ``FramedStream`` does.
 from __future__ import annotations
 
 import fcntl
+import select
 import socket
 import struct
 import termios
@@ -49,7 +61,7 @@ from .._core.wire import (
     parse_control_kind,
     parse_control_length,
 )
-from ._framed import RECEIVE_CHUNK, FramedStream, drop_sent, readable_now
+from ._framed import RECEIVE_CHUNK, FramedStream, acknowledge_promptly, drop_sent, readable_now
 from ._network import kernel_congestion_control
 
 __all__ = ["SocketLink"]
@@ -83,6 +95,7 @@ class SocketLink:
         self._cut = False
         self._released = False
         self.send_lock = threading.Lock()
+        self._idle_timeout: float | None = None
 
     @classmethod
     def detach(
@@ -175,6 +188,7 @@ class SocketLink:
         forever), as ``trio.BrokenResourceError``; the connection is then unusable."""
         # Kernel timeouts keep the socket blocking (and MSG_WAITALL receives whole);
         # a call that waits this long with nothing moving fails with EAGAIN.
+        self._idle_timeout = seconds
         whole = int(seconds or 0)
         timeval = struct.pack("ll", whole, int(((seconds or 0) - whole) * 1e6))
         sock = self._use()
@@ -289,15 +303,35 @@ class SocketLink:
             return decode_message(kind, open_control(prefix, body, self.channel))
         return decode_message(kind, body)
 
-    def receive_data_header(self) -> tuple[int, int, int, int]:
+    def receive_data_header(self, *, wait_readable: bool = False) -> tuple[int, int, int, int]:
         """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame;
         the caller then receives its payload with ``receive_payload``.
+
+        Args:
+            wait_readable: wait for the frame to arrive before reading it (``Reading
+                beside a sender`` above): for a reader of seldom frames on a connection
+                that other threads send on.
 
         Raises:
             RemoteProtocolError: not a valid data frame.
         """
+        if wait_readable:
+            self._wait_readable()
         self.receive_into(self._data.header_buffer())
         return self._data.parse_header()
+
+    def _wait_readable(self) -> None:
+        """Block until the socket has bytes to read, an end of stream or an error (or
+        this side cut it), for at most the idle timeout."""
+        sock = self._use()
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            timeout = None if self._idle_timeout is None else int(self._idle_timeout * 1000)
+            if not poller.poll(timeout):
+                raise self._error(f"nothing arrived for {self._idle_timeout} seconds")
+        finally:
+            self._done()
 
     def receive_payload(self, view: memoryview) -> None:
         """Receive the payload of the data frame whose header was just read into
@@ -346,6 +380,18 @@ class SocketLink:
                 if n == 0:
                     raise self._error("connection closed by the other side")
                 drop_sent(buffers, n)
+        finally:
+            self._done()
+
+    def acknowledge_promptly(self) -> None:
+        """After sending a small frame against a bulk stream that comes the other way:
+        keep acknowledging that stream at once (``acknowledge_promptly``; any thread)."""
+        try:
+            sock = self._use()
+        except trio.ClosedResourceError:
+            return
+        try:
+            acknowledge_promptly(sock)
         finally:
             self._done()
 

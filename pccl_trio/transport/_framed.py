@@ -64,7 +64,14 @@ from ._network import InMemoryStream
 if TYPE_CHECKING:
     from ._blocking import SocketLink
 
-__all__ = ["RECEIVE_CHUNK", "Connection", "FramedStream", "drop_sent", "readable_now"]
+__all__ = [
+    "RECEIVE_CHUNK",
+    "Connection",
+    "FramedStream",
+    "acknowledge_promptly",
+    "drop_sent",
+    "readable_now",
+]
 
 RECEIVE_SIZE = 1 << 16
 #: Step by which a one-frame reader grows its buffer: allocation follows arrival.
@@ -81,6 +88,31 @@ def readable_now(sock: socket.socket | trio.socket.SocketType) -> bool:
         return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
+
+
+#: Linux's option that makes TCP acknowledge what arrives at once (``linux/tcp.h``).
+_TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
+
+
+def acknowledge_promptly(sock: socket.socket | trio.socket.SocketType) -> None:
+    """Make ``sock``'s TCP acknowledge what arrives at once again, after this side sent
+    a small frame on a connection whose bulk comes the other way.
+
+    A send that follows a received segment within the delayed-acknowledgement timeout
+    looks to Linux like the reply of an interactive exchange: the connection enters its
+    "ping-pong" mode, in which acknowledgements wait up to about 40 ms for data to ride
+    on. Nothing rides on them here, so the other side's send window stalls instead:
+    measured on loopback, a 16 MiB all-reduce at W=3 took 50 ms instead of 30 once each
+    member also sent its completion notices back to its predecessor. ``TCP_QUICKACK``
+    leaves that mode (it is not sticky: the next such send enters it again). A no-op
+    where the system has no such option or the socket is gone.
+    """
+    if _TCP_QUICKACK is None:  # pragma: no cover - not Linux
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_QUICKACK, 1)
+    except (OSError, ValueError):
+        pass  # closed meanwhile: its owner learns that from its own calls
 
 
 def _wait_writable(sock: trio.socket.SocketType, seconds: float) -> bool:
@@ -421,6 +453,12 @@ class FramedStream:
             self.stream.close_now()
         else:  # pragma: no cover - only our two stream kinds exist
             raise TypeError(f"cannot close {self.stream!r} synchronously")
+
+    def acknowledge_promptly(self) -> None:
+        """After sending a small frame against a bulk stream that comes the other way:
+        keep acknowledging that stream at once (``acknowledge_promptly``)."""
+        if self._socket is not None and not self._closed:
+            acknowledge_promptly(self._socket)
 
     def closed_by_peer(self) -> bool:
         """Whether the other side closed a connection we only send on (it would be

@@ -4,7 +4,8 @@ driven by a discrete-event simulation.
 
 What must hold for any completion times and link delays (Hypothesis): no member
 agrees before every member completed (safety); every member agrees and is ``done``
-(liveness); a member sends at most ``W - 1`` notices per direction; with every member
+(liveness), also where some members send forward only; a member sends at most
+``W - 1`` notices per direction; with every member
 completing at once over equal links, agreement takes ``floor(W / 2)`` hops (both ways)
 where one way took ``W - 1``."""
 
@@ -26,15 +27,17 @@ class _Ring:
     """W agreements whose notices a simulated clock delivers, in order per link."""
 
     def __init__(self, world: int, *, forward: list[float], back: list[float],
-                 both_ways: bool = True) -> None:
+                 both_ways: bool | list[bool] = True) -> None:
         self.world = world
         self.delays = (forward, back)  # member i's link to its successor / predecessor
         self.ledgers = [Ledger(tag=7, recv_slices=[1], send_slices=[]) for _ in range(world)]
         self.agreements = [Agreement(world=world, ledger=ledger) for ledger in self.ledgers]
-        for agreement in self.agreements:
+        backs = both_ways if isinstance(both_ways, list) else [both_ways] * world
+        for agreement, back_too in zip(self.agreements, backs, strict=True):
             # Connections the trio thread sends on (no sockets): every notice is claimed
-            # and sent by the driver below, as ``_agree`` does.
-            agreement.attach(object(), object() if both_ways else None)  # type: ignore[arg-type]
+            # and sent by the driver below, as ``_agree`` does. A member without a
+            # connection back sends forward only (``_pools.RingPools.back_connection``).
+            agreement.attach(object(), object() if back_too else None)  # type: ignore[arg-type]
         self.completed_at: list[float | None] = [None] * world
         self.agreed_at: list[float | None] = [None] * world
         self.sent = [[0, 0] for _ in range(world)]
@@ -89,10 +92,12 @@ class _Ring:
         st.lists(st.floats(0, 10), min_size=world, max_size=world),
         st.lists(st.floats(0.01, 5), min_size=world, max_size=world),
         st.lists(st.floats(0.01, 5), min_size=world, max_size=world),
-        st.booleans(),
+        st.lists(st.booleans(), min_size=world, max_size=world),
     ))
 )
 def test_members_agree_only_after_all_completed_and_all_agree(case: tuple) -> None:
+    """Also in a ring that mixes members sending notices both ways with members
+    sending them forward only."""
     world, completions, forward, back, both_ways = case
     ring = _Ring(world, forward=forward, back=back, both_ways=both_ways)
     for member, at in enumerate(completions):
@@ -102,7 +107,7 @@ def test_members_agree_only_after_all_completed_and_all_agree(case: tuple) -> No
         with agreement.lock:
             assert agreement.agreed and agreement.done, member
         assert max(ring.sent[member]) <= world - 1
-        if world == 2 or not both_ways:
+        if world == 2 or not both_ways[member]:
             assert ring.sent[member][BACKWARD] == 0
 
 

@@ -69,24 +69,33 @@ def _on_trio_thread() -> bool:
 
 
 class _LeasedRun:
-    """A leased attempt of a two-peer ring over a socket pair, whose slices arrive in
-    worker threads as a reader's would; ``theirs`` reads what the attempt sends."""
+    """A leased attempt of a ring of ``world`` peers over socket pairs, whose slices
+    arrive in worker threads as a reader's would; ``theirs`` reads what the attempt
+    sends to its successor and, in a ring of three, ``predecessor`` what it sends back
+    (on ``back``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, world: int = 2) -> None:
         mine, theirs = socket.socketpair()
         self.link = SocketLink(mine, max_data_frame=1 << 20)
         self.theirs = SocketLink(theirs, max_data_frame=1 << 20)
         self.theirs.set_idle_timeout(10.0)  # a notice that never comes fails the test
-        data = np.arange(8, dtype=np.float32)
+        self.back: SocketLink | None = None
+        self.predecessor: SocketLink | None = None
+        if world > 2:
+            mine, theirs = socket.socketpair()
+            self.back = SocketLink(mine, max_data_frame=1 << 20)
+            self.predecessor = SocketLink(theirs, max_data_frame=1 << 20)
+            self.predecessor.set_idle_timeout(10.0)
+        data = np.arange(4 * world, dtype=np.float32)
         self.attempt = RingAttempt(
-            schedule=schedule(8, world=2, slice_bytes=8), staging=HostStaging(), send=data,
-            result=data, op=ReduceOp.SUM, tag=7, ring=(1, 2),
+            schedule=schedule(4 * world, world=world, slice_bytes=8), staging=HostStaging(),
+            send=data, result=data, op=ReduceOp.SUM, tag=7, ring=tuple(range(1, world + 1)),
         )
         self.agreement = self.attempt.under_lease(5)
         self.returned = trio.Event()
 
     async def send_all(self) -> None:
-        await self.attempt.send_all([self.link])
+        await self.attempt.send_all([self.link], self.back)
         self.returned.set()
 
     async def start(self, nursery: trio.Nursery) -> None:
@@ -121,8 +130,9 @@ class _LeasedRun:
         self.attempt.stop()
         await self.attempt.settle()
         self.attempt.release()
-        self.link.cut()
-        self.theirs.cut()
+        for link in (self.link, self.theirs, self.back, self.predecessor):
+            if link is not None:
+                link.cut()
 
 
 async def test_a_leased_part_completed_in_a_thread_tells_the_successor_from_there() -> None:
@@ -193,6 +203,33 @@ async def test_a_notice_a_thread_cannot_send_is_left_to_the_trio_thread(
             await run.returned.wait()
         with run.agreement.lock:
             assert run.attempt.complete and not any(run.agreement.sending)
+            assert run.agreement.claim() == (FORWARD, 1)
+        await run.close()
+
+
+async def test_a_notice_one_direction_cannot_send_holds_up_none_the_other_way(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a ring of three the completing thread finds no room for the forward notice:
+    it still sends the one back at once (the predecessor may be waiting for it to
+    agree) and leaves only the forward one to the trio thread."""
+    original = Agreement.send_now
+    run = _LeasedRun(world=3)
+
+    def send_now(connection: SocketLink, **notice: int) -> bool:
+        return connection is not run.link and original(connection, **notice)
+
+    monkeypatch.setattr(Agreement, "send_now", staticmethod(send_now))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await run.start(nursery)
+            await trio.to_thread.run_sync(run.deliver_all)
+            await run.returned.wait()
+            assert run.predecessor is not None
+            header = await trio.to_thread.run_sync(run.predecessor.receive_data_header)
+            assert header == (7, 5, 1, 0)  # "1 member (me) completed", sent back
+        with run.agreement.lock:
+            assert run.agreement.told == [0, 1] and not any(run.agreement.sending)
             assert run.agreement.claim() == (FORWARD, 1)
         await run.close()
 

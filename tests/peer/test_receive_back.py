@@ -2,7 +2,7 @@
 the first connection of the pool to it. Completion notices reach their running
 attempt; stale ones, and those from a peer that is not the attempt's successor, are
 dropped; anything else ends the reader with a warning and leaves the connection open
-for the senders."""
+for the senders. Notices go back only over a path long enough for them to pay."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from pccl_trio.ops import HostStaging
 from pccl_trio.peer._agreement import BACKWARD, FORWARD
 from pccl_trio.peer._attempt import RingAttempt
 from pccl_trio.peer._lifecycle import Lifecycle
+from pccl_trio.peer._pools import NOTICES_BACK_FROM, RingPools
 from pccl_trio.peer._receiver import DataReceiver
 from pccl_trio.transport import SocketLink
 
@@ -94,3 +95,37 @@ async def test_what_is_no_notice_ends_the_reader_with_a_warning(
         assert back.agreement.heard == [0, 0]
         assert not back.ours.closed
         await back.close()
+
+
+class _Open:
+    """A connection as ``RingPools`` sees it."""
+
+    def __init__(self, *, closed: bool = False) -> None:
+        self.closed = closed
+
+
+@pytest.mark.parametrize(
+    ("round_trip", "back"),
+    [(None, True), (0.0, False), (50e-6, False), (NOTICES_BACK_FROM, True), (0.1, True)],
+)
+def test_notices_go_back_only_over_a_path_whose_hops_cost_more_than_they_do(
+    round_trip: float | None, back: bool,
+) -> None:
+    """Loopback and a LAN: forward notices only. A long path, or one whose round trip
+    is not known (the memory network), also back."""
+    pools = RingPools()
+    pool = pools.rx_pool(4)
+    first, second = _Open(), _Open()
+    pool.slots.update({0: first, 1: second})  # type: ignore[dict-item]
+    pool.round_trip = round_trip
+    assert pools.back_connection(4) is (first if back else None)
+
+
+def test_no_notices_go_back_without_an_open_first_connection() -> None:
+    pools = RingPools()
+    assert pools.back_connection(4) is None
+    pool = pools.rx_pool(4)
+    pool.slots[1] = _Open()  # type: ignore[assignment]
+    assert pools.back_connection(4) is None
+    pool.slots[0] = _Open(closed=True)  # type: ignore[assignment]
+    assert pools.back_connection(4) is None

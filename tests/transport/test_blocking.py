@@ -833,3 +833,109 @@ async def test_detach_returns_none_on_the_memory_network() -> None:
         await client.aclose()
         await server.aclose()
         await listener.aclose()
+
+
+# --- a reader beside a sender ------------------------------------------------------
+
+
+async def test_a_reader_that_waits_for_readable_bytes_gets_the_frame(
+    link_pair: tuple[SocketLink, SocketLink],
+) -> None:
+    """``receive_data_header(wait_readable=True)`` waits in ``poll`` and then reads the
+    frame as a plain receive does, while another thread sends on the same link."""
+    sender, receiver = link_pair
+    got: list[tuple[int, int, int, bytes]] = []
+
+    def read_back() -> None:
+        tag, seq, offset, nbytes = sender.receive_data_header(wait_readable=True)
+        payload = bytearray(nbytes)
+        sender.receive_payload(memoryview(payload))
+        got.append((tag, seq, offset, bytes(payload)))
+
+    def stream_out() -> None:
+        for seq in range(4):
+            sender.send_data(tag=1, seq=seq, offset=0, payload=memoryview(bytes(MiB)))
+
+    def drain_then_answer() -> None:
+        for _ in range(4):
+            receive_frame(receiver)
+        receiver.send_data(tag=9, seq=8, offset=2, payload=memoryview(b""))
+
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(run_in_thread, read_back, interrupt=sender.cut))
+            nursery.start_soon(partial(run_in_thread, stream_out, interrupt=sender.cut))
+            nursery.start_soon(partial(run_in_thread, drain_then_answer, interrupt=receiver.cut))
+    assert got == [(9, 8, 2, b"")]
+
+
+async def test_cut_wakes_a_reader_waiting_for_readable_bytes(
+    link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
+) -> None:
+    link, counted, _peer = link_and_peer
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+
+            async def wait() -> None:
+                with pytest.raises(trio.ClosedResourceError):
+                    await run_in_thread(
+                        partial(link.receive_data_header, wait_readable=True), interrupt=link.cut
+                    )
+
+            nursery.start_soon(wait)
+            await wait_until(lambda: link._users == 1)
+            link.cut()
+    assert counted.fileno() == -1 and counted.closes == 1
+
+
+async def test_a_reader_waiting_for_readable_bytes_keeps_the_idle_timeout(
+    link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
+) -> None:
+    """With an idle timeout set, a wait in ``poll`` fails as a silent ``recv`` does."""
+    link, _counted, _peer = link_and_peer
+    link.set_idle_timeout(0.05)
+    with trio.fail_after(TIMEOUT), pytest.raises(trio.BrokenResourceError, match="nothing arrived"):
+        await run_in_thread(partial(link.receive_data_header, wait_readable=True), interrupt=link.cut)
+
+
+# --- acknowledgements against a bulk stream ------------------------------------------
+
+
+def _quick_acks(sock: socket.socket) -> int:
+    """Linux's ``TCP_QUICKACK`` as read back: 1 unless the connection is in its
+    interactive ("ping-pong") mode, where acknowledgements are delayed."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK)
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_QUICKACK"), reason="Linux TCP only")
+@pytest.mark.parametrize("kind", ["link", "stream"])
+async def test_acknowledge_promptly_leaves_the_interactive_mode_replies_entered(
+    kind: str, sockets: list[socket.socket], links: list[SocketLink],
+) -> None:
+    """A small frame sent at once against bytes that just arrived is a "reply": after
+    one to three of them (as the kernel counts) Linux delays its acknowledgements
+    (ping-pong mode). ``acknowledge_promptly``, on a ``SocketLink`` or a TCP
+    ``FramedStream``, leaves that mode."""
+    theirs, mine = tcp_pair()
+    sockets.extend([theirs, mine])
+    with trio.fail_after(TIMEOUT):
+        for _ in range(20):  # a reply the scheduler delayed past the timeout counts not
+            theirs.sendall(bytes(4096))
+            recv_exact(mine, 4096)
+            mine.sendall(b"reply")
+            recv_exact(theirs, 5)
+            if not _quick_acks(mine):
+                break
+        assert _quick_acks(mine) == 0, "the replies never entered the interactive mode"
+        if kind == "link":
+            link = SocketLink(mine.dup(), max_data_frame=MAX_DATA)
+            links.append(link)
+            link.acknowledge_promptly()
+        else:
+            framed = FramedStream(
+                trio.SocketStream(trio.socket.from_stdlib_socket(mine.dup())),
+                max_control_frame=MAX_CONTROL,
+            )
+            framed.acknowledge_promptly()
+            await framed.aclose()
+        assert _quick_acks(mine) == 1
