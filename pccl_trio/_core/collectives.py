@@ -93,8 +93,8 @@ class _Collective:
 def _descriptor_key(message: CollectiveInitiate | LeaseReport) -> tuple[int, ...]:
     """What every member of a collective must agree on."""
     return (
-        message.count, message.dtype, message.op, message.quantized_dtype, message.quantization,
-        message.distribution_hint, message.slice_bytes,
+        message.kind, message.count, message.dtype, message.op, message.quantized_dtype,
+        message.quantization, message.distribution_hint, message.slice_bytes,
     )
 
 
@@ -132,7 +132,7 @@ class Collectives:
         if lease is not None:
             self.leases.end(
                 lease,
-                f"peer {peer.peer_id} called all_reduce(tag={message.tag}) outside the "
+                f"peer {peer.peer_id} called tag {message.tag} outside the "
                 f"group's lease on it ({message.describe()})",
             )
         adopted = self._adopted.get(key)
@@ -241,9 +241,10 @@ class Collectives:
                 self._decide(
                     collective,
                     Outcome.REJECTED,
-                    f"peers disagree on the all-reduce with tag {collective.tag} ({views}); "
-                    "every peer must pass the same count, dtype, op, quantization and "
-                    "distribution hint, and configure the same Config.slice_bytes",
+                    f"peers disagree on the collective with tag {collective.tag} ({views}); "
+                    "every peer must make the same call (all_reduce or barrier) of a tag, "
+                    "pass the same count, dtype, op, quantization and distribution hint, and "
+                    "configure the same Config.slice_bytes",
                 )
                 continue
             if collective.group in self._book.stale_groups:

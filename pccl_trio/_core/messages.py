@@ -138,11 +138,23 @@ def body_limits(
 
 
 #: Bumped whenever the wire format or a message changes incompatibly.
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 OP_NAMES = ("SUM", "AVG", "PROD", "MAX", "MIN")
 QUANTIZATION_NAMES = ("NONE", "MIN_MAX", "ZERO_POINT_SCALE")
 DISTRIBUTION_HINT_NAMES = ("NONE", "NORMAL", "UNIFORM")
+
+
+class CollectiveKind(enum.IntEnum):
+    """``CollectiveInitiate.kind``: which call a peer makes of a tag. The peers of a
+    collective must all make the same one."""
+
+    ALL_REDUCE = 0
+    BARRIER = 1
+
+
+#: How the calls are named in messages (the communicator's methods).
+COLLECTIVE_NAMES = ("all_reduce", "barrier")
 
 
 class Outcome(enum.IntEnum):
@@ -311,9 +323,11 @@ class VotePeersPending(Message):
 @message(6, C2M)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveInitiate(Message):
-    """Vote to run all-reduce ``tag``; every peer of the group must describe it alike,
-    down to the slice size its data frames are cut by (``Config.slice_bytes``: peers
-    that cut the buffer differently could never reassemble each other's frames)."""
+    """Vote to run collective ``tag``; every peer of the group must describe it alike:
+    the same call (``kind``, a ``CollectiveKind``), down to the slice size its data
+    frames are cut by (``Config.slice_bytes``: peers that cut the buffer differently
+    could never reassemble each other's frames). A barrier is a collective of no data
+    (count 0)."""
 
     tag: int
     count: int
@@ -325,6 +339,7 @@ class CollectiveInitiate(Message):
     slice_bytes: int = 0
     # The peer can run the tag's next attempts under a lease (``CollectiveVerdict.lease``).
     lease: bool = False
+    kind: int = CollectiveKind.ALL_REDUCE
 
     def _validate(self) -> None:
         _check_descriptor(self, "CollectiveInitiate")
@@ -335,19 +350,29 @@ class CollectiveInitiate(Message):
 
 
 def _check_descriptor(message: typing.Any, name: str) -> None:
-    """The enumerated fields of an all-reduce descriptor hold known values."""
+    """The enumerated fields of a collective's descriptor hold known values, and a
+    barrier carries no data."""
     for field, names in (
         ("dtype", DTYPE_NAMES), ("op", OP_NAMES), ("quantized_dtype", DTYPE_NAMES),
         ("quantization", QUANTIZATION_NAMES), ("distribution_hint", DISTRIBUTION_HINT_NAMES),
+        ("kind", COLLECTIVE_NAMES),
     ):
         value = getattr(message, field)
         if value >= len(names):
             raise RemoteProtocolError(f"{name}.{field}: unknown value {value}")
+    if message.kind == CollectiveKind.BARRIER and (message.count or message.quantization):
+        raise RemoteProtocolError(f"{name}: a barrier carries no data, not {_describe(message)}")
 
 
 def _describe(message: typing.Any) -> str:
-    """An all-reduce descriptor in words, for error messages."""
-    text = f"count={message.count} dtype={DTYPE_NAMES[message.dtype]} op={OP_NAMES[message.op]}"
+    """A collective's descriptor in words, for error messages: the call, then what
+    its peers must agree on."""
+    if message.kind == CollectiveKind.BARRIER and not message.count:
+        return "barrier()"
+    text = (
+        f"{COLLECTIVE_NAMES[message.kind]} count={message.count} "
+        f"dtype={DTYPE_NAMES[message.dtype]} op={OP_NAMES[message.op]}"
+    )
     if message.quantization:
         text += (
             f" quantization={QUANTIZATION_NAMES[message.quantization]}"
@@ -395,6 +420,7 @@ class LeaseReport(Message):
     distribution_hint: int
     slice_bytes: int
     invalid: str = ""
+    kind: int = CollectiveKind.ALL_REDUCE
 
     def _validate(self) -> None:
         _check_descriptor(self, "LeaseReport")
@@ -419,6 +445,7 @@ class LeaseReport(Message):
             tag=self.tag, count=self.count, dtype=self.dtype, op=self.op,
             quantized_dtype=self.quantized_dtype, quantization=self.quantization,
             distribution_hint=self.distribution_hint, slice_bytes=self.slice_bytes, lease=True,
+            kind=self.kind,
         )
 
 

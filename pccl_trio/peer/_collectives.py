@@ -63,6 +63,8 @@ from .._core.messages import (
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
+    CollectiveInitiate,
+    CollectiveKind,
     CollectiveVerdict,
     Message,
     Outcome,
@@ -111,6 +113,16 @@ def _outcome(error: BaseException | None) -> str:
     if isinstance(error, InvalidArgument):
         return "rejected"
     return "failed"
+
+
+def _called(vote: CollectiveInitiate | None) -> str:
+    """What the caller called, in words: a barrier, or (by default) an all-reduce."""
+    return "barrier" if vote is not None and vote.kind == CollectiveKind.BARRIER else "all-reduce"
+
+
+def _input_restored(vote: CollectiveInitiate | None, text: str) -> str:
+    """``text``, said of the caller's input, unless the call had none (a barrier)."""
+    return "" if vote is not None and vote.kind == CollectiveKind.BARRIER else text
 
 
 class AllReduces:
@@ -239,9 +251,11 @@ class AllReduces:
         try:
             info = await self._attempt(request, result, attempt)
         except MasterLost as exc:  # the input is restored (``_attempt``), the run goes on
+            called = "barrier" if request.kind == CollectiveKind.BARRIER else "all-reduce"
             result.finish(None, CollectiveAborted(
-                f"the all-reduce with tag {request.tag} was aborted: {exc}; the input was "
-                "restored, and a retry runs once the master is back"
+                f"the {called} with tag {request.tag} was aborted: {exc}; "
+                f"{'' if called == 'barrier' else 'the input was restored, and '}"
+                "a retry runs once the master is back"
             ))
         except PCCLError as exc:
             result.finish(None, exc)
@@ -360,6 +374,7 @@ class AllReduces:
         """What an ended attempt's verdict means for the caller (step 5); None: the
         members of a leased attempt agreed that it succeeded."""
         tag = attempt.tag
+        called = _called(result.vote)
         try:
             if (verdict is None or verdict.outcome == Outcome.SUCCESS) and local_ok:
                 return ReduceInfo(
@@ -383,9 +398,10 @@ class AllReduces:
                 attempt.restore()
                 if blocked:
                     raise Blocked(
-                        f"the all-reduce with tag {tag} was aborted for every peer: "
-                        f"{verdict.reason}; its input is as it was: synchronize the "
-                        "shared state as that peer does, then retry"
+                        f"the {called} with tag {tag} was aborted for every peer: "
+                        f"{verdict.reason}; "
+                        f"{_input_restored(result.vote, 'its input is as it was: ')}"
+                        "synchronize the shared state as that peer does, then retry"
                     )
                 raise Rejected(verdict.reason)
             reason = verdict.reason or attempt.failure or "a peer failed"
@@ -398,13 +414,14 @@ class AllReduces:
                 attempt.restore()
                 result.final.set()
                 raise Rejected(
-                    f"the all-reduce with tag {tag} failed for every peer: {reason}; the "
-                    "input was restored"
+                    f"the {called} with tag {tag} failed for every peer: {reason}"
+                    f"{_input_restored(result.vote, '; the input was restored')}"
                 )
             await self._after_abort(attempt, result)
             raise CollectiveAborted(
-                f"the all-reduce with tag {tag} was aborted for every peer: {reason}; the "
-                "input was restored and retrying is safe"
+                f"the {called} with tag {tag} was aborted for every peer: {reason}; "
+                f"{_input_restored(result.vote, 'the input was restored and ')}"
+                "retrying is safe"
             )
         finally:
             attempt.release()

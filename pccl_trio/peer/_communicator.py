@@ -69,7 +69,7 @@ from .._core.messages import (
     SharedStateRequest,
 )
 from .._core.ring import neighbours
-from .._errors import InvalidArgument, InvalidUsage, MasterConnectionError
+from .._errors import InvalidArgument, InvalidUsage, MasterConnectionError, TooFewPeers
 from .._types import (
     Attribute,
     DistributionHint,
@@ -103,7 +103,7 @@ from ._optimize import TopologyOptimizer
 from ._p2p import P2PConnections
 from ._receiver import DataReceiver
 from ._reconnect import Standing
-from ._requests import check_reduce_arguments, check_reduce_options
+from ._requests import barrier_request, check_reduce_arguments, check_reduce_options
 from ._results import AsyncReduceHandle
 from ._retry import RetriedReduces
 from ._session import MasterLost, MasterSession
@@ -436,6 +436,45 @@ class Communicator:
         self._all_reduces.check_idle("update_topology")
         await self._through_master_loss(self._membership.update_topology)
 
+    # ``timeout`` is part of the collective (every peer gives up alike, at the shortest
+    # one), which a caller's ``trio.fail_after`` around the call could not be.
+    async def wait_for_peers(self, n: int, *, timeout: float) -> None:  # noqa: ASYNC109
+        """Collective: return once the run has admitted at least ``n`` peers (this one
+        included), admitting those that wait to join as they come.
+
+        Every accepted peer must call it, as the recommended loop calls
+        ``are_peers_pending`` and ``update_topology``, which it does: while the run is
+        smaller than ``n`` it waits with ``are_peers_pending`` for a joiner (at no cost
+        while nobody comes) and admits it with ``update_topology``. Every peer sees the
+        same world size after each update, so all return together; a peer admitted
+        meanwhile calls it too.
+
+        Raises:
+            TooFewPeers: the run was still smaller than ``n`` after ``timeout`` seconds
+                (``math.inf`` allowed); raised on every peer alike, when the shortest
+                of the peers' waits runs out.
+            InvalidArgument: ``n`` is not an integer >= 1, or ``timeout`` not a number
+                of seconds >= 0.
+            InvalidUsage, UpdateTopologyFailed, MasterConnectionError, Kicked: as for
+                ``are_peers_pending`` and ``update_topology``.
+        """
+        self._life.check_loop("wait_for_peers()")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"n must be a number of peers >= 1, got {n!r}")
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+            raise InvalidArgument(f"timeout must be a number of seconds >= 0, got {timeout!r}")
+        deadline = trio.current_time() + timeout
+        while (world := self.get_attribute(Attribute.GLOBAL_WORLD_SIZE)) < n:
+            # False only once the shortest wait among the peers ran out: every peer
+            # gets the same answer, and all give up together.
+            if not await self.are_peers_pending(wait=max(0.0, deadline - trio.current_time())):
+                raise TooFewPeers(
+                    f"the run has {world} peer(s) after waiting {timeout:g} s for {n}: "
+                    "start more peers (they join by connecting to the master), or wait "
+                    "longer"
+                )
+            await self.update_topology()
+
     async def optimize_topology(self) -> None:
         """Collective: measure the links not measured yet, then install the fastest ring.
 
@@ -608,6 +647,26 @@ class Communicator:
             send, recv, op=op, tag=tag, quantization=quantization, hint=distribution_hint
         )
         return self._all_reduces.launch(request)
+
+    async def barrier(self, *, tag: int = 0) -> None:
+        """Return once every peer of the group called ``barrier`` with this ``tag``.
+
+        A collective of no data, with all-reduce's guarantees: every peer gets the same
+        verdict, so all return or all raise. The tag is shared with all-reduces: a
+        barrier facing an all-reduce of the same tag is refused for every peer. Under a
+        lease (repeated barriers on one ring) it costs the ring's completion notices
+        only: ``floor(W/2)`` hops, no master round trip.
+
+        Raises:
+            CollectiveAborted: a peer failed or left before every peer arrived (or
+                waits in ``sync_shared_state``); retrying is safe.
+            InvalidArgument: a bad tag, or a peer made another call of this tag.
+            InvalidUsage: the tag is already in flight, or a topology update runs.
+            TooFewPeers: the peer group has a single peer.
+        """
+        self._life.check_loop("barrier()")
+        self._all_reduces.check_launch()
+        await self._all_reduces.all_reduce(barrier_request(tag))
 
     async def all_reduce_multiple_with_retry(
         self,

@@ -430,4 +430,5 @@ def _report_of(lease: Lease | None, tag: int, first: int) -> LeaseReport:
         distribution_hint=vote.distribution_hint if vote else 0,
         slice_bytes=vote.slice_bytes if vote else 0,
         invalid=bounded(invalid or ""),
+        kind=vote.kind if vote else 0,
     )

@@ -20,12 +20,18 @@ from typing import Any
 
 import numpy as np
 
-from .._core.messages import CollectiveInitiate
+from .._core.messages import CollectiveInitiate, CollectiveKind
 from .._errors import InvalidArgument
 from .._types import DataType, DistributionHint, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from ..ops import Array, ArrayModule, as_array, check_quantization, from_numpy_dtype, gpu_of, staging_for
 
-__all__ = ["ReduceOptions", "ReduceRequest", "check_reduce_arguments", "check_reduce_options"]
+__all__ = [
+    "ReduceOptions",
+    "ReduceRequest",
+    "barrier_request",
+    "check_reduce_arguments",
+    "check_reduce_options",
+]
 
 
 # Not frozen, and made with positional arguments where it is made: a step makes one
@@ -42,6 +48,8 @@ class ReduceRequest:
             result: where the result goes (``send`` itself for in place).
         quantization: None when the call is not quantized (``QuantizationAlgorithm.NONE``
             included).
+        kind: the call the peers vote on: an all-reduce, or a barrier (``barrier``:
+            empty buffers, which the ring passes as a collective of no data).
     """
 
     tag: int
@@ -51,21 +59,33 @@ class ReduceRequest:
     op: ReduceOp
     quantization: QuantizationOptions | None
     hint: DistributionHint
+    kind: CollectiveKind = CollectiveKind.ALL_REDUCE
 
     def vote(self, slice_bytes: int, *, lease: bool = False) -> CollectiveInitiate:
         """The descriptor every peer of the group must vote alike (``slice_bytes``: this
         peer's ``Config.slice_bytes``; ``lease``: ask for a lease on the tag)."""
         return _vote(
             self.tag, int(self.result.size), self.result.dtype, self.op, self.quantization,
-            self.hint, slice_bytes, lease,
+            self.hint, slice_bytes, lease, self.kind,
         )
+
+
+def barrier_request(tag: int) -> ReduceRequest:
+    """A barrier on ``tag``: a collective of no data, which every member completes on
+    arrival, so that its one verdict says every member arrived (``Communicator.barrier``)."""
+    check_tag(tag)
+    nothing = np.empty(0, dtype=np.uint8)
+    return ReduceRequest(
+        tag, np, nothing, nothing, ReduceOp.SUM, None, DistributionHint.NONE,
+        CollectiveKind.BARRIER,
+    )
 
 
 @functools.lru_cache(maxsize=1024)
 def _vote(
     tag: int, count: int, dtype: np.dtype[Any], op: ReduceOp,
     quantization: QuantizationOptions | None, hint: DistributionHint, slice_bytes: int,
-    lease: bool,
+    lease: bool, kind: CollectiveKind,
 ) -> CollectiveInitiate:
     """A vote, made once per descriptor (messages are immutable, and a training loop
     votes the same descriptors step after step)."""
@@ -82,6 +102,7 @@ def _vote(
         distribution_hint=hint.value if quantization else 0,
         slice_bytes=slice_bytes,
         lease=lease,
+        kind=kind,
     )
 
 
@@ -101,10 +122,19 @@ def check_reduce_arguments(
     Raises:
         InvalidArgument: which argument is wrong, and how.
     """
-    if not (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 1 << 64):
-        raise InvalidArgument(f"tag must be an integer in [0, 2**64), got {tag!r}")
+    check_tag(tag)
     options = check_reduce_options(op=op, quantization=quantization, hint=hint)
     return options.request(send, recv, tag=tag, name=name)
+
+
+def check_tag(tag: int) -> None:
+    """Refuse a tag no collective can have.
+
+    Raises:
+        InvalidArgument: ``tag`` is not an integer in [0, 2**64).
+    """
+    if not (isinstance(tag, int) and not isinstance(tag, bool) and 0 <= tag < 1 << 64):
+        raise InvalidArgument(f"tag must be an integer in [0, 2**64), got {tag!r}")
 
 
 def check_reduce_options(

@@ -76,7 +76,7 @@ def test_a_hundred_and_twenty_disagreeing_peers_get_a_bounded_verdict() -> None:
     assert len(verdicts) == len(conns)
     assert {v.outcome for v in verdicts} == {Outcome.REJECTED}
     assert all(len(v.reason) <= MAX_REASON for v in verdicts)
-    assert "peer 1: count=1" in verdicts[0].reason  # what fits still says who disagreed
+    assert "peer 1: all_reduce count=1" in verdicts[0].reason  # what fits still says who disagreed
 
 
 def test_a_register_with_an_impossible_host_is_refused_by_name() -> None:

@@ -29,6 +29,7 @@ from pccl_trio._core.messages import (
     STRATEGY_NAMES,
     BenchmarkRequest,
     CollectiveInitiate,
+    CollectiveKind,
     CollectiveVerdict,
     ExpectBenchmark,
     Heartbeat,
@@ -418,6 +419,9 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     (CollectiveInitiate, "op"): st.integers(0, len(OP_NAMES) - 1),
     (CollectiveInitiate, "quantization"): st.integers(0, len(QUANTIZATION_NAMES) - 1),
     (CollectiveInitiate, "distribution_hint"): st.integers(0, len(DISTRIBUTION_HINT_NAMES) - 1),
+    # A barrier carries no data: drawn fields would mostly make one invalid (see
+    # ``test_a_barrier_vote_carries_no_data``).
+    (CollectiveInitiate, "kind"): st.just(CollectiveKind.ALL_REDUCE),
     (CollectiveVerdict, "outcome"): st.sampled_from(OUTCOMES),
     (SharedStateEntry, "key"): st.text(min_size=1, max_size=30),
     (SharedStateEntry, "dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
@@ -552,6 +556,7 @@ def lease_reports(draw: st.DrawFn) -> LeaseReport:
         distribution_hint=draw(NARROWER[(CollectiveInitiate, "distribution_hint")]),
         slice_bytes=draw(valid(int)),
         invalid=draw(valid(str)) if state == LeaseState.FAILED else "",
+        kind=CollectiveKind.ALL_REDUCE,
     )
 
 
@@ -706,3 +711,22 @@ def test_samples_use_non_default_nested_values() -> None:
 def test_shared_state_records_refuse_bad_fields(message: Any, words: str) -> None:
     with pytest.raises(RemoteProtocolError, match=words):
         message()
+
+
+def test_a_barrier_vote_carries_no_data() -> None:
+    """A barrier is a collective of no data: its vote round trips and names itself,
+    and one that claims data, or a kind no peer makes, names the message."""
+    barrier = CollectiveInitiate(
+        tag=3, count=0, dtype=0, op=0, quantized_dtype=0, quantization=0,
+        kind=CollectiveKind.BARRIER,
+    )
+    assert decode(CollectiveInitiate, wire_fields(barrier)) == barrier
+    assert barrier.describe() == "barrier()"
+    for fields, error in (
+        ({"count": 4}, "a barrier carries no data"),
+        ({"quantization": 1}, "a barrier carries no data"),
+        ({"kind": 7}, "CollectiveInitiate.kind: unknown value 7"),
+    ):
+        with pytest.raises(RemoteProtocolError, match=error):
+            dataclasses.replace(barrier, **fields)
+
