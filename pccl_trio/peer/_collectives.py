@@ -275,8 +275,11 @@ class AllReduces:
             self._observe(result, time.perf_counter() - started)
 
     def _observe(self, result: ReduceResult, seconds: float) -> None:
-        """Tell the metrics how an all-reduce ended."""
+        """Tell the metrics how an all-reduce (or a barrier, counted apart) ended."""
         info, error = result.info, result.error
+        if _called(result.vote) == "barrier":
+            self._metrics.barrier(_outcome(error), seconds)
+            return
         attempt = result.attempt
         self._metrics.all_reduce(
             _outcome(error), seconds, info.tx_bytes if info else 0, info.rx_bytes if info else 0,

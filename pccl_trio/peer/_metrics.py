@@ -57,6 +57,9 @@ class NoMetrics:
                    restore_seconds: float) -> None:
         pass
 
+    def barrier(self, outcome: str, seconds: float) -> None:
+        pass
+
     def retries(self, count: int) -> None:
         pass
 
@@ -99,6 +102,14 @@ class PeerMetrics(NoMetrics):
             "All-reduces all_reduce_multiple_with_retry ran again after an abort.",
             registry=registry,
         )
+        self.barriers = Counter(
+            "pccl_peer_barriers", "Barriers this peer finished, by outcome.",
+            ["outcome"], registry=registry,
+        )
+        self.barrier_seconds = Histogram(
+            "pccl_peer_barrier_seconds", "Seconds from a barrier's call to its result, by outcome.",
+            ["outcome"], buckets=_BUCKETS, registry=registry,
+        )
         self.syncs = Counter(
             "pccl_peer_shared_state_syncs", "Shared-state syncs this peer finished, by outcome.",
             ["outcome"], registry=registry,
@@ -121,6 +132,9 @@ class PeerMetrics(NoMetrics):
         self._all_reduce = {
             o: (self.all_reduces.labels(o), self.all_reduce_seconds.labels(o)) for o in OUTCOMES
         }
+        self._barrier = {
+            o: (self.barriers.labels(o), self.barrier_seconds.labels(o)) for o in OUTCOMES
+        }
         self._sent = self.all_reduce_bytes.labels("sent")
         self._received = self.all_reduce_bytes.labels("received")
         for outcome in SYNC_OUTCOMES:
@@ -139,6 +153,11 @@ class PeerMetrics(NoMetrics):
             self._received.inc(received)
         if restore_seconds:
             self.restore_seconds.observe(restore_seconds)
+
+    def barrier(self, outcome: str, seconds: float) -> None:
+        count, duration = self._barrier[outcome]
+        count.inc()
+        duration.observe(seconds)
 
     def retries(self, count: int) -> None:
         self.all_reduce_retries.inc(count)

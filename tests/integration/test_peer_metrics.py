@@ -53,7 +53,11 @@ async def test_all_reduces_aborts_and_syncs_are_counted(cluster: Cluster, clock:
         infos = []
         for _ in range(2):
             infos.append(await run_all(comms, lambda i, c: c.all_reduce(data[i])))
+        # Barriers are counted apart: they move no tensor.
+        await run_all(comms, lambda i, c: c.barrier(tag=9))
         for i, registry in enumerate(registries):
+            assert sample(registry, "pccl_peer_barriers_total", outcome="success") == 1
+            assert sample(registry, "pccl_peer_barrier_seconds_count", outcome="success") == 1
             assert sample(registry, "pccl_peer_all_reduces_total", outcome="success") == 2
             assert sample(registry, "pccl_peer_all_reduce_seconds_count", outcome="success") == 2
             sent = sum(step[i].tx_bytes for step in infos)  # type: ignore[attr-defined]
