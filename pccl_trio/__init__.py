@@ -40,6 +40,7 @@ from ._types import QuantizationAlgorithm as QuantizationAlgorithm
 from ._types import QuantizationOptions as QuantizationOptions
 from ._types import ReduceInfo as ReduceInfo
 from ._types import ReduceOp as ReduceOp
+from ._types import Shard as Shard
 from ._types import SharedState as SharedState
 from ._types import SharedStateSyncInfo as SharedStateSyncInfo
 from ._types import SharedStateSyncStrategy as SharedStateSyncStrategy

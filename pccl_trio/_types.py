@@ -17,6 +17,7 @@ __all__ = [
     "QuantizationAlgorithm",
     "QuantizationOptions",
     "ReduceInfo",
+    "Shard",
     "ReduceOp",
     "SharedState",
     "SharedStateSyncInfo",
@@ -95,6 +96,18 @@ class ReduceInfo:
     tx_bytes: int
     rx_bytes: int
     clamped: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Shard:
+    """This peer's part of a reduce-scatter's result: elements ``start`` to ``stop``
+    (exclusive) of the reduced vector, flattened, in ``data`` (1-D, of the input's
+    kind: numpy, CuPy or torch). The parts partition the vector in ascending peer-id
+    order, as ``numpy.array_split`` cuts it."""
+
+    start: int
+    stop: int
+    data: Any
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

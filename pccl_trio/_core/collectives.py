@@ -242,7 +242,7 @@ class Collectives:
                     collective,
                     Outcome.REJECTED,
                     f"peers disagree on the collective with tag {collective.tag} ({views}); "
-                    "every peer must make the same call (all_reduce or barrier) of a tag, "
+                    "every peer must make the same call (all_reduce, barrier, reduce_scatter) of a tag, "
                     "pass the same count, dtype, op, quantization and distribution hint, and "
                     "configure the same Config.slice_bytes",
                 )

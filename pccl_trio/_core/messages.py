@@ -151,10 +151,11 @@ class CollectiveKind(enum.IntEnum):
 
     ALL_REDUCE = 0
     BARRIER = 1
+    REDUCE_SCATTER = 2
 
 
 #: How the calls are named in messages (the communicator's methods).
-COLLECTIVE_NAMES = ("all_reduce", "barrier")
+COLLECTIVE_NAMES = ("all_reduce", "barrier", "reduce_scatter")
 
 
 class Outcome(enum.IntEnum):
@@ -362,6 +363,8 @@ def _check_descriptor(message: typing.Any, name: str) -> None:
             raise RemoteProtocolError(f"{name}.{field}: unknown value {value}")
     if message.kind == CollectiveKind.BARRIER and (message.count or message.quantization):
         raise RemoteProtocolError(f"{name}: a barrier carries no data, not {_describe(message)}")
+    if message.kind == CollectiveKind.REDUCE_SCATTER and message.quantization:
+        raise RemoteProtocolError(f"{name}: a reduce-scatter is not quantized")
 
 
 def _describe(message: typing.Any) -> str:

@@ -25,6 +25,7 @@ __all__ = [
     "find_ring",
     "neighbours",
     "ring_edges",
+    "ring_parts",
     "striped_slice",
 ]
 
@@ -93,6 +94,17 @@ def find_ring(
 
 
 # --- the all-reduce schedule --------------------------------------------------------
+
+
+def ring_parts(ring: Sequence[int]) -> tuple[int, ...]:
+    """The layout of a ring collective's chunks: position ``c``'s chunk is the part
+    of the buffer (``chunk_bounds``, parts in ascending peer-id order, as
+    ``numpy.array_split`` cuts them) that belongs to ``ring[c - 1]``, the peer that
+    computes its final value. So a reduce-scatter leaves each peer its own part, and
+    the all-reduce, laid out alike, accumulates every part in the same order: the two
+    agree bit for bit."""
+    by_id = sorted(ring)
+    return tuple(by_id.index(ring[c - 1]) for c in range(len(ring)))
 
 
 def chunk_bounds(count: int, world: int) -> list[tuple[int, int]]:
@@ -247,16 +259,30 @@ class RingSchedule:
     @staticmethod
     @functools.lru_cache(maxsize=256)
     def all_reduce(
-        *, count: int, itemsize: int, world: int, rank: int, slice_bytes: int
+        *, count: int, itemsize: int, world: int, rank: int, slice_bytes: int,
+        parts: tuple[int, ...] | None = None, scatter: bool = False,
     ) -> RingSchedule:
         """The all-reduce of ``count`` elements at ``rank`` (see the class docstring),
         shared: a schedule is never changed once made, and a training loop
-        all-reduces the same shapes over and over."""
+        all-reduces the same shapes over and over.
+
+        Args:
+            parts: which of the buffer's ``chunk_bounds`` parts each ring position's
+                chunk is (``ring_parts``); None: part ``c`` for position ``c``.
+            scatter: the reduce-scatter only (the first ``W - 1`` segments of each
+                stream): this peer ends holding the final value of chunk ``rank + 1``
+                alone, the same bits as the all-reduce with the same ``parts`` holds
+                there.
+        """
+        bounds = chunk_bounds(count, world)
+        order = range(world) if parts is None else parts
+        if sorted(order) != list(range(world)):
+            raise ValueError(f"parts {parts} are not a permutation of the {world} chunks")
         chunks = tuple(
-            (start * itemsize, (stop - start) * itemsize)
-            for start, stop in chunk_bounds(count, world)
+            (bounds[part][0] * itemsize, (bounds[part][1] - bounds[part][0]) * itemsize)
+            for part in order
         )
-        steps = 2 * (world - 1)
+        steps = world - 1 if scatter else 2 * (world - 1)
 
         def segments(chunk_of: Callable[[int], int], *, receiving: bool) -> list[Segment]:
             out = []
@@ -283,6 +309,15 @@ class RingSchedule:
             send=segments(lambda k: (rank - k) % world, receiving=False),
             recv=segments(lambda k: (rank - k - 1) % world, receiving=True),
         )
+
+    @property
+    def scattered(self) -> tuple[int, int]:
+        """Of a reduce-scatter (``all_reduce(scatter=True)``): the byte range
+        ``[start, stop)`` of the buffer whose final value this peer holds."""
+        last = self.recv[-1] if self.recv else None
+        if last is None or not last.completes:
+            raise ValueError("not a reduce-scatter schedule")
+        return last.start, last.start + last.nbytes
 
     def slice_count(self, segment: Segment) -> int:
         """How many slices ``segment`` is cut into."""

@@ -10,6 +10,7 @@ from ._buffers import Array as Array
 from ._buffers import ArrayModule as ArrayModule
 from ._buffers import as_array as as_array
 from ._buffers import byte_view as byte_view
+from ._buffers import in_kind_of as in_kind_of
 from ._crossings import CROSSINGS as CROSSINGS
 from ._dtypes import from_numpy_dtype as from_numpy_dtype
 from ._dtypes import to_numpy_dtype as to_numpy_dtype

@@ -24,7 +24,7 @@ from .._errors import InvalidArgument
 from .._types import DataType
 from ._dtypes import _SEEN, SUPPORTED, SUPPORTED_NAMES, from_numpy_dtype, to_numpy_dtype
 
-__all__ = ["Array", "ArrayModule", "as_array", "byte_view"]
+__all__ = ["Array", "ArrayModule", "as_array", "byte_view", "in_kind_of"]
 
 Array: TypeAlias = Any
 """A ``numpy.ndarray`` or ``cupy.ndarray``; the two share no static type."""
@@ -232,3 +232,17 @@ def _import_cupy(*, name: str, what: str) -> ModuleType:
             f"{name}: {what} lives in GPU memory, which needs cupy; install it with "
             "pip install 'pccl_trio[gpu]', or pass a host (CPU) buffer"
         ) from error
+
+
+def in_kind_of(original: Any, array: Array) -> Any:
+    """``array``, a result the library made (numpy or cupy), as the kind of the
+    caller's ``original``: a torch tensor (on the same memory, through DLPack) for a
+    torch input, the array itself otherwise. A bfloat16 result crosses as int16, the
+    same bits, as it came in."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(original, torch.Tensor):
+        return array
+    if str(array.dtype) == "bfloat16":
+        return torch.from_dlpack(array.view(numpy.int16)).view(torch.bfloat16)
+    return torch.from_dlpack(array)
+

@@ -70,7 +70,7 @@ from .._core.messages import (
     Outcome,
     bounded,
 )
-from .._core.ring import RingSchedule, striped_slice
+from .._core.ring import RingSchedule, ring_parts, striped_slice
 from .._errors import (
     CollectiveAborted,
     InvalidArgument,
@@ -115,14 +115,22 @@ def _outcome(error: BaseException | None) -> str:
     return "failed"
 
 
+#: The calls, in words, by kind.
+_CALLED = {
+    CollectiveKind.ALL_REDUCE: "all-reduce", CollectiveKind.BARRIER: "barrier",
+    CollectiveKind.REDUCE_SCATTER: "reduce-scatter",
+}
+
+
 def _called(vote: CollectiveInitiate | None) -> str:
-    """What the caller called, in words: a barrier, or (by default) an all-reduce."""
-    return "barrier" if vote is not None and vote.kind == CollectiveKind.BARRIER else "all-reduce"
+    """What the caller called, in words (an all-reduce before it voted)."""
+    return "all-reduce" if vote is None else _CALLED[CollectiveKind(vote.kind)]
 
 
-def _input_restored(vote: CollectiveInitiate | None, text: str) -> str:
-    """``text``, said of the caller's input, unless the call had none (a barrier)."""
-    return "" if vote is not None and vote.kind == CollectiveKind.BARRIER else text
+def _input_restored(kind: int, text: str) -> str:
+    """``text``, said of the caller's input, if a call of ``kind`` writes to it (an
+    in-place all-reduce may: a barrier has none, a reduce-scatter never writes it)."""
+    return text if kind == CollectiveKind.ALL_REDUCE else ""
 
 
 class AllReduces:
@@ -169,7 +177,21 @@ class AllReduces:
     async def all_reduce(self, request: ReduceRequest) -> ReduceInfo:
         """``Communicator.all_reduce`` with its arguments checked (and ``check_launch``
         asked before them)."""
+        return await self._outcome(self.start(request))
+
+    async def reduce_scatter(self, request: ReduceRequest) -> tuple[int, int]:
+        """``Communicator.reduce_scatter``, its arguments checked (``request.result`` a
+        scratch buffer, not the caller's): once it succeeded, the element range of
+        ``request.result`` that holds this peer's part."""
         result = self.start(request)
+        await self._outcome(result)
+        assert result.attempt is not None
+        start, stop = result.attempt.schedule.scattered
+        itemsize = int(request.result.dtype.itemsize)
+        return start // itemsize, stop // itemsize
+
+    async def _outcome(self, result: ReduceResult) -> ReduceInfo:
+        """What the caller of a started collective gets, cancelled or not."""
         try:
             return await result.get()
         except trio.Cancelled:
@@ -251,10 +273,9 @@ class AllReduces:
         try:
             info = await self._attempt(request, result, attempt)
         except MasterLost as exc:  # the input is restored (``_attempt``), the run goes on
-            called = "barrier" if request.kind == CollectiveKind.BARRIER else "all-reduce"
             result.finish(None, CollectiveAborted(
-                f"the {called} with tag {request.tag} was aborted: {exc}; "
-                f"{'' if called == 'barrier' else 'the input was restored, and '}"
+                f"the {_CALLED[request.kind]} with tag {request.tag} was aborted: {exc}; "
+                f"{_input_restored(request.kind, 'the input was restored, and ')}"
                 "a retry runs once the master is back"
             ))
         except PCCLError as exc:
@@ -307,6 +328,7 @@ class AllReduces:
         schedule = RingSchedule.all_reduce(
             count=int(request.result.size), itemsize=itemsize,
             world=len(ring), rank=ring.index(self._session.peer_id), slice_bytes=slice_bytes,
+            parts=ring_parts(ring), scatter=request.kind == CollectiveKind.REDUCE_SCATTER,
         )
         attempt = RingAttempt(
             schedule=schedule, staging=staging, send=request.send, result=request.result,
@@ -378,6 +400,7 @@ class AllReduces:
         members of a leased attempt agreed that it succeeded."""
         tag = attempt.tag
         called = _called(result.vote)
+        kind = result.vote.kind if result.vote is not None else CollectiveKind.ALL_REDUCE
         try:
             if (verdict is None or verdict.outcome == Outcome.SUCCESS) and local_ok:
                 return ReduceInfo(
@@ -403,7 +426,7 @@ class AllReduces:
                     raise Blocked(
                         f"the {called} with tag {tag} was aborted for every peer: "
                         f"{verdict.reason}; "
-                        f"{_input_restored(result.vote, 'its input is as it was: ')}"
+                        f"{_input_restored(kind, 'its input is as it was: ')}"
                         "synchronize the shared state as that peer does, then retry"
                     )
                 raise Rejected(verdict.reason)
@@ -418,12 +441,12 @@ class AllReduces:
                 result.final.set()
                 raise Rejected(
                     f"the {called} with tag {tag} failed for every peer: {reason}"
-                    f"{_input_restored(result.vote, '; the input was restored')}"
+                    f"{_input_restored(kind, '; the input was restored')}"
                 )
             await self._after_abort(attempt, result)
             raise CollectiveAborted(
                 f"the {called} with tag {tag} was aborted for every peer: {reason}; "
-                f"{_input_restored(result.vote, 'the input was restored and ')}"
+                f"{_input_restored(kind, 'the input was restored and ')}"
                 "retrying is safe"
             )
         finally:

@@ -76,10 +76,12 @@ from .._types import (
     QuantizationOptions,
     ReduceInfo,
     ReduceOp,
+    Shard,
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
     TopologyInfo,
 )
+from ..ops import in_kind_of
 from ..transport import (
     Credential,
     DiscoveringNetwork,
@@ -103,7 +105,12 @@ from ._optimize import TopologyOptimizer
 from ._p2p import P2PConnections
 from ._receiver import DataReceiver
 from ._reconnect import Standing
-from ._requests import barrier_request, check_reduce_arguments, check_reduce_options
+from ._requests import (
+    barrier_request,
+    check_reduce_arguments,
+    check_reduce_options,
+    check_reduce_scatter_arguments,
+)
 from ._results import AsyncReduceHandle
 from ._retry import RetriedReduces
 from ._session import MasterLost, MasterSession
@@ -667,6 +674,33 @@ class Communicator:
         self._life.check_loop("barrier()")
         self._all_reduces.check_launch()
         await self._all_reduces.all_reduce(barrier_request(tag))
+
+    async def reduce_scatter(
+        self, send: Any, *, op: ReduceOp = ReduceOp.SUM, tag: int = 0
+    ) -> Shard:
+        """Reduce ``send`` across the peer group and return this peer's part of the
+        result: the parts partition the flattened vector in ascending peer-id order, as
+        ``numpy.array_split`` cuts it (``Shard.start``, ``stop``), and each holds the
+        same bits as that range of an all-reduce of the same vector on the same ring.
+
+        Every peer must call it with the same ``tag``, count, dtype and op. ``send`` is
+        only read: the reduction runs in a buffer of its own, and the shard's ``data``
+        is a new 1-D array of ``send``'s kind (numpy, CuPy, torch). Each peer sends and
+        receives ``(W-1)/W`` of the vector, half an all-reduce.
+
+        Raises:
+            CollectiveAborted: a peer failed or left, or waits in ``sync_shared_state``
+                (then sync before retrying); retrying is safe.
+            InvalidArgument: bad buffers, or the peers disagree on the arguments (or
+                made another call of this tag).
+            InvalidUsage: the tag is already in flight, or a topology update runs.
+            TooFewPeers: the peer group has a single peer.
+        """
+        self._life.check_loop("reduce_scatter()")
+        self._all_reduces.check_launch()
+        request = check_reduce_scatter_arguments(send, op=op, tag=tag)
+        start, stop = await self._all_reduces.reduce_scatter(request)
+        return Shard(start, stop, in_kind_of(send, request.result[start:stop].copy()))
 
     async def all_reduce_multiple_with_retry(
         self,

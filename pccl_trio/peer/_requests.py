@@ -29,6 +29,7 @@ __all__ = [
     "ReduceOptions",
     "ReduceRequest",
     "barrier_request",
+    "check_reduce_scatter_arguments",
     "check_reduce_arguments",
     "check_reduce_options",
 ]
@@ -125,6 +126,20 @@ def check_reduce_arguments(
     check_tag(tag)
     options = check_reduce_options(op=op, quantization=quantization, hint=hint)
     return options.request(send, recv, tag=tag, name=name)
+
+
+def check_reduce_scatter_arguments(send: Any, *, op: ReduceOp, tag: int) -> ReduceRequest:
+    """The arguments of a reduce-scatter, checked: the request reduces into a scratch
+    buffer like ``send`` (the caller's is only read), as a collective of its own kind.
+
+    Raises:
+        InvalidArgument: which argument is wrong, and how.
+    """
+    request = check_reduce_arguments(
+        send, None, op=op, tag=tag, quantization=None, hint=DistributionHint.NONE
+    )
+    scratch = request.xp.empty_like(request.send)
+    return dataclasses.replace(request, result=scratch, kind=CollectiveKind.REDUCE_SCATTER)
 
 
 def check_tag(tag: int) -> None:

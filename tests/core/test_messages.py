@@ -726,6 +726,8 @@ def test_a_barrier_vote_carries_no_data() -> None:
         ({"count": 4}, "a barrier carries no data"),
         ({"quantization": 1}, "a barrier carries no data"),
         ({"kind": 7}, "CollectiveInitiate.kind: unknown value 7"),
+        ({"kind": CollectiveKind.REDUCE_SCATTER, "count": 4, "quantization": 1},
+         "a reduce-scatter is not quantized"),
     ):
         with pytest.raises(RemoteProtocolError, match=error):
             dataclasses.replace(barrier, **fields)

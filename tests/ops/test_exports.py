@@ -5,7 +5,8 @@ from __future__ import annotations
 import pccl_trio.ops as ops
 
 PUBLIC = {
-    "Array", "ArrayModule", "as_array", "byte_view", "combine_into", "combine_parts", "copy_into",
+    "Array", "ArrayModule", "as_array", "byte_view", "in_kind_of", "combine_into", "combine_parts",
+    "copy_into",
     "finalize_average", "from_numpy_dtype", "reduce_into", "to_numpy_dtype", "Codec", "NonFiniteData",
     "check_quantization", "META_BYTES", "simplehash", "CROSSINGS", "Gathered", "InputBackup",
     "BufferPool", "DeviceStaging", "HostStaging", "Lander", "Sender", "Staging",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import trio
 
-from pccl_trio._core.ring import RingSchedule, Segment
+from pccl_trio._core.ring import RingSchedule, Segment, ring_parts
 from pccl_trio._types import ReduceOp
 from pccl_trio.ops import HostStaging
 from pccl_trio.peer._attempt import RingAttempt
@@ -177,6 +177,44 @@ async def test_an_all_gather_schedule_gives_every_peer_every_chunk(drivers: str)
     expected = np.concatenate([d[r * chunk:(r + 1) * chunk] for r, d in enumerate(data)])
     for buffer in buffers:
         assert buffer.tobytes() == expected.tobytes()
+
+
+@pytest.mark.parametrize("count", [0, 2, 301, 3000])
+@pytest.mark.parametrize("ring", [(1, 2, 3), (3, 1, 2), (2, 1, 3)])
+async def test_a_reduce_scatter_leaves_each_peer_its_part_with_the_all_reduces_bits(
+    count: int, ring: tuple[int, int, int], drivers: str,
+) -> None:
+    """``all_reduce(scatter=True)`` laid out by ``ring_parts``: the peer at each ring
+    position ends holding its own part of the vector (``numpy.array_split``'s, by
+    ascending peer id), bit for bit what the all-reduce laid out alike holds there,
+    for floats whose sum depends on its order."""
+    rng = np.random.default_rng(count)
+    data = [rng.standard_normal(count).astype(np.float32) * 10.0 ** r for r in range(WORLD)]
+    parts = ring_parts(ring)
+
+    def plan(scatter: bool) -> Plan:
+        return lambda rank: RingSchedule.all_reduce(
+            count=count, itemsize=4, world=WORLD, rank=rank, slice_bytes=SLICE,
+            parts=parts, scatter=scatter,
+        )
+
+    whole = [d.copy() for d in data]
+    await run(plan(False), whole, ReduceOp.SUM, drivers)
+    scattered = [d.copy() for d in data]
+    attempts = await run(plan(True), scattered, ReduceOp.SUM, drivers)
+    by_id = sorted(ring)
+    for rank, attempt in enumerate(attempts):
+        start, stop = (offset // 4 for offset in attempt.schedule.scattered)
+        assert (start, stop) == _part(count, by_id.index(ring[rank]))
+        assert scattered[rank][start:stop].tobytes() == whole[rank][start:stop].tobytes()
+    assert all(w.tobytes() == whole[0].tobytes() for w in whole)
+
+
+def _part(count: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``count`` elements cut in ``WORLD``, as ``numpy.array_split``."""
+    sizes = [len(p) for p in np.array_split(np.arange(count), WORLD)]
+    start = sum(sizes[:index])
+    return start, start + sizes[index]
 
 
 async def sends_until_stopped(attempt: RingAttempt, connection: Connection) -> None:
