@@ -93,8 +93,9 @@ class _Collective:
 def _descriptor_key(message: CollectiveInitiate | LeaseReport) -> tuple[int, ...]:
     """What every member of a collective must agree on."""
     return (
-        message.kind, message.count, message.dtype, message.op, message.quantized_dtype,
-        message.quantization, message.distribution_hint, message.slice_bytes,
+        message.kind, message.root, message.count, message.dtype, message.op,
+        message.quantized_dtype, message.quantization, message.distribution_hint,
+        message.slice_bytes,
     )
 
 
@@ -242,7 +243,8 @@ class Collectives:
                     collective,
                     Outcome.REJECTED,
                     f"peers disagree on the collective with tag {collective.tag} ({views}); "
-                    "every peer must make the same call (all_reduce, barrier, reduce_scatter) of a tag, "
+                    "every peer must make the same call (all_reduce, barrier, reduce_scatter, "
+                    "broadcast from the same root) of a tag, "
                     "pass the same count, dtype, op, quantization and distribution hint, and "
                     "configure the same Config.slice_bytes",
                 )

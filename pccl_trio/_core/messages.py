@@ -152,10 +152,11 @@ class CollectiveKind(enum.IntEnum):
     ALL_REDUCE = 0
     BARRIER = 1
     REDUCE_SCATTER = 2
+    BROADCAST = 3
 
 
 #: How the calls are named in messages (the communicator's methods).
-COLLECTIVE_NAMES = ("all_reduce", "barrier", "reduce_scatter")
+COLLECTIVE_NAMES = ("all_reduce", "barrier", "reduce_scatter", "broadcast")
 
 
 class Outcome(enum.IntEnum):
@@ -328,7 +329,8 @@ class CollectiveInitiate(Message):
     the same call (``kind``, a ``CollectiveKind``), down to the slice size its data
     frames are cut by (``Config.slice_bytes``: peers that cut the buffer differently
     could never reassemble each other's frames). A barrier is a collective of no data
-    (count 0)."""
+    (count 0); a broadcast names its ``root``, the peer id whose bytes every member
+    ends holding (0 for every other call)."""
 
     tag: int
     count: int
@@ -341,6 +343,7 @@ class CollectiveInitiate(Message):
     # The peer can run the tag's next attempts under a lease (``CollectiveVerdict.lease``).
     lease: bool = False
     kind: int = CollectiveKind.ALL_REDUCE
+    root: int = 0
 
     def _validate(self) -> None:
         _check_descriptor(self, "CollectiveInitiate")
@@ -363,8 +366,12 @@ def _check_descriptor(message: typing.Any, name: str) -> None:
             raise RemoteProtocolError(f"{name}.{field}: unknown value {value}")
     if message.kind == CollectiveKind.BARRIER and (message.count or message.quantization):
         raise RemoteProtocolError(f"{name}: a barrier carries no data, not {_describe(message)}")
-    if message.kind == CollectiveKind.REDUCE_SCATTER and message.quantization:
-        raise RemoteProtocolError(f"{name}: a reduce-scatter is not quantized")
+    if message.kind in (CollectiveKind.REDUCE_SCATTER, CollectiveKind.BROADCAST) and (
+        message.quantization
+    ):
+        raise RemoteProtocolError(f"{name}: a {COLLECTIVE_NAMES[message.kind]} is not quantized")
+    if message.root and message.kind != CollectiveKind.BROADCAST:
+        raise RemoteProtocolError(f"{name}.root: only a broadcast has a root")
 
 
 def _describe(message: typing.Any) -> str:
@@ -372,6 +379,11 @@ def _describe(message: typing.Any) -> str:
     its peers must agree on."""
     if message.kind == CollectiveKind.BARRIER and not message.count:
         return "barrier()"
+    if message.kind == CollectiveKind.BROADCAST:
+        return (
+            f"broadcast root={message.root} count={message.count} "
+            f"dtype={DTYPE_NAMES[message.dtype]} slice_bytes={message.slice_bytes}"
+        )
     text = (
         f"{COLLECTIVE_NAMES[message.kind]} count={message.count} "
         f"dtype={DTYPE_NAMES[message.dtype]} op={OP_NAMES[message.op]}"
@@ -424,6 +436,7 @@ class LeaseReport(Message):
     slice_bytes: int
     invalid: str = ""
     kind: int = CollectiveKind.ALL_REDUCE
+    root: int = 0
 
     def _validate(self) -> None:
         _check_descriptor(self, "LeaseReport")
@@ -448,7 +461,7 @@ class LeaseReport(Message):
             tag=self.tag, count=self.count, dtype=self.dtype, op=self.op,
             quantized_dtype=self.quantized_dtype, quantization=self.quantization,
             distribution_hint=self.distribution_hint, slice_bytes=self.slice_bytes, lease=True,
-            kind=self.kind,
+            kind=self.kind, root=self.root,
         )
 
 

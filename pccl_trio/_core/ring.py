@@ -310,6 +310,32 @@ class RingSchedule:
             recv=segments(lambda k: (rank - k - 1) % world, receiving=True),
         )
 
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def broadcast(
+        *, count: int, itemsize: int, world: int, rank: int, root: int, slice_bytes: int
+    ) -> RingSchedule:
+        """The broadcast of ``count`` elements from ring position ``root``, at ``rank``:
+        the whole buffer is one segment that goes down the ring from the root, each
+        member storing every slice and passing it on at once, but the root's
+        predecessor, whose successor is the root. Pipelined slice by slice, a large
+        buffer costs about one transfer plus a slice's time per hop."""
+        if not 0 <= root < world:
+            raise ValueError(f"root {root} is not in a ring of {world}")
+        whole = Segment(
+            index=0, chunk=0, start=0, nbytes=count * itemsize, stream_offset=0, reduce=False
+        )
+        distance = (rank - root) % world
+        sends = distance < world - 1
+        send = [dataclasses.replace(whole, forwards=None if distance == 0 else 0)] if sends else []
+        recv = [] if distance == 0 else [
+            dataclasses.replace(whole, forwarded_by=0 if sends else None, first_write=True)
+        ]
+        return RingSchedule(
+            world=world, rank=rank, itemsize=itemsize, slice_bytes=slice_bytes,
+            send=send, recv=recv,
+        )
+
     @property
     def scattered(self) -> tuple[int, int]:
         """Of a reduce-scatter (``all_reduce(scatter=True)``): the byte range

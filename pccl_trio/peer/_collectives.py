@@ -118,7 +118,7 @@ def _outcome(error: BaseException | None) -> str:
 #: The calls, in words, by kind.
 _CALLED = {
     CollectiveKind.ALL_REDUCE: "all-reduce", CollectiveKind.BARRIER: "barrier",
-    CollectiveKind.REDUCE_SCATTER: "reduce-scatter",
+    CollectiveKind.REDUCE_SCATTER: "reduce-scatter", CollectiveKind.BROADCAST: "broadcast",
 }
 
 
@@ -129,8 +129,9 @@ def _called(vote: CollectiveInitiate | None) -> str:
 
 def _input_restored(kind: int, text: str) -> str:
     """``text``, said of the caller's input, if a call of ``kind`` writes to it (an
-    in-place all-reduce may: a barrier has none, a reduce-scatter never writes it)."""
-    return text if kind == CollectiveKind.ALL_REDUCE else ""
+    in-place all-reduce and a broadcast may: a barrier has none, a reduce-scatter never
+    writes it)."""
+    return text if kind in (CollectiveKind.ALL_REDUCE, CollectiveKind.BROADCAST) else ""
 
 
 class AllReduces:
@@ -325,11 +326,23 @@ class AllReduces:
             itemsize=itemsize, stripes=self._membership.stripes,
         )
         staging.check_slices(slice_bytes, int(request.result.nbytes))
-        schedule = RingSchedule.all_reduce(
-            count=int(request.result.size), itemsize=itemsize,
-            world=len(ring), rank=ring.index(self._session.peer_id), slice_bytes=slice_bytes,
-            parts=ring_parts(ring), scatter=request.kind == CollectiveKind.REDUCE_SCATTER,
-        )
+        rank = ring.index(self._session.peer_id)
+        if request.kind == CollectiveKind.BROADCAST:
+            if request.root not in ring:
+                raise InvalidArgument(
+                    f"broadcast(root={request.root}): no such peer in this peer group, whose "
+                    f"ring is {list(ring)}"
+                )
+            schedule = RingSchedule.broadcast(
+                count=int(request.result.size), itemsize=itemsize, world=len(ring), rank=rank,
+                root=ring.index(request.root), slice_bytes=slice_bytes,
+            )
+        else:
+            schedule = RingSchedule.all_reduce(
+                count=int(request.result.size), itemsize=itemsize, world=len(ring), rank=rank,
+                slice_bytes=slice_bytes, parts=ring_parts(ring),
+                scatter=request.kind == CollectiveKind.REDUCE_SCATTER,
+            )
         attempt = RingAttempt(
             schedule=schedule, staging=staging, send=request.send, result=request.result,
             op=request.op, tag=request.tag, ring=ring, codec=codec,

@@ -107,6 +107,7 @@ from ._receiver import DataReceiver
 from ._reconnect import Standing
 from ._requests import (
     barrier_request,
+    check_broadcast_arguments,
     check_reduce_arguments,
     check_reduce_options,
     check_reduce_scatter_arguments,
@@ -674,6 +675,29 @@ class Communicator:
         self._life.check_loop("barrier()")
         self._all_reduces.check_launch()
         await self._all_reduces.all_reduce(barrier_request(tag))
+
+    async def broadcast(self, tensor: Any, *, root: int, tag: int = 0) -> ReduceInfo:
+        """Give every peer of the group the bytes of ``root``'s ``tensor`` (``root`` a
+        peer id), in place: each peer's ``tensor`` (the same dtype and size
+        everywhere) ends holding them, the root's stays as it was.
+
+        The buffer goes down the ring from the root, slice by slice, each peer storing
+        and passing on each slice at once: a large tensor costs about one transfer.
+
+        Raises:
+            CollectiveAborted: a peer failed or left before every peer held the bytes
+                (the root included), or waits in ``sync_shared_state``; every
+                ``tensor`` holds its input again, and retrying is safe.
+            InvalidArgument: bad buffers, a ``root`` that is no peer of the group, or
+                the peers disagree (another root, dtype or size, or another call of
+                this tag).
+            InvalidUsage: the tag is already in flight, or a topology update runs.
+            TooFewPeers: the peer group has a single peer.
+        """
+        self._life.check_loop("broadcast()")
+        self._all_reduces.check_launch()
+        request = check_broadcast_arguments(tensor, root=root, tag=tag)
+        return await self._all_reduces.all_reduce(request)
 
     async def reduce_scatter(
         self, send: Any, *, op: ReduceOp = ReduceOp.SUM, tag: int = 0

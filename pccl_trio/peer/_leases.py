@@ -431,4 +431,5 @@ def _report_of(lease: Lease | None, tag: int, first: int) -> LeaseReport:
         slice_bytes=vote.slice_bytes if vote else 0,
         invalid=bounded(invalid or ""),
         kind=vote.kind if vote else 0,
+        root=vote.root if vote else 0,
     )

@@ -29,6 +29,7 @@ __all__ = [
     "ReduceOptions",
     "ReduceRequest",
     "barrier_request",
+    "check_broadcast_arguments",
     "check_reduce_scatter_arguments",
     "check_reduce_arguments",
     "check_reduce_options",
@@ -61,13 +62,14 @@ class ReduceRequest:
     quantization: QuantizationOptions | None
     hint: DistributionHint
     kind: CollectiveKind = CollectiveKind.ALL_REDUCE
+    root: int = 0  # a broadcast's sender (a peer id)
 
     def vote(self, slice_bytes: int, *, lease: bool = False) -> CollectiveInitiate:
         """The descriptor every peer of the group must vote alike (``slice_bytes``: this
         peer's ``Config.slice_bytes``; ``lease``: ask for a lease on the tag)."""
         return _vote(
             self.tag, int(self.result.size), self.result.dtype, self.op, self.quantization,
-            self.hint, slice_bytes, lease, self.kind,
+            self.hint, slice_bytes, lease, self.kind, self.root,
         )
 
 
@@ -86,7 +88,7 @@ def barrier_request(tag: int) -> ReduceRequest:
 def _vote(
     tag: int, count: int, dtype: np.dtype[Any], op: ReduceOp,
     quantization: QuantizationOptions | None, hint: DistributionHint, slice_bytes: int,
-    lease: bool, kind: CollectiveKind,
+    lease: bool, kind: CollectiveKind, root: int,
 ) -> CollectiveInitiate:
     """A vote, made once per descriptor (messages are immutable, and a training loop
     votes the same descriptors step after step)."""
@@ -104,6 +106,7 @@ def _vote(
         slice_bytes=slice_bytes,
         lease=lease,
         kind=kind,
+        root=root,
     )
 
 
@@ -140,6 +143,22 @@ def check_reduce_scatter_arguments(send: Any, *, op: ReduceOp, tag: int) -> Redu
     )
     scratch = request.xp.empty_like(request.send)
     return dataclasses.replace(request, result=scratch, kind=CollectiveKind.REDUCE_SCATTER)
+
+
+def check_broadcast_arguments(tensor: Any, *, root: int, tag: int) -> ReduceRequest:
+    """The arguments of a broadcast, checked: in place, every member but the root
+    writes ``tensor`` (whether ``root`` is a member is asked on the ring it runs on).
+
+    Raises:
+        InvalidArgument: which argument is wrong, and how.
+    """
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 < root < 1 << 64:
+        raise InvalidArgument(f"root must be a peer id (an integer >= 1), got {root!r}")
+    request = check_reduce_arguments(
+        tensor, None, op=ReduceOp.SUM, tag=tag, quantization=None, hint=DistributionHint.NONE,
+        name="tensor",
+    )
+    return dataclasses.replace(request, kind=CollectiveKind.BROADCAST, root=root)
 
 
 def check_tag(tag: int) -> None:

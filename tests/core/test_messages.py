@@ -422,6 +422,7 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     # A barrier carries no data: drawn fields would mostly make one invalid (see
     # ``test_a_barrier_vote_carries_no_data``).
     (CollectiveInitiate, "kind"): st.just(CollectiveKind.ALL_REDUCE),
+    (CollectiveInitiate, "root"): st.just(0),  # only a broadcast has one
     (CollectiveVerdict, "outcome"): st.sampled_from(OUTCOMES),
     (SharedStateEntry, "key"): st.text(min_size=1, max_size=30),
     (SharedStateEntry, "dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
@@ -713,7 +714,7 @@ def test_shared_state_records_refuse_bad_fields(message: Any, words: str) -> Non
         message()
 
 
-def test_a_barrier_vote_carries_no_data() -> None:
+def test_a_barrier_vote_carries_no_data_and_only_a_broadcast_has_a_root() -> None:
     """A barrier is a collective of no data: its vote round trips and names itself,
     and one that claims data, or a kind no peer makes, names the message."""
     barrier = CollectiveInitiate(
@@ -722,12 +723,18 @@ def test_a_barrier_vote_carries_no_data() -> None:
     )
     assert decode(CollectiveInitiate, wire_fields(barrier)) == barrier
     assert barrier.describe() == "barrier()"
+    broadcast = dataclasses.replace(barrier, kind=CollectiveKind.BROADCAST, root=5, count=4)
+    assert decode(CollectiveInitiate, wire_fields(broadcast)) == broadcast
+    assert broadcast.describe().startswith("broadcast root=5 count=4")
     for fields, error in (
         ({"count": 4}, "a barrier carries no data"),
         ({"quantization": 1}, "a barrier carries no data"),
         ({"kind": 7}, "CollectiveInitiate.kind: unknown value 7"),
         ({"kind": CollectiveKind.REDUCE_SCATTER, "count": 4, "quantization": 1},
-         "a reduce-scatter is not quantized"),
+         "a reduce_scatter is not quantized"),
+        ({"kind": CollectiveKind.BROADCAST, "count": 4, "quantization": 1},
+         "a broadcast is not quantized"),
+        ({"kind": CollectiveKind.ALL_REDUCE, "count": 4, "root": 3}, "only a broadcast has a root"),
     ):
         with pytest.raises(RemoteProtocolError, match=error):
             dataclasses.replace(barrier, **fields)

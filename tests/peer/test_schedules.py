@@ -166,6 +166,24 @@ async def test_a_broadcast_schedule_leaves_the_roots_bytes_everywhere(count: int
     assert attempts[0].rx_bytes == attempts[-1].tx_bytes == 0
 
 
+@pytest.mark.parametrize("root", range(WORLD))
+async def test_the_broadcast_schedule_from_any_root_leaves_its_bytes_everywhere(
+    root: int, drivers: str,
+) -> None:
+    count = 300
+    data = [np.arange(count, dtype=np.float32) * (r + 1) for r in range(WORLD)]
+    buffers = [d.copy() for d in data]
+    attempts = await run(
+        lambda rank: RingSchedule.broadcast(
+            count=count, itemsize=4, world=WORLD, rank=rank, root=root, slice_bytes=SLICE
+        ),
+        buffers, ReduceOp.SUM, drivers,
+    )
+    assert all(b.tobytes() == data[root].tobytes() for b in buffers)
+    assert attempts[root].rx_bytes == attempts[root - 1].tx_bytes == 0
+    assert sum(a.tx_bytes for a in attempts) == (WORLD - 1) * count * 4
+
+
 async def test_an_all_gather_schedule_gives_every_peer_every_chunk(drivers: str) -> None:
     count = WORLD * 100
     chunk = count // WORLD
