@@ -56,6 +56,8 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
+from typing import Any
 
 import trio
 
@@ -79,10 +81,8 @@ from .._errors import (
     TooFewPeers,
     UpdateTopologyFailed,
 )
-from .._types import (
-    ReduceInfo,
-)
-from ..ops import Codec, gpu_of, staging_for
+from .._types import ReduceInfo, Shard
+from ..ops import Codec, gpu_of, in_kind_of, staging_for
 from ..transport import run_in_thread
 from ._attempt import RingAttempt
 from ._context import PeerContext
@@ -91,7 +91,7 @@ from ._membership import Membership
 from ._parts import Part, RunningParts
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
-from ._results import AsyncReduceHandle, Blocked, ReduceResult, Rejected
+from ._results import AsyncReduceHandle, AsyncShardHandle, Blocked, ReduceResult, Rejected
 from ._session import MasterLost
 
 __all__ = ["AllReduces"]
@@ -113,6 +113,17 @@ def _outcome(error: BaseException | None) -> str:
     if isinstance(error, InvalidArgument):
         return "rejected"
     return "failed"
+
+
+def _shard(result: ReduceResult, request: ReduceRequest, send: Any) -> Shard:
+    """This peer's part of a reduce-scatter that succeeded: the range its schedule
+    ends holding, copied out of the scratch buffer, in the kind of the caller's
+    ``send``."""
+    assert result.attempt is not None
+    start, stop = result.attempt.schedule.scattered
+    itemsize = int(request.result.dtype.itemsize)
+    first, last = start // itemsize, stop // itemsize
+    return Shard(first, last, in_kind_of(send, request.result[first:last].copy()))
 
 
 #: The calls, in words, by kind.
@@ -180,16 +191,17 @@ class AllReduces:
         asked before them)."""
         return await self._outcome(self.start(request))
 
-    async def reduce_scatter(self, request: ReduceRequest) -> tuple[int, int]:
+    async def reduce_scatter(self, request: ReduceRequest, send: Any) -> Shard:
         """``Communicator.reduce_scatter``, its arguments checked (``request.result`` a
-        scratch buffer, not the caller's): once it succeeded, the element range of
-        ``request.result`` that holds this peer's part."""
+        scratch buffer, not the caller's ``send``)."""
         result = self.start(request)
         await self._outcome(result)
-        assert result.attempt is not None
-        start, stop = result.attempt.schedule.scattered
-        itemsize = int(request.result.dtype.itemsize)
-        return start // itemsize, stop // itemsize
+        return _shard(result, request, send)
+
+    def launch_reduce_scatter(self, request: ReduceRequest, send: Any) -> AsyncShardHandle:
+        """``Communicator.reduce_scatter_async``, its arguments checked."""
+        result = self.start(request)
+        return AsyncShardHandle(request.tag, result, partial(_shard, result, request, send))
 
     async def _outcome(self, result: ReduceResult) -> ReduceInfo:
         """What the caller of a started collective gets, cancelled or not."""

@@ -81,7 +81,6 @@ from .._types import (
     SharedStateSyncStrategy,
     TopologyInfo,
 )
-from ..ops import in_kind_of
 from ..transport import (
     Credential,
     DiscoveringNetwork,
@@ -112,7 +111,7 @@ from ._requests import (
     check_reduce_options,
     check_reduce_scatter_arguments,
 )
-from ._results import AsyncReduceHandle
+from ._results import AsyncReduceHandle, AsyncShardHandle
 from ._retry import RetriedReduces
 from ._session import MasterLost, MasterSession
 from ._sync import SharedStateSync
@@ -676,6 +675,15 @@ class Communicator:
         self._all_reduces.check_launch()
         await self._all_reduces.all_reduce(barrier_request(tag))
 
+    def barrier_async(self, *, tag: int = 0) -> AsyncReduceHandle:
+        """Enter a barrier in the communicator's own tasks; see ``barrier``. ``await
+        handle.wait()`` returns once every peer arrived (a ``ReduceInfo`` of no bytes)
+        or raises what ``barrier`` would.
+        """
+        self._life.check_loop("barrier_async()")
+        self._all_reduces.check_launch()
+        return self._all_reduces.launch(barrier_request(tag))
+
     async def broadcast(self, tensor: Any, *, root: int, tag: int = 0) -> ReduceInfo:
         """Give every peer of the group the bytes of ``root``'s ``tensor`` (``root`` a
         peer id), in place: each peer's ``tensor`` (the same dtype and size
@@ -698,6 +706,16 @@ class Communicator:
         self._all_reduces.check_launch()
         request = check_broadcast_arguments(tensor, root=root, tag=tag)
         return await self._all_reduces.all_reduce(request)
+
+    def broadcast_async(self, tensor: Any, *, root: int, tag: int = 0) -> AsyncReduceHandle:
+        """Start a broadcast in the communicator's own tasks; see ``broadcast``.
+
+        Arguments are checked before this returns (``InvalidArgument`` /
+        ``InvalidUsage``); everything else is raised by ``await handle.wait()``.
+        """
+        self._life.check_loop("broadcast_async()")
+        self._all_reduces.check_launch()
+        return self._all_reduces.launch(check_broadcast_arguments(tensor, root=root, tag=tag))
 
     async def reduce_scatter(
         self, send: Any, *, op: ReduceOp = ReduceOp.SUM, tag: int = 0
@@ -723,8 +741,21 @@ class Communicator:
         self._life.check_loop("reduce_scatter()")
         self._all_reduces.check_launch()
         request = check_reduce_scatter_arguments(send, op=op, tag=tag)
-        start, stop = await self._all_reduces.reduce_scatter(request)
-        return Shard(start, stop, in_kind_of(send, request.result[start:stop].copy()))
+        return await self._all_reduces.reduce_scatter(request, send)
+
+    def reduce_scatter_async(
+        self, send: Any, *, op: ReduceOp = ReduceOp.SUM, tag: int = 0
+    ) -> AsyncShardHandle:
+        """Start a reduce-scatter in the communicator's own tasks; see
+        ``reduce_scatter``. ``await handle.wait()`` returns the ``Shard``.
+
+        Arguments are checked before this returns (``InvalidArgument`` /
+        ``InvalidUsage``); everything else is raised by ``await handle.wait()``.
+        """
+        self._life.check_loop("reduce_scatter_async()")
+        self._all_reduces.check_launch()
+        request = check_reduce_scatter_arguments(send, op=op, tag=tag)
+        return self._all_reduces.launch_reduce_scatter(request, send)
 
     async def all_reduce_multiple_with_retry(
         self,

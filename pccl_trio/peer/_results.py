@@ -14,18 +14,19 @@ verdicts that a retry would meet again (they show as their public base).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
 
 from .._errors import CollectiveAborted, InvalidArgument, shown_as_base
-from .._types import ReduceInfo
+from .._types import ReduceInfo, Shard
 
 if TYPE_CHECKING:
     from .._core.messages import CollectiveInitiate
     from ._attempt import RingAttempt
 
-__all__ = ["AsyncReduceHandle", "Blocked", "ReduceResult", "Rejected"]
+__all__ = ["AsyncReduceHandle", "AsyncShardHandle", "Blocked", "ReduceResult", "Rejected"]
 
 
 @shown_as_base
@@ -117,3 +118,34 @@ class AsyncReduceHandle:
 
     def __repr__(self) -> str:
         return f"<AsyncReduceHandle tag={self.tag} {self._result!r}>"
+
+
+class AsyncShardHandle:
+    """A running reduce-scatter started by ``Communicator.reduce_scatter_async``.
+
+    ``await handle.wait()`` returns its ``Shard`` or raises what ``reduce_scatter``
+    would have raised; it may be awaited any number of times (each returns the same
+    shard). Cancelling a ``wait`` does not cancel the reduce-scatter.
+    """
+
+    def __init__(self, tag: int, result: ReduceResult, shard: Callable[[], Shard]) -> None:
+        self.tag = tag
+        self._result = result
+        self._shard = shard
+        self._made: Shard | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the reduce-scatter has ended (``wait`` then returns at once)."""
+        return self._result.done
+
+    async def wait(self) -> Shard:
+        """Wait for the reduce-scatter to end; this peer's ``Shard``, or raise its error."""
+        await self._result.get()
+        if self._made is None:
+            self._made = self._shard()
+        return self._made
+
+    def __repr__(self) -> str:
+        return f"<AsyncShardHandle tag={self.tag} {self._result!r}>"
+

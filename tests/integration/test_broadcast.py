@@ -104,3 +104,42 @@ async def test_peers_naming_different_roots_are_refused_naming_each(
             with pytest.raises(pccl.InvalidArgument, match="root must be a peer id"):
                 await comms[0].broadcast(data[0], root=root)  # type: ignore[arg-type]
         await run_all(comms, lambda i, c: c.aclose())
+
+
+async def test_every_collective_in_flight_at_once_through_async_handles(
+    cluster: Cluster, clock: object,
+) -> None:
+    """An all-reduce, a broadcast, a reduce-scatter and a barrier, each on its own tag,
+    all launched before any is awaited: each ends as it would alone."""
+    with trio.fail_after(120):
+        comms = await make_run(cluster, WORLD)
+        count = 3000
+        summed = [np.full(count, i + 1, dtype=np.float32) for i in range(WORLD)]
+        sent = [np.arange(count, dtype=np.float32) * (i + 1) for i in range(WORLD)]
+        scattered = [np.full(count, 2 * i, dtype=np.float32) for i in range(WORLD)]
+        root = comms[1].peer_id
+
+        async def call(i: int, comm: pccl.Communicator) -> list[object]:
+            handles = [
+                comm.all_reduce_async(summed[i], tag=10),
+                comm.broadcast_async(sent[i], root=root, tag=11),
+                comm.reduce_scatter_async(scattered[i], tag=12),
+                comm.barrier_async(tag=13),
+            ]
+            assert not any(h.done for h in handles[:3]) or cluster.memory is None
+            return [await h.wait() for h in handles]
+
+        outcomes = await run_all(comms, call)
+        by_id = sorted(c.peer_id for c in comms)  # type: ignore[type-var]
+        for i, (comm, outcome) in enumerate(zip(comms, outcomes, strict=True)):
+            assert isinstance(outcome, list), outcome
+            reduced, broadcast, shard, barrier = outcome
+            assert isinstance(reduced, pccl.ReduceInfo) and (summed[i] == 6.0).all()
+            assert isinstance(broadcast, pccl.ReduceInfo)
+            assert sent[i].tobytes() == (np.arange(count, dtype=np.float32) * 2).tobytes()
+            assert isinstance(shard, pccl.Shard)
+            part = np.array_split(np.arange(count), WORLD)[by_id.index(comm.peer_id)]
+            assert (shard.start, shard.stop) == (part[0], part[-1] + 1)
+            assert (shard.data == 6.0).all()
+            assert isinstance(barrier, pccl.ReduceInfo) and barrier.tx_bytes == 0
+        await run_all(comms, lambda i, c: c.aclose())
