@@ -551,3 +551,40 @@ async def test_small_slices_for_gpu_buffers_are_advised_against_once(
         assert device.asnumpy(arrays[0]).tobytes() == np.full(1_200_000, 4, np.float32).tobytes()
         for comm in comms:
             await comm.aclose()
+
+
+async def test_broadcast_and_reduce_scatter_on_device_buffers_match_the_host(
+    cluster: Cluster, clock: object, device: Any,
+) -> None:
+    """A device peer beside host peers: a broadcast from the device peer writes the
+    host peers' buffers, one from a host peer the device's; a reduce-scatter's shard is
+    a device array on the device peer, a numpy one on the others, each with the bits of
+    that range of the host all-reduce."""
+    with trio.fail_after(300):
+        comms = await run(cluster, 3, device)
+        by_id = sorted(c.peer_id for c in comms)  # type: ignore[type-var]
+        for count in sizes(device):
+            inputs = [values(np.float32, count, seed) for seed in range(3)]
+            buffers = [device.asarray(inputs[0]), inputs[1].copy(), inputs[2].copy()]
+            for root in (0, 2):
+                await run_all(
+                    comms, lambda i, c, r=root, b=buffers: c.broadcast(b[i], root=comms[r].peer_id)
+                )
+                for i in range(3):
+                    assert host(device, buffers[i]).tobytes() == host(device, buffers[root]).tobytes()
+            reference = [x.copy() for x in inputs]
+            await run_all(comms, lambda i, c, r=reference: c.all_reduce(r[i]))
+            sends = [device.asarray(inputs[0]), inputs[1].copy(), inputs[2].copy()]
+            shards = await run_all(comms, lambda i, c, s=sends: c.reduce_scatter(s[i]))
+            for i, (comm, shard) in enumerate(zip(comms, shards, strict=True)):
+                assert isinstance(shard, pccl.Shard), shard
+                assert isinstance(shard.data, np.ndarray) == (i != 0)
+                part = np.array_split(np.arange(count), 3)[by_id.index(comm.peer_id)]
+                start = int(part[0]) if len(part) else shard.start
+                assert shard.start == start and shard.stop == start + len(part)
+                assert host(device, shard.data).tobytes() == (
+                    reference[0][shard.start:shard.stop].tobytes()
+                )
+            assert device.asnumpy(sends[0]).tobytes() == inputs[0].tobytes()  # only read
+        for comm in comms:
+            await comm.aclose()
