@@ -152,7 +152,7 @@ async def test_a_cancelled_barrier_aborts_it_for_the_others(cluster: Cluster, cl
             for r in results
         ), results
         # Another tag: over TCP, the next call of the tag just cancelled can hang when the
-        # cancellation came before the vote left (all-reduces too; being diagnosed).
+        # cancellation came before the vote left (all-reduces too; not diagnosed yet).
         for _ in range(2):  # the abort leaves the ring to re-establish: at most once more
             again = await run_all(comms, lambda i, c: c.barrier(tag=14))
             if again == [None] * 3:
