@@ -252,6 +252,36 @@ class Agreement:
         finally:
             connection.send_lock.release()
 
+    async def send_claimed(
+        self, claims: list[tuple[int, int]], *, tag: int, seq: int
+    ) -> Exception | None:
+        """Send the claimed notices, ``(direction, count)``, each direction on its own
+        (the trio thread): one that waits for room on its connection holds up nothing on
+        the other, whose neighbour may be waiting for it to agree. Each is marked
+        ``sent`` whatever happened; the error of one that could not be sent (then the
+        master settles the attempt), or None."""
+        failure: Exception | None = None
+
+        async def send(direction: int, count: int) -> None:
+            nonlocal failure
+            ok = False
+            try:
+                await self.send(direction, tag=tag, seq=seq, count=count)
+                ok = True
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                failure = exc
+            finally:
+                with self.lock:
+                    self.sent(direction, count, ok=ok)
+
+        if len(claims) == 1:
+            await send(*claims[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for direction, count in claims:
+                    nursery.start_soon(send, direction, count)
+        return failure
+
     async def send(self, direction: int, *, tag: int, seq: int, count: int) -> None:
         """Tell the neighbour in ``direction`` that ``count`` members completed (the
         trio thread).

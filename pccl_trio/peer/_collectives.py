@@ -616,7 +616,10 @@ class AllReduces:
                     while (claimed := agreement.claim()) is not None:
                         claims.append(claimed)
                 if claims:
-                    unsure = not await self._tell(attempt, claims)
+                    failure = await agreement.send_claimed(claims, tag=attempt.tag, seq=attempt.seq)
+                    if failure is not None:
+                        unsure = True
+                        self._leases.unsure(attempt, f"its completion notice was not sent ({failure})")
                     continue
                 if agreement.done and not self._leases.told_running(attempt):
                     return None
@@ -626,33 +629,3 @@ class AllReduces:
             self._life.raise_if_failed()
             await attempt.wait_changed()
         return agreement.verdict
-
-    async def _tell(self, attempt: RingAttempt, claims: list[tuple[int, int]]) -> bool:
-        """Send the claimed notices, ``(direction, count)``, each direction on its own:
-        one that waits for room on its connection holds up nothing on the other, whose
-        neighbour may be waiting for it to agree. False if one could not be sent (then
-        the master settles the attempt)."""
-        agreement = attempt.agreement
-        assert agreement is not None
-        told = True
-
-        async def tell(direction: int, count: int) -> None:
-            nonlocal told
-            sent = False
-            try:
-                await agreement.send(direction, tag=attempt.tag, seq=attempt.seq, count=count)
-                sent = True
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-                told = False
-                self._leases.unsure(attempt, f"its completion notice was not sent ({exc})")
-            finally:
-                with agreement.lock:
-                    agreement.sent(direction, count, ok=sent)
-
-        if len(claims) == 1:
-            await tell(*claims[0])
-        else:
-            async with trio.open_nursery() as nursery:
-                for direction, count in claims:
-                    nursery.start_soon(tell, direction, count)
-        return told

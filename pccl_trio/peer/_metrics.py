@@ -79,14 +79,9 @@ class PeerMetrics(NoMetrics):
     def __init__(self, registry: Any) -> None:
         from prometheus_client import Counter, Histogram
 
-        self.all_reduces = Counter(
-            "pccl_peer_all_reduces", "All-reduces this peer finished, by outcome.",
-            ["outcome"], registry=registry,
-        )
-        self.all_reduce_seconds = Histogram(
-            "pccl_peer_all_reduce_seconds",
-            "Seconds from an all-reduce's call to its result (one attempt), by outcome.",
-            ["outcome"], buckets=_BUCKETS, registry=registry,
+        self.all_reduces, self.all_reduce_seconds = _by_outcome(
+            registry, "pccl_peer_all_reduce", "All-reduces this peer finished",
+            "Seconds from an all-reduce's call to its result (one attempt)",
         )
         self.all_reduce_bytes = Counter(
             "pccl_peer_all_reduce_bytes", "Payload bytes of successful all-reduces, by direction.",
@@ -102,21 +97,13 @@ class PeerMetrics(NoMetrics):
             "All-reduces all_reduce_multiple_with_retry ran again after an abort.",
             registry=registry,
         )
-        self.barriers = Counter(
-            "pccl_peer_barriers", "Barriers this peer finished, by outcome.",
-            ["outcome"], registry=registry,
+        self.barriers, self.barrier_seconds = _by_outcome(
+            registry, "pccl_peer_barrier", "Barriers this peer finished",
+            "Seconds from a barrier's call to its result",
         )
-        self.barrier_seconds = Histogram(
-            "pccl_peer_barrier_seconds", "Seconds from a barrier's call to its result, by outcome.",
-            ["outcome"], buckets=_BUCKETS, registry=registry,
-        )
-        self.syncs = Counter(
-            "pccl_peer_shared_state_syncs", "Shared-state syncs this peer finished, by outcome.",
-            ["outcome"], registry=registry,
-        )
-        self.sync_seconds = Histogram(
-            "pccl_peer_shared_state_sync_seconds", "Seconds of a shared-state sync, by outcome.",
-            ["outcome"], buckets=_BUCKETS, registry=registry,
+        self.syncs, self.sync_seconds = _by_outcome(
+            registry, "pccl_peer_shared_state_sync", "Shared-state syncs this peer finished",
+            "Seconds of a shared-state sync",
         )
         self.sync_bytes = Counter(
             "pccl_peer_shared_state_bytes",
@@ -170,6 +157,21 @@ class PeerMetrics(NoMetrics):
 
     def reconnected(self) -> None:
         self.reconnects.inc()
+
+
+def _by_outcome(registry: Any, name: str, finished: str, seconds: str) -> tuple[Any, Any]:
+    """A counter ``{name}s`` of the calls that finished and a histogram
+    ``{name}_seconds`` of how long they took, both by outcome (``finished`` and
+    ``seconds`` their help, without the label's)."""
+    from prometheus_client import Counter, Histogram
+
+    return (
+        Counter(f"{name}s", f"{finished}, by outcome.", ["outcome"], registry=registry),
+        Histogram(
+            f"{name}_seconds", f"{seconds}, by outcome.", ["outcome"], buckets=_BUCKETS,
+            registry=registry,
+        ),
+    )
 
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[Any, PeerMetrics] = weakref.WeakKeyDictionary()
