@@ -62,7 +62,7 @@ from .._core.wire import (
     parse_control_length,
 )
 from ._framed import RECEIVE_CHUNK, FramedStream, acknowledge_promptly, drop_sent, readable_now
-from ._network import kernel_congestion_control
+from ._network import kernel_congestion_control, pinned_buffers
 
 __all__ = ["SocketLink"]
 
@@ -96,6 +96,11 @@ class SocketLink:
         self._released = False
         self.send_lock = threading.Lock()
         self._idle_timeout: float | None = None
+        # A pinned send buffer keeps its size: read once (0: autotuned, read each time).
+        self._send_buffer: int = (
+            sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            if socket.SO_SNDBUF in pinned_buffers() else 0
+        )
 
     @classmethod
     def detach(
@@ -256,8 +261,9 @@ class SocketLink:
         """Whether a frame with ``nbytes`` of payload fits in the socket's send buffer
         now, with a margin: sending it then returns without waiting for the other side.
         The kernel accounts queued bytes with overhead, so at most half the buffer
-        counts as room. The buffer's size is read each time: a buffer the kernel
-        autotunes (``pinned_buffers``) grows with the connection.
+        counts as room. A pinned buffer's size (``pinned_buffers``) was read once, at
+        creation; one the kernel autotunes grows with the connection, so it is read
+        each time.
 
         Raises:
             trio.ClosedResourceError: this side cut the connection.
@@ -265,7 +271,7 @@ class SocketLink:
         sock = self._use()
         try:
             queued: int = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, _INT))[0]
-            buffer: int = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+            buffer: int = self._send_buffer or sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except OSError:
             return False
         finally:
