@@ -48,6 +48,7 @@ from ._types import TensorInfo as TensorInfo
 from ._types import TopologyInfo as TopologyInfo
 from .master import serve_master as serve_master
 from .master import serve_master_tcp as serve_master_tcp
+from .peer import AsyncGatherHandle as AsyncGatherHandle
 from .peer import AsyncReduceHandle as AsyncReduceHandle
 from .peer import AsyncShardHandle as AsyncShardHandle
 from .peer import Communicator as Communicator

@@ -46,6 +46,7 @@ from .messages import (
     CollectiveCommence,
     CollectiveComplete,
     CollectiveInitiate,
+    CollectiveKind,
     CollectiveVerdict,
     LeaseReport,
     LeaseState,
@@ -91,9 +92,12 @@ class _Collective:
 
 
 def _descriptor_key(message: CollectiveInitiate | LeaseReport) -> tuple[int, ...]:
-    """What every member of a collective must agree on."""
+    """What every member of a collective must agree on: all of the descriptor, but an
+    all-gather's count, which is each member's own part."""
     return (
-        message.kind, message.root, message.count, message.dtype, message.op,
+        message.kind, message.root,
+        -1 if message.kind == CollectiveKind.ALL_GATHER else message.count,
+        message.dtype, message.op,
         message.quantized_dtype, message.quantization, message.distribution_hint,
         message.slice_bytes,
     )
@@ -244,8 +248,9 @@ class Collectives:
                     Outcome.REJECTED,
                     f"peers disagree on the collective with tag {collective.tag} ({views}); "
                     "every peer must make the same call (all_reduce, barrier, reduce_scatter, "
-                    "broadcast from the same root) of a tag, "
-                    "pass the same count, dtype, op, quantization and distribution hint, and "
+                    "broadcast from the same root, all_gather) of a tag, "
+                    "pass the same count (an all_gather's may differ), dtype, op, "
+                    "quantization and distribution hint, and "
                     "configure the same Config.slice_bytes",
                 )
                 continue
@@ -495,5 +500,13 @@ class Collectives:
         collective.participants = {p.peer_id for p in members}
         collective.informed.clear()
         collective.full = True
+        sizes: tuple[int, ...] = ()
+        if any(d.kind == CollectiveKind.ALL_GATHER for d in collective.descriptors.values()):
+            # (A ring that is not the group's fails at every member: ``on_commence``.)
+            sizes = tuple(
+                d.count if (d := collective.descriptors.get(peer_id)) is not None else 0
+                for peer_id in ring
+            )
+        commence = CollectiveCommence(tag=collective.tag, seq=collective.seq, ring=ring, sizes=sizes)
         for peer in joining:
-            self._table.send(peer, CollectiveCommence(tag=collective.tag, seq=collective.seq, ring=ring))
+            self._table.send(peer, commence)

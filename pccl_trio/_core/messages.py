@@ -153,10 +153,13 @@ class CollectiveKind(enum.IntEnum):
     BARRIER = 1
     REDUCE_SCATTER = 2
     BROADCAST = 3
+    # Its ``count`` is this peer's own part, which may differ between peers: the
+    # commence tells every member the parts of all (``CollectiveCommence.sizes``).
+    ALL_GATHER = 4
 
 
 #: How the calls are named in messages (the communicator's methods).
-COLLECTIVE_NAMES = ("all_reduce", "barrier", "reduce_scatter", "broadcast")
+COLLECTIVE_NAMES = ("all_reduce", "barrier", "reduce_scatter", "broadcast", "all_gather")
 
 
 class Outcome(enum.IntEnum):
@@ -372,6 +375,12 @@ def _check_descriptor(message: typing.Any, name: str) -> None:
         raise RemoteProtocolError(f"{name}: a {COLLECTIVE_NAMES[message.kind]} is not quantized")
     if message.root and message.kind != CollectiveKind.BROADCAST:
         raise RemoteProtocolError(f"{name}.root: only a broadcast has a root")
+    if message.kind == CollectiveKind.ALL_GATHER and (
+        message.quantization or message.op or getattr(message, "lease", False)
+    ):
+        raise RemoteProtocolError(
+            f"{name}: an all_gather is neither quantized, reduced nor leased"
+        )
 
 
 def _describe(message: typing.Any) -> str:
@@ -383,6 +392,11 @@ def _describe(message: typing.Any) -> str:
         return (
             f"broadcast root={message.root} count={message.count} "
             f"dtype={DTYPE_NAMES[message.dtype]} slice_bytes={message.slice_bytes}"
+        )
+    if message.kind == CollectiveKind.ALL_GATHER:
+        return (
+            f"all_gather count={message.count} (its own) dtype={DTYPE_NAMES[message.dtype]} "
+            f"slice_bytes={message.slice_bytes}"
         )
     text = (
         f"{COLLECTIVE_NAMES[message.kind]} count={message.count} "
@@ -594,11 +608,24 @@ class PeersPendingResult(Message):
 @message(69, M2C)
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class CollectiveCommence(Message):
-    """Every peer of the group initiated ``tag`` alike: run it as attempt ``seq``."""
+    """Every peer of the group initiated ``tag`` alike: run it as attempt ``seq``.
+
+    ``sizes``, of an all-gather only: the element count each member of ``ring`` voted
+    for its own part, in ring order (the parts may differ in size)."""
 
     tag: int
     seq: int
     ring: tuple[int, ...]
+    sizes: tuple[int, ...] = ()
+
+    def _validate(self) -> None:
+        if self.sizes and len(self.sizes) != len(self.ring):
+            raise RemoteProtocolError(
+                f"CollectiveCommence.sizes: {len(self.sizes)} sizes for a ring of "
+                f"{len(self.ring)}"
+            )
+        if any(size >= 1 << 62 for size in self.sizes):
+            raise RemoteProtocolError(f"CollectiveCommence.sizes: out of range ({self.sizes})")
 
 
 @message(70, M2C)

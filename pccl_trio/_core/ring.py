@@ -336,6 +336,50 @@ class RingSchedule:
             send=send, recv=recv,
         )
 
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def all_gather(
+        *, sizes: tuple[int, ...], ids: tuple[int, ...], itemsize: int, rank: int,
+        slice_bytes: int,
+    ) -> RingSchedule:
+        """The all-gather at ``rank`` of parts of ``sizes[c]`` elements, one per ring
+        position ``c``, whose members' peer ids are ``ids`` (the ring): the buffer holds
+        the parts in ascending peer-id order, each at the offset the smaller ids' parts
+        end at. Rank ``r`` sends its own part (segment 0), then forwards what it
+        received, ``W - 1`` parts in all, each stored where it belongs on the way: the
+        ring's all-gather half of the all-reduce, with parts that may differ in size.
+        (Segment 0 sends the caller's input, which holds only this part: the data path
+        reads it less the part's offset, ``Operands``'s ``own_start``.)"""
+        world = len(ids)
+        if len(sizes) != world or len(set(ids)) != world:
+            raise ValueError(f"sizes {sizes} do not match the ring {ids}")
+        starts: dict[int, int] = {}
+        offset = 0
+        for position in sorted(range(world), key=ids.__getitem__):
+            starts[position] = offset
+            offset += sizes[position] * itemsize
+
+        def segments(position_of: Callable[[int], int], *, receiving: bool) -> list[Segment]:
+            out = []
+            stream = 0
+            for k in range(world - 1):
+                position = position_of(k)
+                nbytes = sizes[position] * itemsize
+                out.append(Segment(
+                    index=k, chunk=position, start=starts[position], nbytes=nbytes,
+                    stream_offset=stream, reduce=False,
+                    forwards=None if receiving or k == 0 else k - 1,
+                    forwarded_by=k + 1 if receiving and k + 1 < world - 1 else None,
+                ))
+                stream += nbytes
+            return out
+
+        return RingSchedule(
+            world=world, rank=rank, itemsize=itemsize, slice_bytes=slice_bytes,
+            send=segments(lambda k: (rank - k) % world, receiving=False),
+            recv=segments(lambda k: (rank - k - 1) % world, receiving=True),
+        )
+
     @property
     def scattered(self) -> tuple[int, int]:
         """Of a reduce-scatter (``all_reduce(scatter=True)``): the byte range

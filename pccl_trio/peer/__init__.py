@@ -3,6 +3,7 @@
 
 from ._communicator import Communicator as Communicator
 from ._communicator import CommunicatorStatistics as CommunicatorStatistics
+from ._results import AsyncGatherHandle as AsyncGatherHandle
 from ._results import AsyncReduceHandle as AsyncReduceHandle
 from ._results import AsyncShardHandle as AsyncShardHandle
 from ._seam import PeerSeam as PeerSeam

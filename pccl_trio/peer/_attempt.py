@@ -49,7 +49,7 @@ straight into the result are host-only.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -83,6 +83,10 @@ class RingAttempt:
         tag: the user's tag.
         ring: the peer group's ring (peer ids).
         codec: how slices are encoded on the wire; None sends the buffer's bytes.
+        own_start: an all-gather's: where in ``result`` this peer's part, ``send``, lies.
+
+    An all-gather's attempt is made before the members' sizes are known: with a
+    schedule of no data, until the master's commence tells them (``reschedule``).
     """
 
     def __init__(
@@ -96,20 +100,35 @@ class RingAttempt:
         tag: int,
         ring: tuple[int, ...],
         codec: Codec | None = None,
+        own_start: int = 0,
     ) -> None:
         rank = schedule.rank
-        self.schedule = schedule
         self.staging = staging
         self.ring = ring
         self.predecessor, self.successor = ring[rank - 1], ring[(rank + 1) % len(ring)]
         self.ledger = Ledger(tag=tag, recv_slices=schedule.recv_slices, send_slices=schedule.send_slices)
-        operands = Operands(staging=staging, send=send, result=result, op=op)
+        self._op = op
+        self._build(schedule, send, result, codec, own_start)
+        # Under a lease: how its members agree on the outcome (``under_lease``).
+        self.agreement: Agreement | None = None
+        # An all-gather's: makes its schedule from the members' sizes, as the commence
+        # arrives; returns why it cannot (then the attempt fails), or None.
+        self.sizing: Callable[[tuple[int, ...]], str | None] | None = None
+
+    def _build(
+        self, schedule: RingSchedule, send: Any, result: Any, codec: Codec | None, own_start: int
+    ) -> None:
+        """The parts that follow the schedule and the buffers."""
+        self.schedule = schedule
+        operands = Operands(
+            staging=self.staging, send=send, result=result, op=self._op, own_start=own_start
+        )
         assert operands.gathered is None or codec is None
         self._encoded = None if codec is None else Encoded(
             codec=codec, schedule=schedule, operands=operands, ledger=self.ledger,
         )
         self._backup = InputBackup(
-            staging, operands.result_bytes, lock=self.ledger.lock
+            self.staging, operands.result_bytes, lock=self.ledger.lock
         ) if operands.in_place else None
         self.outbound = Outbound(
             ledger=self.ledger, schedule=schedule, operands=operands, encoded=self._encoded,
@@ -118,8 +137,15 @@ class RingAttempt:
             ledger=self.ledger, schedule=schedule, operands=operands, backup=self._backup,
             encoded=self._encoded, forwarder=self.outbound,
         )
-        # Under a lease: how its members agree on the outcome (``under_lease``).
-        self.agreement: Agreement | None = None
+
+    def reschedule(self, schedule: RingSchedule, send: Any, result: Any, own_start: int) -> None:
+        """Run ``schedule`` into ``result`` instead: an all-gather's, once the commence
+        told the members' sizes (before any of its frames is routed here, and before
+        this peer's part runs; a failure or stop so far holds)."""
+        assert not self.ledger.tx_bytes and not self.ledger.rx_bytes
+        assert self.schedule.rank == schedule.rank and not self.inbound.writers
+        self.ledger.reset(recv_slices=schedule.recv_slices, send_slices=schedule.send_slices)
+        self._build(schedule, send, result, None, own_start)
 
     # --- what the ledger knows -------------------------------------------------------
 

@@ -56,8 +56,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -82,7 +83,7 @@ from .._errors import (
     UpdateTopologyFailed,
 )
 from .._types import ReduceInfo, Shard
-from ..ops import Codec, gpu_of, in_kind_of, staging_for
+from ..ops import Codec, copy_into, gpu_of, in_kind_of, staging_for
 from ..transport import run_in_thread
 from ._attempt import RingAttempt
 from ._context import PeerContext
@@ -91,10 +92,13 @@ from ._membership import Membership
 from ._parts import Part, RunningParts
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
-from ._results import AsyncReduceHandle, AsyncShardHandle, Blocked, ReduceResult, Rejected
+from ._results import AsyncReduceHandle, AsyncValueHandle, Blocked, ReduceResult, Rejected
 from ._session import MasterLost
 
-__all__ = ["AllReduces"]
+__all__ = ["AllReduces", "gathered", "shard"]
+
+T = TypeVar("T")
+H = TypeVar("H", bound=AsyncValueHandle[Any])
 
 log = logging.getLogger("pccl_trio.peer")
 
@@ -115,7 +119,7 @@ def _outcome(error: BaseException | None) -> str:
     return "failed"
 
 
-def _shard(result: ReduceResult, request: ReduceRequest, send: Any) -> Shard:
+def shard(request: ReduceRequest, send: Any, result: ReduceResult) -> Shard:
     """This peer's part of a reduce-scatter that succeeded: the range its schedule
     ends holding, copied out of the scratch buffer, in the kind of the caller's
     ``send``."""
@@ -126,10 +130,69 @@ def _shard(result: ReduceResult, request: ReduceRequest, send: Any) -> Shard:
     return Shard(first, last, in_kind_of(send, request.result[first:last].copy()))
 
 
+def gathered(request: ReduceRequest, send: Any, result: ReduceResult) -> dict[int, Any]:
+    """Every member's part of an all-gather that succeeded, by ascending peer id, each
+    a view of the one buffer they gathered into, in the kind of the caller's ``send``
+    (this peer's own part is copied in from ``send``, which the ring only read)."""
+    attempt, buffer = result.attempt, result.gathered
+    assert attempt is not None
+    start, count = result.parts[attempt.ring[attempt.schedule.rank]]
+    copy_into(request.xp, buffer[start:start + count], request.send)
+    return {
+        peer_id: in_kind_of(send, buffer[start:start + count])
+        for peer_id, (start, count) in sorted(result.parts.items())
+    }
+
+
+def _sizing(
+    attempt: RingAttempt, request: ReduceRequest, result: ReduceResult, *,
+    slice_bytes: int, stripes: int,
+) -> Callable[[tuple[int, ...]], str | None]:
+    """What makes an all-gather's schedule once the master's commence tells every
+    member's size (``RingAttempt.sizing``): the buffer of all parts, in ascending
+    peer-id order, and the ring's all-gather over it; or why it cannot."""
+
+    def sized(sizes: tuple[int, ...]) -> str | None:
+        ring, rank = attempt.ring, attempt.schedule.rank
+        own = int(request.send.size)
+        if not sizes or sizes[rank] != own:
+            return (
+                f"the master's part sizes {list(sizes)} for the ring {list(ring)} do not "
+                f"give this peer its {own} elements"
+            )
+        itemsize = int(request.send.dtype.itemsize)
+        total = sum(sizes)
+        try:
+            buffer = request.xp.empty_like(request.send, shape=(total,))
+        except (MemoryError, ValueError):  # numpy: "array is too big"
+            return f"no memory for the {total} elements gathered from {len(ring)} peers"
+        cut = striped_slice(
+            slice_bytes, nbytes=total * itemsize, world=len(ring), itemsize=itemsize,
+            stripes=stripes,
+        )
+        try:
+            attempt.staging.check_slices(cut, total * itemsize)
+        except PCCLError as exc:
+            return str(exc)
+        schedule = RingSchedule.all_gather(
+            sizes=sizes, ids=ring, itemsize=itemsize, rank=rank, slice_bytes=cut
+        )
+        start = 0
+        for position in sorted(range(len(ring)), key=ring.__getitem__):
+            result.parts[ring[position]] = (start, sizes[position])
+            start += sizes[position]
+        result.gathered = buffer
+        attempt.reschedule(schedule, request.send, buffer, result.parts[ring[rank]][0] * itemsize)
+        return None
+
+    return sized
+
+
 #: The calls, in words, by kind.
 _CALLED = {
     CollectiveKind.ALL_REDUCE: "all-reduce", CollectiveKind.BARRIER: "barrier",
     CollectiveKind.REDUCE_SCATTER: "reduce-scatter", CollectiveKind.BROADCAST: "broadcast",
+    CollectiveKind.ALL_GATHER: "all-gather",
 }
 
 
@@ -191,17 +254,19 @@ class AllReduces:
         asked before them)."""
         return await self._outcome(self.start(request))
 
-    async def reduce_scatter(self, request: ReduceRequest, send: Any) -> Shard:
-        """``Communicator.reduce_scatter``, its arguments checked (``request.result`` a
-        scratch buffer, not the caller's ``send``)."""
+    async def collect(self, request: ReduceRequest, value: Callable[[ReduceResult], T]) -> T:
+        """A collective whose caller gets ``value`` of its result once it succeeded
+        (``Communicator.reduce_scatter``, ``all_gather``), its arguments checked."""
         result = self.start(request)
         await self._outcome(result)
-        return _shard(result, request, send)
+        return value(result)
 
-    def launch_reduce_scatter(self, request: ReduceRequest, send: Any) -> AsyncShardHandle:
-        """``Communicator.reduce_scatter_async``, its arguments checked."""
+    def launch_collect(
+        self, request: ReduceRequest, value: Callable[[ReduceResult], Any], handle: type[H]
+    ) -> H:
+        """``collect``'s async form (``reduce_scatter_async``, ``all_gather_async``)."""
         result = self.start(request)
-        return AsyncShardHandle(request.tag, result, partial(_shard, result, request, send))
+        return handle(request.tag, result, partial(value, result))
 
     async def _outcome(self, result: ReduceResult) -> ReduceInfo:
         """What the caller of a started collective gets, cancelled or not."""
@@ -349,6 +414,12 @@ class AllReduces:
                 count=int(request.result.size), itemsize=itemsize, world=len(ring), rank=rank,
                 root=ring.index(request.root), slice_bytes=slice_bytes,
             )
+        elif request.kind == CollectiveKind.ALL_GATHER:
+            # No data until the commence tells every member's size (``_sizing``).
+            schedule = RingSchedule(
+                world=len(ring), rank=rank, itemsize=itemsize, slice_bytes=slice_bytes,
+                send=(), recv=(),
+            )
         else:
             schedule = RingSchedule.all_reduce(
                 count=int(request.result.size), itemsize=itemsize, world=len(ring), rank=rank,
@@ -359,6 +430,11 @@ class AllReduces:
             schedule=schedule, staging=staging, send=request.send, result=request.result,
             op=request.op, tag=request.tag, ring=ring, codec=codec,
         )
+        if request.kind == CollectiveKind.ALL_GATHER:
+            attempt.sizing = _sizing(
+                attempt, request, result, slice_bytes=self._config.slice_bytes,
+                stripes=self._membership.stripes,
+            )
         self._receiver.add(attempt)
         result.attempt = attempt
         vote = result.vote = request.vote(self._config.slice_bytes, lease=self._config.leases)

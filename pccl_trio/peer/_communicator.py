@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from functools import partial
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -93,7 +94,7 @@ from ..transport import (
     reaches_other_machines,
 )
 from ._arguments import check_arguments
-from ._collectives import AllReduces
+from ._collectives import AllReduces, gathered, shard
 from ._context import PeerContext
 from ._election import MAX_TARGETS, Elector, Finder, check_discover
 from ._fusion import Fusion
@@ -106,12 +107,13 @@ from ._receiver import DataReceiver
 from ._reconnect import Standing
 from ._requests import (
     barrier_request,
+    check_all_gather_arguments,
     check_broadcast_arguments,
     check_reduce_arguments,
     check_reduce_options,
     check_reduce_scatter_arguments,
 )
-from ._results import AsyncReduceHandle, AsyncShardHandle
+from ._results import AsyncGatherHandle, AsyncReduceHandle, AsyncShardHandle
 from ._retry import RetriedReduces
 from ._session import MasterLost, MasterSession
 from ._sync import SharedStateSync
@@ -741,7 +743,7 @@ class Communicator:
         self._life.check_loop("reduce_scatter()")
         self._all_reduces.check_launch()
         request = check_reduce_scatter_arguments(send, op=op, tag=tag)
-        return await self._all_reduces.reduce_scatter(request, send)
+        return await self._all_reduces.collect(request, partial(shard, request, send))
 
     def reduce_scatter_async(
         self, send: Any, *, op: ReduceOp = ReduceOp.SUM, tag: int = 0
@@ -755,7 +757,46 @@ class Communicator:
         self._life.check_loop("reduce_scatter_async()")
         self._all_reduces.check_launch()
         request = check_reduce_scatter_arguments(send, op=op, tag=tag)
-        return self._all_reduces.launch_reduce_scatter(request, send)
+        return self._all_reduces.launch_collect(
+            request, partial(shard, request, send), AsyncShardHandle
+        )
+
+    async def all_gather(self, send: Any, *, tag: int = 0) -> dict[int, Any]:
+        """Every peer's ``send``, by peer id in ascending order: the same dict on every
+        peer of the group, this peer's own part included.
+
+        The peers may send different sizes (of the same dtype); each part is a 1-D array
+        of ``send``'s kind (numpy, CuPy, torch), a view of one new buffer that holds
+        them all in that order. ``send`` is only read. Every part goes around the ring
+        once, each peer storing and passing it on slice by slice: each peer receives
+        what the others sent, and sends that less what its predecessor sent.
+
+        Raises:
+            CollectiveAborted: a peer failed or left before every peer held every part,
+                or waits in ``sync_shared_state``; retrying is safe.
+            InvalidArgument: bad buffers, or the peers disagree (another dtype, or
+                another call of this tag).
+            InvalidUsage: the tag is already in flight, or a topology update runs.
+            TooFewPeers: the peer group has a single peer.
+        """
+        self._life.check_loop("all_gather()")
+        self._all_reduces.check_launch()
+        request = check_all_gather_arguments(send, tag=tag)
+        return await self._all_reduces.collect(request, partial(gathered, request, send))
+
+    def all_gather_async(self, send: Any, *, tag: int = 0) -> AsyncGatherHandle:
+        """Start an all-gather in the communicator's own tasks; see ``all_gather``.
+        ``await handle.wait()`` returns the parts by peer id.
+
+        Arguments are checked before this returns (``InvalidArgument`` /
+        ``InvalidUsage``); everything else is raised by ``await handle.wait()``.
+        """
+        self._life.check_loop("all_gather_async()")
+        self._all_reduces.check_launch()
+        request = check_all_gather_arguments(send, tag=tag)
+        return self._all_reduces.launch_collect(
+            request, partial(gathered, request, send), AsyncGatherHandle
+        )
 
     async def all_reduce_multiple_with_retry(
         self,

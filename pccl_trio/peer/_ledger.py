@@ -80,16 +80,22 @@ class Ledger:
         self.live = True
         self.failure: str | None = None
         self.invalid: str | None = None
-        self.done = [bytearray(n) for n in recv_slices]
-        self.remaining = sum(recv_slices)
-        self.sent = [bytearray(n) for n in send_slices]
-        self.unsent = sum(send_slices)
+        self.reset(recv_slices=recv_slices, send_slices=send_slices)
         self.using: collections.Counter[Cuttable] = collections.Counter()
         self.tx_bytes = 0
         self.rx_bytes = 0
         self.clamped = 0
         # Under a lease: whom the completing thread tells (``teller``).
         self.telling: Telling | None = None
+
+    def reset(self, *, recv_slices: Sequence[int], send_slices: Sequence[int]) -> None:
+        """The progress of a schedule of these slices, none received or sent yet (made
+        with the ledger, or again before any slice moved: ``RingAttempt.reschedule``)."""
+        with self.lock:
+            self.done = [bytearray(n) for n in recv_slices]
+            self.remaining = sum(recv_slices)
+            self.sent = [bytearray(n) for n in send_slices]
+            self.unsent = sum(send_slices)
 
     @property
     def complete(self) -> bool:

@@ -15,7 +15,9 @@ of each combination, ``result = input OP received``. It writes only the result.
 * a fused bucket's tensors (``Gathered``, host memory, unquantized): combined where
   the tensors lie; the slices of its own that this peer sends are first gathered
   into the result buffer at their own offsets (``gather_own``), so they leave from
-  there.
+  there;
+* an all-gather's part (``own_start``): the input holds this peer's part only, which
+  lies at ``own_start`` in the result; nothing is combined.
 
 Buffers are flat arrays of the staging's array module (numpy, or cupy on a GPU), and
 offsets are bytes of the result.
@@ -43,9 +45,13 @@ class Operands:
             members (not in place, unquantized, host memory).
         result: where the result goes (``send`` itself for in place).
         op: the reduction.
+        own_start: an all-gather's: the byte offset in ``result`` of this peer's part,
+            which ``send`` holds alone.
     """
 
-    def __init__(self, *, staging: Staging, send: Any, result: Any, op: ReduceOp) -> None:
+    def __init__(
+        self, *, staging: Staging, send: Any, result: Any, op: ReduceOp, own_start: int = 0
+    ) -> None:
         self.staging = staging
         self.xp = staging.xp
         self.op = op
@@ -58,12 +64,14 @@ class Operands:
         assert self.gathered is None or self.xp is np
         # A gathered input sends its own slices from the result (``gather_own``).
         self.input_bytes = self.result_bytes if self.gathered is not None else send.view(np.uint8)
+        self.own_start = own_start
 
     def source(self, segment: Segment, start: int, stop: int) -> Any:
         """The bytes ``[start, stop)`` that send segment ``segment`` sends: this peer's
         input, or what it received there and forwards."""
-        source = self.input_bytes if segment.forwards is None else self.result_bytes
-        return source[start:stop]
+        if segment.forwards is not None:
+            return self.result_bytes[start:stop]
+        return self.input_bytes[start - self.own_start:stop - self.own_start]
 
     def target(self, start: int, stop: int) -> Any:
         """The result's elements at bytes ``[start, stop)``."""

@@ -7,7 +7,8 @@ Each data connection from the ring's predecessor has one reader, a protocol of
 names its attempt by the master's number (``seq``, from ``CollectiveCommence``).
 Attempts are registered here by tag when launched, before their vote, and by number
 when the master's commence arrives: ``on_commence`` is a route of the master session,
-so it runs as the commence is read, before any later message. A frame may still
+so it runs as the commence is read, before any later message (an all-gather's
+attempt gets its schedule there, from the members' sizes the commence carries). A frame may still
 arrive before the commence reached this peer (the neighbour started sending at once);
 its reader waits for it. Numbers only grow, so a frame at or below the last commence
 seen whose attempt is not running is stale: it is read and dropped.
@@ -119,13 +120,22 @@ class DataReceiver:
         """Make the attempt reachable by its number before any of its data is read."""
         attempt = self.by_tag.get(message.tag)
         if attempt is not None and attempt.seq == 0:
-            attempt.seq = message.seq
-            self._by_seq[message.seq] = attempt
             if message.ring != attempt.ring:
                 attempt.fail(
                     f"the master's ring {list(message.ring)} differs from this peer's "
                     f"{list(attempt.ring)}"
                 )
+            elif attempt.sizing is not None or message.sizes:
+                # An all-gather's parts: its schedule is made now, before any frame.
+                problem = (
+                    attempt.sizing(message.sizes) if attempt.sizing is not None
+                    else f"the master sent part sizes {list(message.sizes)} for a "
+                    "collective that gathers nothing"
+                )
+                if problem is not None:
+                    attempt.fail(problem)
+            attempt.seq = message.seq
+            self._by_seq[message.seq] = attempt
         with self._commenced.lock:
             self._last_commenced = max(self._last_commenced, message.seq)
             self._commenced.notify()

@@ -29,6 +29,7 @@ __all__ = [
     "ReduceOptions",
     "ReduceRequest",
     "barrier_request",
+    "check_all_gather_arguments",
     "check_broadcast_arguments",
     "check_reduce_scatter_arguments",
     "check_reduce_arguments",
@@ -67,6 +68,13 @@ class ReduceRequest:
     def vote(self, slice_bytes: int, *, lease: bool = False) -> CollectiveInitiate:
         """The descriptor every peer of the group must vote alike (``slice_bytes``: this
         peer's ``Config.slice_bytes``; ``lease``: ask for a lease on the tag)."""
+        if self.kind == CollectiveKind.ALL_GATHER:
+            # Its own part's size (the parts may differ), and never leased: the master
+            # tells each attempt's sizes.
+            return _vote(
+                self.tag, int(self.send.size), self.send.dtype, self.op, None, self.hint,
+                slice_bytes, False, self.kind, 0,
+            )
         return _vote(
             self.tag, int(self.result.size), self.result.dtype, self.op, self.quantization,
             self.hint, slice_bytes, lease, self.kind, self.root,
@@ -159,6 +167,22 @@ def check_broadcast_arguments(tensor: Any, *, root: int, tag: int) -> ReduceRequ
         name="tensor",
     )
     return dataclasses.replace(request, kind=CollectiveKind.BROADCAST, root=root)
+
+
+def check_all_gather_arguments(send: Any, *, tag: int) -> ReduceRequest:
+    """The arguments of an all-gather, checked: ``send`` is only read, and the parts
+    gather into a buffer made once the commence told their sizes (``result`` is an
+    empty stand-in until then, on ``send``'s device).
+
+    Raises:
+        InvalidArgument: which argument is wrong, and how.
+    """
+    request = check_reduce_arguments(
+        send, None, op=ReduceOp.SUM, tag=tag, quantization=None, hint=DistributionHint.NONE
+    )
+    return dataclasses.replace(
+        request, result=request.send[:0].copy(), kind=CollectiveKind.ALL_GATHER
+    )
 
 
 def check_tag(tag: int) -> None:

@@ -8,14 +8,16 @@ carries what a cancelled caller needs to stop the all-reduce: whether it was
 cancelled (an attempt made from then on starts stopped), the attempt once made, and
 ``final``, set once the buffers hold what they will hold. ``AsyncReduceHandle`` is the
 public view of a result for ``all_reduce_async``: awaiting it never cancels the
-all-reduce, which goes on in the communicator. ``Rejected`` and ``Blocked`` mark the
-verdicts that a retry would meet again (they show as their public base).
+all-reduce, which goes on in the communicator; an ``AsyncValueHandle`` is that of a
+collective whose caller gets a value made from its buffers (a shard, gathered parts).
+``Rejected`` and ``Blocked`` mark the verdicts that a retry would meet again (they show
+as their public base).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import trio
 
@@ -26,7 +28,17 @@ if TYPE_CHECKING:
     from .._core.messages import CollectiveInitiate
     from ._attempt import RingAttempt
 
-__all__ = ["AsyncReduceHandle", "AsyncShardHandle", "Blocked", "ReduceResult", "Rejected"]
+__all__ = [
+    "AsyncGatherHandle",
+    "AsyncReduceHandle",
+    "AsyncShardHandle",
+    "AsyncValueHandle",
+    "Blocked",
+    "ReduceResult",
+    "Rejected",
+]
+
+T = TypeVar("T")
 
 
 @shown_as_base
@@ -57,6 +69,10 @@ class ReduceResult:
         # descriptor it runs under a lease with).
         self.attempt: RingAttempt | None = None
         self.vote: CollectiveInitiate | None = None
+        # An all-gather's, once the commence told the sizes: each member's part (its
+        # offset and element count in the buffer, by peer id) and the buffer.
+        self.parts: dict[int, tuple[int, int]] = {}
+        self.gathered: Any = None
         # The buffers hold what they will hold: the result, or the input restored.
         self.final = trio.Event()
 
@@ -120,32 +136,43 @@ class AsyncReduceHandle:
         return f"<AsyncReduceHandle tag={self.tag} {self._result!r}>"
 
 
-class AsyncShardHandle:
-    """A running reduce-scatter started by ``Communicator.reduce_scatter_async``.
+class AsyncValueHandle(Generic[T]):
+    """A running collective whose caller gets a value made from its buffers once it
+    succeeded (a reduce-scatter's shard, an all-gather's parts).
 
-    ``await handle.wait()`` returns its ``Shard`` or raises what ``reduce_scatter``
-    would have raised; it may be awaited any number of times (each returns the same
-    shard). Cancelling a ``wait`` does not cancel the reduce-scatter.
+    ``await handle.wait()`` returns that value or raises what the blocking call would
+    have raised; it may be awaited any number of times (each returns the same value).
+    Cancelling a ``wait`` does not cancel the collective, which goes on in the
+    communicator.
     """
 
-    def __init__(self, tag: int, result: ReduceResult, shard: Callable[[], Shard]) -> None:
+    def __init__(self, tag: int, result: ReduceResult, value: Callable[[], T]) -> None:
         self.tag = tag
         self._result = result
-        self._shard = shard
-        self._made: Shard | None = None
+        self._value = value
+        self._made: list[T] = []
 
     @property
     def done(self) -> bool:
-        """Whether the reduce-scatter has ended (``wait`` then returns at once)."""
+        """Whether the collective has ended (``wait`` then returns at once)."""
         return self._result.done
 
-    async def wait(self) -> Shard:
-        """Wait for the reduce-scatter to end; this peer's ``Shard``, or raise its error."""
+    async def wait(self) -> T:
+        """Wait for the collective to end; its value, or raise its error."""
         await self._result.get()
-        if self._made is None:
-            self._made = self._shard()
-        return self._made
+        if not self._made:
+            self._made.append(self._value())
+        return self._made[0]
 
     def __repr__(self) -> str:
-        return f"<AsyncShardHandle tag={self.tag} {self._result!r}>"
+        return f"<{type(self).__name__} tag={self.tag} {self._result!r}>"
 
+
+class AsyncShardHandle(AsyncValueHandle[Shard]):
+    """A running reduce-scatter started by ``Communicator.reduce_scatter_async``:
+    ``await handle.wait()`` returns its ``Shard`` (see ``AsyncValueHandle``)."""
+
+
+class AsyncGatherHandle(AsyncValueHandle[dict[int, Any]]):
+    """A running all-gather started by ``Communicator.all_gather_async``: ``await
+    handle.wait()`` returns every peer's part by peer id (see ``AsyncValueHandle``)."""

@@ -312,13 +312,14 @@ class MasterHarness:
         distribution_hint: int = 0,
         slice_bytes: int = 0,
         lease: bool = False,
+        kind: int = 0,
     ) -> list[Action]:
         return self.send(
             conn,
             CollectiveInitiate(
                 tag=tag, count=count, dtype=dtype, op=op, quantized_dtype=quantized_dtype,
                 slice_bytes=slice_bytes, lease=lease,
-                quantization=quantization, distribution_hint=distribution_hint,
+                quantization=quantization, distribution_hint=distribution_hint, kind=kind,
             ),
         )
 

@@ -19,6 +19,7 @@ from pccl_trio._core.messages import (
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
+    CollectiveKind,
     CollectiveVerdict,
     Outcome,
     P2PEstablishResult,
@@ -240,6 +241,30 @@ def test_disagreeing_initiates_are_rejected_for_everyone(field: str, odd: int) -
     assert all(text in verdict.reason for text in mentions), verdict.reason
     # A disagreement is no failure: the ring is fine, and the tag is free again.
     started(h, 5, 1, 2, 3)
+
+
+def test_an_all_gathers_members_may_vote_different_counts_and_the_commence_tells_them() -> None:
+    h = MasterHarness()
+    accepted(h, 1, 2, 3)
+    counts = {1: 4, 2: 0, 3: 9}
+    for conn in (1, 2, 3):
+        h.initiate(conn, 5, count=counts[conn], kind=CollectiveKind.ALL_GATHER)
+    ring = tuple(h.core.ring(group_of(h, 1)))
+    commences = {h.last(conn, CollectiveCommence) for conn in (1, 2, 3)}
+    assert len(commences) == 1
+    (commence,) = commences
+    assert commence.ring == ring and commence.sizes == tuple(counts[p] for p in ring)
+    # Other dtypes are still refused, each named.
+    h.take_all()
+    for conn in (1, 2, 3):
+        h.complete(conn, 5)
+    h.take_all()
+    for conn in (1, 2, 3):
+        h.initiate(conn, 6, count=2, dtype=DOUBLE if conn == 2 else FLOAT,
+                   kind=CollectiveKind.ALL_GATHER)
+    verdict = only_verdict(h, 1)
+    assert verdict.outcome == Outcome.REJECTED
+    assert "peer 2: all_gather count=2 (its own) dtype=DOUBLE" in verdict.reason, verdict.reason
 
 
 def test_quantized_dtype_counts_even_without_quantization() -> None:

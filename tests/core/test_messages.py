@@ -28,6 +28,7 @@ from pccl_trio._core.messages import (
     QUANTIZATION_NAMES,
     STRATEGY_NAMES,
     BenchmarkRequest,
+    CollectiveCommence,
     CollectiveInitiate,
     CollectiveKind,
     CollectiveVerdict,
@@ -423,6 +424,8 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     # ``test_a_barrier_vote_carries_no_data``).
     (CollectiveInitiate, "kind"): st.just(CollectiveKind.ALL_REDUCE),
     (CollectiveInitiate, "root"): st.just(0),  # only a broadcast has one
+    # One size per ring member: see ``test_an_all_gather_vote_is_plain``.
+    (CollectiveCommence, "sizes"): st.just(()),
     (CollectiveVerdict, "outcome"): st.sampled_from(OUTCOMES),
     (SharedStateEntry, "key"): st.text(min_size=1, max_size=30),
     (SharedStateEntry, "dtype"): st.integers(0, len(DTYPE_NAMES) - 1),
@@ -739,3 +742,23 @@ def test_a_barrier_vote_carries_no_data_and_only_a_broadcast_has_a_root() -> Non
         with pytest.raises(RemoteProtocolError, match=error):
             dataclasses.replace(barrier, **fields)
 
+
+
+def test_an_all_gather_vote_is_plain_and_its_commence_carries_a_size_per_member() -> None:
+    """An all-gather's vote carries its own part's count, and is neither quantized,
+    reduced nor leased; its commence carries one size per ring member, in range."""
+    gather = CollectiveInitiate(
+        tag=3, count=7, dtype=0, op=0, quantized_dtype=0, quantization=0,
+        kind=CollectiveKind.ALL_GATHER,
+    )
+    assert decode(CollectiveInitiate, wire_fields(gather)) == gather
+    assert gather.describe().startswith("all_gather count=7 (its own)")
+    for fields in ({"quantization": 1}, {"op": 1}, {"lease": True}):
+        with pytest.raises(RemoteProtocolError, match="neither quantized, reduced nor leased"):
+            dataclasses.replace(gather, **fields)
+    commence = CollectiveCommence(tag=3, seq=1, ring=(2, 1, 3), sizes=(7, 0, 5))
+    assert decode(CollectiveCommence, wire_fields(commence)) == commence
+    for sizes, error in (((7, 0), "2 sizes for a ring of 3"), ((1, -1, 2), "invalid value -1"),
+                         ((1, 1 << 62, 2), "out of range")):
+        with pytest.raises(RemoteProtocolError, match=error):
+            CollectiveCommence(tag=3, seq=1, ring=(2, 1, 3), sizes=sizes)

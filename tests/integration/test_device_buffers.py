@@ -588,3 +588,26 @@ async def test_broadcast_and_reduce_scatter_on_device_buffers_match_the_host(
             assert device.asnumpy(sends[0]).tobytes() == inputs[0].tobytes()  # only read
         for comm in comms:
             await comm.aclose()
+
+
+async def test_an_all_gather_of_a_device_part_gives_device_parts_there_and_host_parts_elsewhere(
+    cluster: Cluster, clock: object, device: Any,
+) -> None:
+    """A device peer's all-gather gathers into a device buffer (its parts device
+    arrays), the host peers' into host ones, every part the bytes its peer sent, the
+    parts of different sizes; the device input only read."""
+    with trio.fail_after(300):
+        comms = await run(cluster, 3, device)
+        for count in sizes(device):
+            inputs = [values(np.float32, count + 7 * seed, seed) for seed in range(3)]
+            sends = [device.asarray(inputs[0]), inputs[1].copy(), inputs[2].copy()]
+            results = await run_all(comms, lambda i, c, s=sends: c.all_gather(s[i]))
+            for i, parts in enumerate(results):
+                assert isinstance(parts, dict), parts
+                for j, comm in enumerate(comms):
+                    got = parts[comm.peer_id]
+                    assert isinstance(got, np.ndarray) == (i != 0)
+                    assert host(device, got).tobytes() == inputs[j].tobytes()
+            assert device.asnumpy(sends[0]).tobytes() == inputs[0].tobytes()  # only read
+        for comm in comms:
+            await comm.aclose()

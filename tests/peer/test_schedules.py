@@ -113,11 +113,18 @@ def socket_ring() -> list[tuple[Connection, Connection]]:
     return [(sending[r], receiving[r - 1]) for r in range(WORLD)]
 
 
-async def run(plan: Plan, buffers: Sequence[np.ndarray], op: ReduceOp, drivers: str) -> list[RingAttempt]:
-    ring = tuple(range(1, WORLD + 1))
+async def run(
+    plan: Plan, buffers: Sequence[np.ndarray], op: ReduceOp, drivers: str, *,
+    ring: tuple[int, ...] = tuple(range(1, WORLD + 1)),
+    sends: Sequence[np.ndarray] | None = None, own_starts: Sequence[int] | None = None,
+) -> list[RingAttempt]:
+    """Run each rank's schedule of ``plan`` into its buffer (in place, or from
+    ``sends``: an all-gather's own parts, which lie at ``own_starts`` in the buffers)."""
     attempts = [
-        RingAttempt(schedule=plan(rank), staging=HostStaging(), send=buffers[rank],
-                    result=buffers[rank], op=op, tag=5, ring=ring)
+        RingAttempt(schedule=plan(rank), staging=HostStaging(),
+                    send=buffers[rank] if sends is None else sends[rank],
+                    result=buffers[rank], op=op, tag=5, ring=ring,
+                    own_start=0 if own_starts is None else own_starts[rank])
         for rank in range(WORLD)
     ]
     links = await memory_ring() if drivers == "trio" else socket_ring()
