@@ -45,6 +45,7 @@ from ._types import SharedState as SharedState
 from ._types import SharedStateSyncInfo as SharedStateSyncInfo
 from ._types import SharedStateSyncStrategy as SharedStateSyncStrategy
 from ._types import TensorInfo as TensorInfo
+from ._types import TopK as TopK
 from ._types import TopologyInfo as TopologyInfo
 from .master import serve_master as serve_master
 from .master import serve_master_tcp as serve_master_tcp

@@ -83,6 +83,35 @@ class QuantizationOptions:
     algorithm: QuantizationAlgorithm = QuantizationAlgorithm.MIN_MAX
 
 
+@dataclasses.dataclass(frozen=True, eq=False, slots=True)
+class TopK:
+    """Sparse all-reduce with error feedback (``compression=`` of ``all_reduce`` and
+    ``all_reduce_multiple_with_retry``).
+
+    Each peer adds ``residual`` to its input, keeps the ``fraction`` of the entries
+    largest in magnitude within each chunk of ``chunk`` elements, sends their indexes
+    (16 bits each) and values (``values``: quantized with ``MIN_MAX`` to ``UINT8`` or
+    ``UINT16`` per chunk; None: as they are), and stores what it did not send back into
+    ``residual``. The result is the sum of every peer's sent entries in ascending
+    peer-id order (bit-identical everywhere), divided by the world size for ``AVG``.
+
+    Attributes:
+        fraction: the share of entries kept, in (0, 1]; ``round(fraction * chunk)``
+            of each chunk (at least one).
+        residual: the caller's array like the input (for
+            ``all_reduce_multiple_with_retry``, a sequence of them, one per tensor),
+            updated in place once the all-reduce succeeded; untouched otherwise.
+        values: how kept values travel (None: in the input's dtype).
+        chunk: elements per chunk, at most 65536.
+    """
+
+    fraction: float
+    _: dataclasses.KW_ONLY
+    residual: Any
+    values: QuantizationOptions | None = None
+    chunk: int = 4096
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ReduceInfo:
     """Outcome of an all-reduce: the peer-group world size and payload bytes moved.

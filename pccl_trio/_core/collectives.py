@@ -99,7 +99,7 @@ def _descriptor_key(message: CollectiveInitiate | LeaseReport) -> tuple[int, ...
         -1 if message.kind == CollectiveKind.ALL_GATHER else message.count,
         message.dtype, message.op,
         message.quantized_dtype, message.quantization, message.distribution_hint,
-        message.slice_bytes,
+        message.slice_bytes, message.topk, message.topk_chunk,
     )
 
 
@@ -250,7 +250,7 @@ class Collectives:
                     "every peer must make the same call (all_reduce, barrier, reduce_scatter, "
                     "broadcast from the same root, all_gather) of a tag, "
                     "pass the same count (an all_gather's may differ), dtype, op, "
-                    "quantization and distribution hint, and "
+                    "quantization, distribution hint and compression, and "
                     "configure the same Config.slice_bytes",
                 )
                 continue

@@ -156,10 +156,20 @@ class CollectiveKind(enum.IntEnum):
     # Its ``count`` is this peer's own part, which may differ between peers: the
     # commence tells every member the parts of all (``CollectiveCommence.sizes``).
     ALL_GATHER = 4
+    # An all-reduce with ``compression=TopK``: ``count`` and ``dtype`` are the dense
+    # vector's, ``topk`` and ``topk_chunk`` the entries kept of every chunk of so many,
+    # the quantization fields the kept values'. Its data is a gather of equal parts.
+    TOPK_ALL_REDUCE = 5
 
 
 #: How the calls are named in messages (the communicator's methods).
-COLLECTIVE_NAMES = ("all_reduce", "barrier", "reduce_scatter", "broadcast", "all_gather")
+COLLECTIVE_NAMES = (
+    "all_reduce", "barrier", "reduce_scatter", "broadcast", "all_gather",
+    "all_reduce(compression=TopK)",
+)
+
+#: The largest chunk of a Top-k all-reduce: its indexes travel in 16 bits.
+MAX_TOPK_CHUNK = 1 << 16
 
 
 class Outcome(enum.IntEnum):
@@ -347,6 +357,8 @@ class CollectiveInitiate(Message):
     lease: bool = False
     kind: int = CollectiveKind.ALL_REDUCE
     root: int = 0
+    topk: int = 0
+    topk_chunk: int = 0
 
     def _validate(self) -> None:
         _check_descriptor(self, "CollectiveInitiate")
@@ -375,6 +387,14 @@ def _check_descriptor(message: typing.Any, name: str) -> None:
         raise RemoteProtocolError(f"{name}: a {COLLECTIVE_NAMES[message.kind]} is not quantized")
     if message.root and message.kind != CollectiveKind.BROADCAST:
         raise RemoteProtocolError(f"{name}.root: only a broadcast has a root")
+    if message.kind == CollectiveKind.TOPK_ALL_REDUCE:
+        if not 1 <= message.topk <= message.topk_chunk <= MAX_TOPK_CHUNK:
+            raise RemoteProtocolError(
+                f"{name}: a Top-k all_reduce keeps 1 to topk_chunk of every topk_chunk "
+                f"(at most {MAX_TOPK_CHUNK}) entries, not {message.topk} of {message.topk_chunk}"
+            )
+    elif message.topk or message.topk_chunk:
+        raise RemoteProtocolError(f"{name}.topk: only a Top-k all_reduce keeps entries")
     if message.kind == CollectiveKind.ALL_GATHER and (
         message.quantization or message.op or getattr(message, "lease", False)
     ):
@@ -402,6 +422,8 @@ def _describe(message: typing.Any) -> str:
         f"{COLLECTIVE_NAMES[message.kind]} count={message.count} "
         f"dtype={DTYPE_NAMES[message.dtype]} op={OP_NAMES[message.op]}"
     )
+    if message.kind == CollectiveKind.TOPK_ALL_REDUCE:
+        text += f" keeping {message.topk} of every {message.topk_chunk}"
     if message.quantization:
         text += (
             f" quantization={QUANTIZATION_NAMES[message.quantization]}"
@@ -451,6 +473,8 @@ class LeaseReport(Message):
     invalid: str = ""
     kind: int = CollectiveKind.ALL_REDUCE
     root: int = 0
+    topk: int = 0
+    topk_chunk: int = 0
 
     def _validate(self) -> None:
         _check_descriptor(self, "LeaseReport")
@@ -475,7 +499,7 @@ class LeaseReport(Message):
             tag=self.tag, count=self.count, dtype=self.dtype, op=self.op,
             quantized_dtype=self.quantized_dtype, quantization=self.quantization,
             distribution_hint=self.distribution_hint, slice_bytes=self.slice_bytes, lease=True,
-            kind=self.kind, root=self.root,
+            kind=self.kind, root=self.root, topk=self.topk, topk_chunk=self.topk_chunk,
         )
 
 

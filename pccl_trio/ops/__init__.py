@@ -1,5 +1,5 @@
 """Array work of the collectives: dtypes, zero-copy buffer views, reduction kernels,
-quantization, and the buffers the data path moves bytes through (host and GPU staging,
+quantization, Top-k sparsification, and the buffers the data path moves bytes through (host and GPU staging,
 pooled memory, a fused bucket's input read in place, an in-place input's backup).
 
 Everything here takes the array module ``xp`` (numpy, or cupy for GPU buffers) beside the arrays it
@@ -34,3 +34,8 @@ from ._staging import Sender as Sender
 from ._staging import Staging as Staging
 from ._staging import gpu_of as gpu_of
 from ._staging import staging_for as staging_for
+from ._topk import Selection as Selection
+from ._topk import TopKLayout as TopKLayout
+from ._topk import topk_feed_back as topk_feed_back
+from ._topk import topk_select as topk_select
+from ._topk import topk_sum as topk_sum

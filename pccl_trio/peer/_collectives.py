@@ -144,6 +144,52 @@ def gathered(request: ReduceRequest, send: Any, result: ReduceResult) -> dict[in
     }
 
 
+def _data_plan(
+    request: ReduceRequest, result: ReduceResult, ring: tuple[int, ...], rank: int, *,
+    slice_bytes: int, stripes: int,
+) -> tuple[RingSchedule, Any, Any, int]:
+    """What a call moves on ``ring`` at ``rank``: its schedule, the buffers it sends
+    from and writes into, and where its own part lies in the latter (an all-gather's).
+    A Top-k all-reduce gathers every peer's selection into a buffer of its own."""
+    send, buffer, own_start = request.send, request.result, 0
+    topk = request.topk
+    if topk is not None:
+        assert topk.selection is not None  # chosen before the attempt is made
+        send, buffer = topk.selection.payload, topk.gather_buffer(len(ring))
+        size = topk.layout.payload_bytes
+        by_id = sorted(ring)
+        result.parts = {peer_id: (i * size, size) for i, peer_id in enumerate(by_id)}
+        result.gathered = buffer
+        own_start = by_id.index(ring[rank]) * size
+    itemsize = int(buffer.dtype.itemsize)
+    cut = striped_slice(
+        slice_bytes, nbytes=int(buffer.nbytes), world=len(ring), itemsize=itemsize,
+        stripes=stripes,
+    )
+    count = int(buffer.size)
+    if request.kind == CollectiveKind.BROADCAST:
+        schedule = RingSchedule.broadcast(
+            count=count, itemsize=itemsize, world=len(ring), rank=rank,
+            root=ring.index(request.root), slice_bytes=cut,
+        )
+    elif request.kind == CollectiveKind.ALL_GATHER:
+        # No data until the commence tells every member's size (``_sizing``).
+        schedule = RingSchedule(
+            world=len(ring), rank=rank, itemsize=itemsize, slice_bytes=cut, send=(), recv=(),
+        )
+    elif topk is not None:
+        schedule = RingSchedule.all_gather(
+            sizes=(topk.layout.payload_bytes,) * len(ring), ids=ring, itemsize=1, rank=rank,
+            slice_bytes=cut,
+        )
+    else:
+        schedule = RingSchedule.all_reduce(
+            count=count, itemsize=itemsize, world=len(ring), rank=rank, slice_bytes=cut,
+            parts=ring_parts(ring), scatter=request.kind == CollectiveKind.REDUCE_SCATTER,
+        )
+    return schedule, send, buffer, own_start
+
+
 def _sizing(
     attempt: RingAttempt, request: ReduceRequest, result: ReduceResult, *,
     slice_bytes: int, stripes: int,
@@ -192,7 +238,7 @@ def _sizing(
 _CALLED = {
     CollectiveKind.ALL_REDUCE: "all-reduce", CollectiveKind.BARRIER: "barrier",
     CollectiveKind.REDUCE_SCATTER: "reduce-scatter", CollectiveKind.BROADCAST: "broadcast",
-    CollectiveKind.ALL_GATHER: "all-gather",
+    CollectiveKind.ALL_GATHER: "all-gather", CollectiveKind.TOPK_ALL_REDUCE: "all-reduce",
 }
 
 
@@ -350,6 +396,13 @@ class AllReduces:
         started = time.perf_counter()
         try:
             info = await self._attempt(request, result, attempt)
+            made = result.attempt
+            if request.topk is not None and made is not None:
+                # Succeeded for every peer: the dense sum and the residual, before the
+                # result is set (a caller cancelled too late then finds them final).
+                await request.topk.conclude(
+                    result.parts, result.gathered, made.ring[made.schedule.rank]
+                )
         except MasterLost as exc:  # the input is restored (``_attempt``), the run goes on
             result.finish(None, CollectiveAborted(
                 f"the {_CALLED[request.kind]} with tag {request.tag} was aborted: {exc}; "
@@ -397,39 +450,23 @@ class AllReduces:
             codec = Codec(request.xp, request.result.dtype, request.quantization.algorithm,
                           request.quantization.quantized_datatype, request.hint)
         staging = staging_for(request.xp, gpu_of(request.xp, request.result))
-        itemsize = int(request.result.dtype.itemsize)
-        slice_bytes = striped_slice(
-            self._config.slice_bytes, nbytes=int(request.result.nbytes), world=len(ring),
-            itemsize=itemsize, stripes=self._membership.stripes,
-        )
-        staging.check_slices(slice_bytes, int(request.result.nbytes))
         rank = ring.index(self._session.peer_id)
-        if request.kind == CollectiveKind.BROADCAST:
-            if request.root not in ring:
-                raise InvalidArgument(
-                    f"broadcast(root={request.root}): no such peer in this peer group, whose "
-                    f"ring is {list(ring)}"
-                )
-            schedule = RingSchedule.broadcast(
-                count=int(request.result.size), itemsize=itemsize, world=len(ring), rank=rank,
-                root=ring.index(request.root), slice_bytes=slice_bytes,
+        if request.kind == CollectiveKind.BROADCAST and request.root not in ring:
+            raise InvalidArgument(
+                f"broadcast(root={request.root}): no such peer in this peer group, whose "
+                f"ring is {list(ring)}"
             )
-        elif request.kind == CollectiveKind.ALL_GATHER:
-            # No data until the commence tells every member's size (``_sizing``).
-            schedule = RingSchedule(
-                world=len(ring), rank=rank, itemsize=itemsize, slice_bytes=slice_bytes,
-                send=(), recv=(),
-            )
-        else:
-            schedule = RingSchedule.all_reduce(
-                count=int(request.result.size), itemsize=itemsize, world=len(ring), rank=rank,
-                slice_bytes=slice_bytes, parts=ring_parts(ring),
-                scatter=request.kind == CollectiveKind.REDUCE_SCATTER,
-            )
-        attempt = RingAttempt(
-            schedule=schedule, staging=staging, send=request.send, result=request.result,
-            op=request.op, tag=request.tag, ring=ring, codec=codec,
+        schedule, send, buffer, own_start = _data_plan(
+            request, result, ring, rank, slice_bytes=self._config.slice_bytes,
+            stripes=self._membership.stripes,
         )
+        staging.check_slices(schedule.slice_bytes, int(buffer.nbytes))
+        attempt = RingAttempt(
+            schedule=schedule, staging=staging, send=send, result=buffer,
+            op=request.op, tag=request.tag, ring=ring, codec=codec, own_start=own_start,
+        )
+        if request.topk is not None and request.topk.invalid is not None:
+            attempt.ledger.reject(request.topk.invalid)  # the call fails for everyone
         if request.kind == CollectiveKind.ALL_GATHER:
             attempt.sizing = _sizing(
                 attempt, request, result, slice_bytes=self._config.slice_bytes,
@@ -451,6 +488,8 @@ class AllReduces:
         self, request: ReduceRequest, result: ReduceResult, attempt: RingAttempt | None
     ) -> ReduceInfo:
         if attempt is None:
+            if request.topk is not None:
+                await request.topk.select()  # before the ring: no checkpoint after it
             await self._membership.ensure_ring()
             attempt = self._prepare(request, result)
         if attempt.agreement is not None:

@@ -6,9 +6,10 @@ The call's tensors are checked one by one (``ReduceOptions.request``), then
 ``_core.buckets.plan_buckets`` groups them into buckets of up to
 ``Config.bucket_bytes`` from their order, dtype and size alone, so every peer that
 passes the same list makes the same buckets. A tensor may fuse when it lives in host
-memory (numpy, or a CPU tensor viewed through DLPack) and the call is not quantized:
-quantization encodes each slice of a buffer with the range of its values, so a tensor
-fused with others would be quantized with their range, and its error would depend on
+memory (numpy, or a CPU tensor viewed through DLPack) and the call is neither
+quantized nor Top-k compressed (each tensor's selection is its own): quantization
+encodes each slice of a buffer with the range of its values, so a tensor fused with
+others would be quantized with their range, and its error would depend on
 its neighbours and on ``bucket_bytes`` (see ``docs/allreduce.md``).
 
 A bucket of one tensor is that tensor's own request: zero-copy, the caller's buffer
@@ -60,7 +61,7 @@ class Fusion:
     def _key(request: ReduceRequest) -> Hashable | None:
         """What a tensor fuses by (None: it goes alone): its dtype, since the op and the
         quantization are the call's, the same for every tensor."""
-        if request.quantization is not None or request.xp is not np:
+        if request.quantization is not None or request.topk is not None or request.xp is not np:
             return None
         dtype: np.dtype[Any] = request.result.dtype
         return dtype

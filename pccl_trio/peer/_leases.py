@@ -432,4 +432,6 @@ def _report_of(lease: Lease | None, tag: int, first: int) -> LeaseReport:
         invalid=bounded(invalid or ""),
         kind=vote.kind if vote else 0,
         root=vote.root if vote else 0,
+        topk=vote.topk if vote else 0,
+        topk_chunk=vote.topk_chunk if vote else 0,
     )

@@ -22,8 +22,25 @@ import numpy as np
 
 from .._core.messages import CollectiveInitiate, CollectiveKind
 from .._errors import InvalidArgument
-from .._types import DataType, DistributionHint, QuantizationAlgorithm, QuantizationOptions, ReduceOp
-from ..ops import Array, ArrayModule, as_array, check_quantization, from_numpy_dtype, gpu_of, staging_for
+from .._types import (
+    DataType,
+    DistributionHint,
+    QuantizationAlgorithm,
+    QuantizationOptions,
+    ReduceOp,
+    TopK,
+)
+from ..ops import (
+    Array,
+    ArrayModule,
+    TopKLayout,
+    as_array,
+    check_quantization,
+    from_numpy_dtype,
+    gpu_of,
+    staging_for,
+)
+from ._topk import TopKCall
 
 __all__ = [
     "ReduceOptions",
@@ -34,6 +51,7 @@ __all__ = [
     "check_reduce_scatter_arguments",
     "check_reduce_arguments",
     "check_reduce_options",
+    "check_topk_arguments",
 ]
 
 
@@ -64,6 +82,7 @@ class ReduceRequest:
     hint: DistributionHint
     kind: CollectiveKind = CollectiveKind.ALL_REDUCE
     root: int = 0  # a broadcast's sender (a peer id)
+    topk: TopKCall | None = None  # a Top-k all-reduce's own state (``_topk``)
 
     def vote(self, slice_bytes: int, *, lease: bool = False) -> CollectiveInitiate:
         """The descriptor every peer of the group must vote alike (``slice_bytes``: this
@@ -74,6 +93,13 @@ class ReduceRequest:
             return _vote(
                 self.tag, int(self.send.size), self.send.dtype, self.op, None, self.hint,
                 slice_bytes, False, self.kind, 0,
+            )
+        if self.topk is not None:
+            # The dense call's, and the compression's: the entries kept, and how.
+            layout = self.topk.layout
+            return _vote(
+                self.tag, layout.count, layout.dtype, self.op, self.topk.values, self.hint,
+                slice_bytes, lease, self.kind, 0, layout.k, layout.chunk,
             )
         return _vote(
             self.tag, int(self.result.size), self.result.dtype, self.op, self.quantization,
@@ -96,7 +122,7 @@ def barrier_request(tag: int) -> ReduceRequest:
 def _vote(
     tag: int, count: int, dtype: np.dtype[Any], op: ReduceOp,
     quantization: QuantizationOptions | None, hint: DistributionHint, slice_bytes: int,
-    lease: bool, kind: CollectiveKind, root: int,
+    lease: bool, kind: CollectiveKind, root: int, topk: int = 0, topk_chunk: int = 0,
 ) -> CollectiveInitiate:
     """A vote, made once per descriptor (messages are immutable, and a training loop
     votes the same descriptors step after step)."""
@@ -115,6 +141,8 @@ def _vote(
         lease=lease,
         kind=kind,
         root=root,
+        topk=topk,
+        topk_chunk=topk_chunk,
     )
 
 
@@ -183,6 +211,50 @@ def check_all_gather_arguments(send: Any, *, tag: int) -> ReduceRequest:
     return dataclasses.replace(
         request, result=request.send[:0].copy(), kind=CollectiveKind.ALL_GATHER
     )
+
+
+def check_topk_arguments(
+    send: Any, recv: Any, *, op: ReduceOp, tag: int, compression: TopK,
+    residual: Any = None, name: str = "send",
+) -> ReduceRequest:
+    """The arguments of a Top-k all-reduce, checked (``residual``: this buffer's, when
+    ``compression`` holds one per tensor; by default ``compression.residual``).
+
+    Raises:
+        InvalidArgument: which argument is wrong, and how.
+    """
+    if not isinstance(compression, TopK):
+        raise InvalidArgument(f"compression must be a pccl_trio.TopK or None, got {compression!r}")
+    if op not in (ReduceOp.SUM, ReduceOp.AVG):
+        raise InvalidArgument(
+            f"Top-k compression sums what every peer sends: op must be SUM or AVG, not {op!r}"
+        )
+    request = check_reduce_arguments(
+        send, recv, op=op, tag=tag, quantization=None, hint=DistributionHint.NONE, name=name
+    )
+    xp, send_array = request.xp, request.send
+    residual_xp, residual_array = as_array(
+        compression.residual if residual is None else residual, name="TopK.residual"
+    )
+    if residual_xp is not xp:
+        raise InvalidArgument(f"TopK.residual must live where {name} does")
+    if residual_array.dtype != send_array.dtype or residual_array.size != send_array.size:
+        raise InvalidArgument(
+            f"TopK.residual ({residual_array.size} x {residual_array.dtype}) must match "
+            f"{name} ({send_array.size} x {send_array.dtype}) in count and dtype"
+        )
+    for other, what in ((send_array, name), (request.result, "recv")):
+        if xp.shares_memory(residual_array, other):
+            raise InvalidArgument(f"TopK.residual shares memory with {what}")
+    layout = TopKLayout.of(
+        int(send_array.size), send_array.dtype, fraction=compression.fraction,
+        chunk=compression.chunk, values=compression.values,
+    )
+    call = TopKCall(
+        xp, layout, send=send_array, out=request.result, residual=residual_array, op=op,
+        values=compression.values,
+    )
+    return dataclasses.replace(request, kind=CollectiveKind.TOPK_ALL_REDUCE, topk=call)
 
 
 def check_tag(tag: int) -> None:

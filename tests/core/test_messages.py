@@ -424,6 +424,11 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     # ``test_a_barrier_vote_carries_no_data``).
     (CollectiveInitiate, "kind"): st.just(CollectiveKind.ALL_REDUCE),
     (CollectiveInitiate, "root"): st.just(0),  # only a broadcast has one
+    # Only a Top-k all-reduce keeps entries: see ``test_a_topk_vote_names_what_it_keeps``.
+    (CollectiveInitiate, "topk"): st.just(0),
+    (CollectiveInitiate, "topk_chunk"): st.just(0),
+    (LeaseReport, "topk"): st.just(0),
+    (LeaseReport, "topk_chunk"): st.just(0),
     # One size per ring member: see ``test_an_all_gather_vote_is_plain``.
     (CollectiveCommence, "sizes"): st.just(()),
     (CollectiveVerdict, "outcome"): st.sampled_from(OUTCOMES),
@@ -762,3 +767,20 @@ def test_an_all_gather_vote_is_plain_and_its_commence_carries_a_size_per_member(
                          ((1, 1 << 62, 2), "out of range")):
         with pytest.raises(RemoteProtocolError, match=error):
             CollectiveCommence(tag=3, seq=1, ring=(2, 1, 3), sizes=sizes)
+
+
+def test_a_topk_vote_names_what_it_keeps_and_only_it_keeps_entries() -> None:
+    topk = CollectiveInitiate(
+        tag=1, count=100, dtype=0, op=0, quantized_dtype=0, quantization=0,
+        kind=CollectiveKind.TOPK_ALL_REDUCE, topk=5, topk_chunk=50,
+    )
+    assert decode(CollectiveInitiate, wire_fields(topk)) == topk
+    assert "all_reduce(compression=TopK) count=100" in topk.describe()
+    assert "keeping 5 of every 50" in topk.describe()
+    for fields, error in (
+        ({"topk": 0}, "keeps 1 to topk_chunk"), ({"topk": 51}, "keeps 1 to topk_chunk"),
+        ({"topk_chunk": 1 << 17, "topk": 5}, "keeps 1 to topk_chunk"),
+        ({"kind": CollectiveKind.ALL_REDUCE}, "only a Top-k all_reduce keeps entries"),
+    ):
+        with pytest.raises(RemoteProtocolError, match=error):
+            dataclasses.replace(topk, **fields)

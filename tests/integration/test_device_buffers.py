@@ -611,3 +611,27 @@ async def test_an_all_gather_of_a_device_part_gives_device_parts_there_and_host_
             assert device.asnumpy(sends[0]).tobytes() == inputs[0].tobytes()  # only read
         for comm in comms:
             await comm.aclose()
+
+
+async def test_a_topk_all_reduce_of_a_device_tensor_matches_the_host_peers_bits(
+    cluster: Cluster, clock: object, device: Any,
+) -> None:
+    """A device peer's Top-k all-reduce selects, gathers and sums on the device: the
+    same bits as the host peers', its residual fed back on the device."""
+    with trio.fail_after(300):
+        comms = await run(cluster, 3, device)
+        values_kinds = (None, pccl.QuantizationOptions())
+        for count in sizes(device):
+            for quantized in values_kinds:
+                inputs = [values(np.float32, count, seed) for seed in range(3)]
+                tensors = [device.asarray(inputs[0]), inputs[1].copy(), inputs[2].copy()]
+                residuals = [device.asarray(np.zeros(count, np.float32)),
+                             np.zeros(count, np.float32), np.zeros(count, np.float32)]
+                await run_all(comms, lambda i, c, t=tensors, r=residuals, q=quantized: c.all_reduce(
+                    t[i], compression=pccl.TopK(0.05, residual=r[i], values=q, chunk=512),
+                ))
+                assert host(device, tensors[0]).tobytes() == tensors[1].tobytes() == tensors[2].tobytes()
+                sent = inputs[0] - host(device, residuals[0])
+                assert np.count_nonzero(sent) <= max(1, round(0.05 * 512)) * -(-count // 512)
+        for comm in comms:
+            await comm.aclose()

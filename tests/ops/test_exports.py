@@ -10,7 +10,7 @@ PUBLIC = {
     "finalize_average", "from_numpy_dtype", "reduce_into", "to_numpy_dtype", "Codec", "NonFiniteData",
     "check_quantization", "META_BYTES", "simplehash", "CROSSINGS", "Gathered", "InputBackup",
     "BufferPool", "DeviceStaging", "HostStaging", "Lander", "Sender", "Staging",
-    "gpu_of", "staging_for",
+    "gpu_of", "staging_for", "Selection", "TopKLayout", "topk_feed_back", "topk_select", "topk_sum",
 }
 
 
