@@ -14,7 +14,7 @@ like any all-reduce.
 ``TopKCall`` carries one call through:
 
 1. ``select`` (before the attempt is made; in a worker thread for host memory): what
-   this peer sends of ``input + residual`` (``ops.select``); nothing of the caller's is
+   this peer sends of ``input + residual`` (``ops.topk_select``); nothing of the caller's is
    written. A retry after an abort sends the same selection: the inputs are unchanged.
 2. The attempt gathers the selections into a buffer of its own (``gather_buffer``),
    this peer's part sent straight from its selection.
