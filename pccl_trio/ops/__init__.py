@@ -26,6 +26,7 @@ from ._quantize import META_BYTES as META_BYTES
 from ._quantize import Codec as Codec
 from ._quantize import NonFiniteData as NonFiniteData
 from ._quantize import check_quantization as check_quantization
+from ._recycled import Recycled as Recycled
 from ._staging import BufferPool as BufferPool
 from ._staging import DeviceStaging as DeviceStaging
 from ._staging import HostStaging as HostStaging

@@ -83,7 +83,7 @@ from .._errors import (
     UpdateTopologyFailed,
 )
 from .._types import ReduceInfo, Shard
-from ..ops import Codec, copy_into, gpu_of, in_kind_of, staging_for
+from ..ops import Codec, Recycled, copy_into, gpu_of, in_kind_of, staging_for
 from ..transport import run_in_thread
 from ._attempt import RingAttempt
 from ._context import PeerContext
@@ -146,7 +146,7 @@ def gathered(request: ReduceRequest, send: Any, result: ReduceResult) -> dict[in
 
 def _data_plan(
     request: ReduceRequest, result: ReduceResult, ring: tuple[int, ...], rank: int, *,
-    slice_bytes: int, stripes: int,
+    slice_bytes: int, stripes: int, recycled: Recycled,
 ) -> tuple[RingSchedule, Any, Any, int]:
     """What a call moves on ``ring`` at ``rank``: its schedule, the buffers it sends
     from and writes into, and where its own part lies in the latter (an all-gather's).
@@ -155,8 +155,9 @@ def _data_plan(
     topk = request.topk
     if topk is not None:
         assert topk.selection is not None  # chosen before the attempt is made
-        send, buffer = topk.selection.payload, topk.gather_buffer(len(ring))
+        send = topk.selection.payload
         size = topk.layout.payload_bytes
+        buffer = recycled.take(("topk", request.tag), request.xp, send, len(ring) * size)
         by_id = sorted(ring)
         result.parts = {peer_id: (i * size, size) for i, peer_id in enumerate(by_id)}
         result.gathered = buffer
@@ -192,7 +193,7 @@ def _data_plan(
 
 def _sizing(
     attempt: RingAttempt, request: ReduceRequest, result: ReduceResult, *,
-    slice_bytes: int, stripes: int,
+    slice_bytes: int, stripes: int, recycled: Recycled,
 ) -> Callable[[tuple[int, ...]], str | None]:
     """What makes an all-gather's schedule once the master's commence tells every
     member's size (``RingAttempt.sizing``): the buffer of all parts, in ascending
@@ -209,7 +210,7 @@ def _sizing(
         itemsize = int(request.send.dtype.itemsize)
         total = sum(sizes)
         try:
-            buffer = request.xp.empty_like(request.send, shape=(total,))
+            buffer = recycled.take(("all_gather", request.tag), request.xp, request.send, total)
         except (MemoryError, ValueError):  # numpy: "array is too big"
             return f"no memory for the {total} elements gathered from {len(ring)} peers"
         cut = striped_slice(
@@ -271,6 +272,8 @@ class AllReduces:
         self._leases = Leases(context, receiver=receiver, membership=membership)
         # The commenced attempts sending their part, and what stops them.
         self._parts = RunningParts(context, receiver=receiver)
+        # Buffers of results and scratch, reused once nobody holds them (by tag).
+        self.recycled = Recycled()
 
     @property
     def peer_id(self) -> int | None:
@@ -458,7 +461,7 @@ class AllReduces:
             )
         schedule, send, buffer, own_start = _data_plan(
             request, result, ring, rank, slice_bytes=self._config.slice_bytes,
-            stripes=self._membership.stripes,
+            stripes=self._membership.stripes, recycled=self.recycled,
         )
         staging.check_slices(schedule.slice_bytes, int(buffer.nbytes))
         attempt = RingAttempt(
@@ -470,7 +473,7 @@ class AllReduces:
         if request.kind == CollectiveKind.ALL_GATHER:
             attempt.sizing = _sizing(
                 attempt, request, result, slice_bytes=self._config.slice_bytes,
-                stripes=self._membership.stripes,
+                stripes=self._membership.stripes, recycled=self.recycled,
             )
         self._receiver.add(attempt)
         result.attempt = attempt

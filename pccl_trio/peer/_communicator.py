@@ -808,7 +808,9 @@ class Communicator:
         """
         self._life.check_loop("reduce_scatter()")
         self._all_reduces.check_launch()
-        request = check_reduce_scatter_arguments(send, op=op, tag=tag)
+        request = check_reduce_scatter_arguments(
+            send, op=op, tag=tag, recycled=self._all_reduces.recycled
+        )
         return await self._all_reduces.collect(request, partial(shard, request, send))
 
     def reduce_scatter_async(
@@ -822,7 +824,9 @@ class Communicator:
         """
         self._life.check_loop("reduce_scatter_async()")
         self._all_reduces.check_launch()
-        request = check_reduce_scatter_arguments(send, op=op, tag=tag)
+        request = check_reduce_scatter_arguments(
+            send, op=op, tag=tag, recycled=self._all_reduces.recycled
+        )
         return self._all_reduces.launch_collect(
             request, partial(shard, request, send), AsyncShardHandle
         )

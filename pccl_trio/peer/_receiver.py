@@ -127,8 +127,9 @@ class DataReceiver:
                 )
             elif attempt.sizing is not None or message.sizes:
                 # An all-gather's parts: its schedule is made now, before any frame.
+                sizing, attempt.sizing = attempt.sizing, None  # once (it refers to the attempt)
                 problem = (
-                    attempt.sizing(message.sizes) if attempt.sizing is not None
+                    sizing(message.sizes) if sizing is not None
                     else f"the master sent part sizes {list(message.sizes)} for a "
                     "collective that gathers nothing"
                 )

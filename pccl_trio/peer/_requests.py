@@ -33,6 +33,7 @@ from .._types import (
 from ..ops import (
     Array,
     ArrayModule,
+    Recycled,
     TopKLayout,
     as_array,
     check_quantization,
@@ -167,9 +168,12 @@ def check_reduce_arguments(
     return options.request(send, recv, tag=tag, name=name)
 
 
-def check_reduce_scatter_arguments(send: Any, *, op: ReduceOp, tag: int) -> ReduceRequest:
+def check_reduce_scatter_arguments(
+    send: Any, *, op: ReduceOp, tag: int, recycled: Recycled
+) -> ReduceRequest:
     """The arguments of a reduce-scatter, checked: the request reduces into a scratch
-    buffer like ``send`` (the caller's is only read), as a collective of its own kind.
+    buffer like ``send`` (the caller's is only read; the tag's last scratch buffer
+    when nobody holds it, ``recycled``), as a collective of its own kind.
 
     Raises:
         InvalidArgument: which argument is wrong, and how.
@@ -177,7 +181,9 @@ def check_reduce_scatter_arguments(send: Any, *, op: ReduceOp, tag: int) -> Redu
     request = check_reduce_arguments(
         send, None, op=op, tag=tag, quantization=None, hint=DistributionHint.NONE
     )
-    scratch = request.xp.empty_like(request.send)
+    scratch = recycled.take(
+        ("reduce_scatter", tag), request.xp, request.send, int(request.send.size)
+    )
     return dataclasses.replace(request, result=scratch, kind=CollectiveKind.REDUCE_SCATTER)
 
 

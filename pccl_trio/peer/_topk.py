@@ -16,8 +16,8 @@ like any all-reduce.
 1. ``select`` (before the attempt is made; in a worker thread for host memory): what
    this peer sends of ``input + residual`` (``ops.topk_select``); nothing of the caller's is
    written. A retry after an abort sends the same selection: the inputs are unchanged.
-2. The attempt gathers the selections into a buffer of its own (``gather_buffer``),
-   this peer's part sent straight from its selection.
+2. The attempt gathers the selections into a buffer of its own (reused from call to
+   call, ``ops.Recycled``), this peer's part sent straight from its selection.
 3. ``conclude``, once the verdict is a success (in the task that runs the call, before
    its result is set, so a cancelled caller that came too late finds the buffers
    final): the dense sum of every selection in ascending peer-id order into the
@@ -73,13 +73,6 @@ class TopKCall:
     def invalid(self) -> str | None:
         """Why the selection cannot travel (non-finite values to quantize), or None."""
         return self.selection.invalid if self.selection is not None else None
-
-    def gather_buffer(self, world: int) -> Array:
-        """Where the ring gathers ``world`` selections, on the buffers' device."""
-        assert self.selection is not None
-        return self.xp.empty_like(
-            self.selection.payload, shape=(world * self.layout.payload_bytes,)
-        )
 
     async def conclude(self, parts: dict[int, tuple[int, int]], gathered: Array, me: int) -> None:
         """The call succeeded: the dense sum of every selection (``parts``: each peer's

@@ -116,3 +116,23 @@ async def test_mismatched_calls_are_refused_naming_each_peers_call(
         results = await run_all(comms, lambda i, c: c.all_gather(data[i][: i + 1], tag=4))
         assert all(isinstance(r, dict) and len(r) == WORLD for r in results), results
         await run_all(comms, lambda i, c: c.aclose())
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])
+async def test_parts_kept_from_one_call_are_not_overwritten_by_the_next(
+    cluster: Cluster, clock: object,
+) -> None:
+    """The buffer of a call whose parts the caller dropped is reused by the next call
+    of the tag; one whose parts it keeps never is."""
+    with trio.fail_after(60):
+        comms = await make_run(cluster, WORLD)
+        first = await run_all(comms, lambda i, c: c.all_gather(np.full(4, i, np.float32), tag=6))
+        kept = [{p: v.copy() for p, v in parts.items()} for parts in first]  # type: ignore[union-attr]
+        for round_ in range(3):
+            await run_all(comms, lambda i, c, r=round_: c.all_gather(
+                np.full(4, 10 * (r + 1) + i, np.float32), tag=6,
+            ))
+        for parts, copies in zip(first, kept, strict=True):
+            assert isinstance(parts, dict)
+            assert all(parts[p].tobytes() == copies[p].tobytes() for p in copies)
+        await run_all(comms, lambda i, c: c.aclose())

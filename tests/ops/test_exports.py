@@ -11,6 +11,7 @@ PUBLIC = {
     "check_quantization", "META_BYTES", "simplehash", "CROSSINGS", "Gathered", "InputBackup",
     "BufferPool", "DeviceStaging", "HostStaging", "Lander", "Sender", "Staging",
     "gpu_of", "staging_for", "Selection", "TopKLayout", "topk_feed_back", "topk_select", "topk_sum",
+    "Recycled",
 }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from pccl_trio._core.ring import RingSchedule
-from pccl_trio.ops import HostStaging
+from pccl_trio.ops import HostStaging, Recycled
 from pccl_trio.peer._attempt import RingAttempt
 from pccl_trio.peer._collectives import _sizing
 from pccl_trio.peer._requests import check_all_gather_arguments
@@ -24,7 +24,9 @@ def gather_attempt(own: int) -> tuple[RingAttempt, ReduceResult]:
         staging=HostStaging(), send=request.send, result=request.result, op=request.op,
         tag=3, ring=RING,
     )
-    attempt.sizing = _sizing(attempt, request, result, slice_bytes=64, stripes=1)
+    attempt.sizing = _sizing(
+        attempt, request, result, slice_bytes=64, stripes=1, recycled=Recycled()
+    )
     return attempt, result
 
 
