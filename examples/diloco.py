@@ -19,8 +19,9 @@ Each outer step, every peer:
    and the revision here; between peers that stepped together nothing moves;
 3. copies the outer parameters into its local model and takes H AdamW steps on its
    slice of the data (its inner optimizer state stays its own, as in the paper);
-4. all-reduces (AVG, optionally uint8-quantized) the pseudo-gradient, outer parameters
-   minus local parameters, as one flat tensor: one all-reduce, one verdict;
+4. all-reduces (AVG, optionally uint8-quantized, optionally Top-k sparse with error
+   feedback) the pseudo-gradient, outer parameters minus local parameters, as one
+   flat tensor: one all-reduce, one verdict;
 5. applies the outer step, ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)``,
    in place to the shared tensors, and advances the revision by one.
 
@@ -55,6 +56,7 @@ import math
 import os
 import secrets
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -177,6 +179,10 @@ class Trainer:
     outer_optimizer: torch.optim.Optimizer
     state: pccl.SharedState
     quantization: pccl.QuantizationOptions | None
+    # ``--compress topk:F``: the share of entries sent, and this peer's residual (what
+    # it has not sent yet: its own, never shared; a joiner's starts at zero).
+    topk: float | None
+    residual: torch.Tensor
 
 
 def make_trainer(args: argparse.Namespace) -> Trainer:
@@ -199,7 +205,17 @@ def make_trainer(args: argparse.Namespace) -> Trainer:
                                   algorithm=pccl.QuantizationAlgorithm.MIN_MAX)
         if args.quantize else None
     )
-    return Trainer(data, model, inner, outer, momentum, outer_optimizer, state, quantization)
+    return Trainer(data, model, inner, outer, momentum, outer_optimizer, state, quantization,
+                   args.compress, torch.zeros_like(outer))
+
+
+def reduce_options(trainer: Trainer) -> dict[str, Any]:
+    """How the pseudo-gradient is all-reduced: dense (uint8 with ``--quantize``), or
+    Top-k with error feedback (its kept values uint8 with ``--quantize``)."""
+    if trainer.topk is None:
+        return {"quantization": trainer.quantization}
+    return {"compression": pccl.TopK(trainer.topk, residual=trainer.residual,
+                                     values=trainer.quantization)}
 
 
 async def train_peer(master: str, args: argparse.Namespace) -> None:
@@ -273,10 +289,10 @@ async def train_in_run(comm: pccl.Communicator, trainer: Trainer, args: argparse
             # The pseudo-gradient, averaged over the peers.
             try:
                 info = await comm.all_reduce(pending, op=pccl.ReduceOp.AVG,
-                                             quantization=trainer.quantization)
-                world = info.world_size
+                                             **reduce_options(trainer))
+                world, sent = info.world_size, info.tx_bytes
             except pccl.TooFewPeers:
-                world = 1  # alone: its own pseudo-gradient is the average
+                world, sent = 1, 0  # alone: its own pseudo-gradient is the average
         except (pccl.CollectiveAborted, pccl.SharedStateSyncFailed) as exc:
             # Aborted for every peer (a peer died, or one's sync failed), or this peer's
             # sync failed: the step starts over at its sync, at the same revision,
@@ -303,7 +319,7 @@ async def train_in_run(comm: pccl.Communicator, trainer: Trainer, args: argparse
         load_flat(trainer.model, outer)
         loss, _ = evaluate(trainer.model, trainer.data.train_x, trainer.data.train_y)
         emit(event="step", peer=comm.peer_id, step=state.revision, peers=sorted(comm.ring),
-             world=world, inner_loss=round(inner_loss, 4), loss=round(loss, 4))
+             world=world, inner_loss=round(inner_loss, 4), loss=round(loss, 4), tx=sent)
 
 
 def local_round(
@@ -489,6 +505,7 @@ async def launch(args: argparse.Namespace) -> int:
         "--inner-lr", str(args.inner_lr), "--outer-lr", str(args.outer_lr),
         "--world", str(args.world), "--hold-at", str(args.hold_at),
         *(["--quantize"] if args.quantize else []),
+        *(["--compress", f"topk:{args.compress}"] if args.compress is not None else []),
     ]
     peers: list[Peer] = []
     worlds: dict[int, int] = {}
@@ -548,6 +565,12 @@ async def launch(args: argparse.Namespace) -> int:
             "test_loss": finished[0]["test_loss"] if finished else None,
             "test_accuracy": finished[0]["test_accuracy"] if finished else None,
             "worlds": [worlds[step] for step in sorted(worlds)],
+            # Payload bytes one peer sent per outer step of three peers (median).
+            "tx_bytes_per_step": statistics.median(
+                r["tx"] for p in peers for r in p.records
+                if r["event"] == "step" and r["world"] == 3 and r["tx"]
+            ) if any(r["event"] == "step" and r["world"] == 3 and r["tx"]
+                     for p in peers for r in p.records) else None,
         }
         print("RESULT " + json.dumps(result), flush=True)
         code = 0 if identical else 1
@@ -585,7 +608,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="peers the demo starts; a peer waits for this many before outer "
                              "step 0; --single takes batches of world x batch (default %(default)s)")
     parser.add_argument("--quantize", action="store_true",
-                        help="all-reduce the pseudo-gradient as uint8 (min-max)")
+                        help="all-reduce the pseudo-gradient as uint8 (min-max); with "
+                             "--compress, the kept values")
+    parser.add_argument("--compress", type=parse_compress, default=None, metavar="topk:F",
+                        help="all-reduce the pseudo-gradient Top-k sparse with error "
+                             "feedback, keeping the fraction F of its entries (e.g. topk:0.01)")
     parser.add_argument("--seed", type=int, default=0,
                         help="data split, model init and batches (default %(default)s)")
     parser.add_argument("--hidden", type=int, default=64,
@@ -619,6 +646,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"the demo needs 0 < --kill-at ({args.kill_at}) < --hold-at ({args.hold_at}) "
                      f"< --outer-steps ({args.outer_steps}); --kill-at 0 runs it without churn")
     return args
+
+
+def parse_compress(text: str) -> float:
+    """``topk:F`` -> F, a fraction in (0, 1]."""
+    kind, _, value = text.partition(":")
+    try:
+        fraction = float(value)
+    except ValueError:
+        fraction = math.nan
+    if kind != "topk" or not 0 < fraction <= 1:
+        raise argparse.ArgumentTypeError(f"expected topk:F with F in (0, 1], got {text!r}")
+    return fraction
 
 
 def main() -> None:
