@@ -144,6 +144,18 @@ def gathered(request: ReduceRequest, send: Any, result: ReduceResult) -> dict[in
     }
 
 
+def _by_peer_id(ring: tuple[int, ...], sizes: tuple[int, ...]) -> dict[int, tuple[int, int]]:
+    """Where each member's part of a gathered buffer lies (its offset and size, in
+    elements, by peer id): in ascending peer-id order, ``sizes[c]`` the part of ring
+    position ``c``, as ``RingSchedule.all_gather`` lays them out."""
+    parts: dict[int, tuple[int, int]] = {}
+    start = 0
+    for peer_id, size in sorted(zip(ring, sizes, strict=True)):
+        parts[peer_id] = (start, size)
+        start += size
+    return parts
+
+
 def _data_plan(
     request: ReduceRequest, result: ReduceResult, ring: tuple[int, ...], rank: int, *,
     slice_bytes: int, stripes: int, recycled: Recycled,
@@ -158,10 +170,9 @@ def _data_plan(
         send = topk.selection.payload
         size = topk.layout.payload_bytes
         buffer = recycled.take(("topk", request.tag), request.xp, send, len(ring) * size)
-        by_id = sorted(ring)
-        result.parts = {peer_id: (i * size, size) for i, peer_id in enumerate(by_id)}
+        result.parts = _by_peer_id(ring, (size,) * len(ring))
         result.gathered = buffer
-        own_start = by_id.index(ring[rank]) * size
+        own_start = result.parts[ring[rank]][0]
     itemsize = int(buffer.dtype.itemsize)
     cut = striped_slice(
         slice_bytes, nbytes=int(buffer.nbytes), world=len(ring), itemsize=itemsize,
@@ -224,10 +235,7 @@ def _sizing(
         schedule = RingSchedule.all_gather(
             sizes=sizes, ids=ring, itemsize=itemsize, rank=rank, slice_bytes=cut
         )
-        start = 0
-        for position in sorted(range(len(ring)), key=ring.__getitem__):
-            result.parts[ring[position]] = (start, sizes[position])
-            start += sizes[position]
+        result.parts = _by_peer_id(ring, sizes)
         result.gathered = buffer
         attempt.reschedule(schedule, request.send, buffer, result.parts[ring[rank]][0] * itemsize)
         return None

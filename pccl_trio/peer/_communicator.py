@@ -74,7 +74,6 @@ from .._errors import InvalidArgument, InvalidUsage, MasterConnectionError, TooF
 from .._types import (
     Attribute,
     DistributionHint,
-    QuantizationAlgorithm,
     QuantizationOptions,
     ReduceInfo,
     ReduceOp,
@@ -108,14 +107,13 @@ from ._p2p import P2PConnections
 from ._receiver import DataReceiver
 from ._reconnect import Standing
 from ._requests import (
-    ReduceRequest,
     barrier_request,
     check_all_gather_arguments,
+    check_all_reduce_call,
     check_broadcast_arguments,
-    check_reduce_arguments,
     check_reduce_options,
     check_reduce_scatter_arguments,
-    check_topk_arguments,
+    check_topk_multiple_arguments,
 )
 from ._results import AsyncGatherHandle, AsyncReduceHandle, AsyncShardHandle
 from ._retry import RetriedReduces
@@ -124,63 +122,6 @@ from ._sync import SharedStateSync
 
 __all__ = ["Communicator", "CommunicatorStatistics"]
 
-
-def _reduce_request(
-    send: Any, recv: Any, op: ReduceOp, tag: int, quantization: QuantizationOptions | None,
-    hint: DistributionHint, compression: TopK | None,
-) -> ReduceRequest:
-    """An all-reduce's arguments, checked: plain, quantized, or Top-k compressed.
-
-    Raises:
-        InvalidArgument: which argument is wrong, and how.
-    """
-    if compression is None:
-        return check_reduce_arguments(
-            send, recv, op=op, tag=tag, quantization=quantization, hint=hint
-        )
-    _no_quantization_beside(quantization, hint)
-    return check_topk_arguments(send, recv, op=op, tag=tag, compression=compression)
-
-
-def _topk_requests(
-    tensors: Sequence[Any], op: ReduceOp, quantization: QuantizationOptions | None,
-    compression: TopK,
-) -> list[ReduceRequest]:
-    """``all_reduce_multiple_with_retry``'s Top-k all-reduces, one per tensor, each
-    with the residual of its index.
-
-    Raises:
-        InvalidArgument: which argument is wrong, and how.
-    """
-    _no_quantization_beside(quantization, DistributionHint.NONE)
-    residuals = compression.residual if isinstance(compression, TopK) else None
-    if not isinstance(residuals, Sequence) or len(residuals) != len(tensors):
-        raise InvalidArgument(
-            "all_reduce_multiple_with_retry(compression=TopK(...)) needs one residual per "
-            f"tensor: TopK.residual must be a sequence of {len(tensors)} arrays"
-        )
-    return [
-        check_topk_arguments(
-            tensor, None, op=op, tag=index, compression=compression,
-            residual=residuals[index], name=f"tensors[{index}]",
-        )
-        for index, tensor in enumerate(tensors)
-    ]
-
-
-def _no_quantization_beside(quantization: QuantizationOptions | None, hint: DistributionHint) -> None:
-    """Top-k compression quantizes with ``TopK.values`` alone.
-
-    Raises:
-        InvalidArgument: ``quantization`` (or a distribution hint) was passed too.
-    """
-    if quantization is not None and quantization.algorithm is not QuantizationAlgorithm.NONE:
-        raise InvalidArgument(
-            "quantization= does not combine with compression=TopK: quantize the kept "
-            "values with TopK(values=QuantizationOptions(...))"
-        )
-    if hint is not DistributionHint.NONE:
-        raise InvalidArgument("distribution_hint= does not apply to compression=TopK")
 
 log = logging.getLogger("pccl_trio.peer")
 
@@ -699,7 +640,7 @@ class Communicator:
         """
         self._life.check_loop("all_reduce()")
         self._all_reduces.check_launch()
-        request = _reduce_request(send, recv, op, tag, quantization, distribution_hint, compression)
+        request = check_all_reduce_call(send, recv, op, tag, quantization, distribution_hint, compression)
         return await self._all_reduces.all_reduce(request)
 
     def all_reduce_async(
@@ -720,7 +661,7 @@ class Communicator:
         """
         self._life.check_loop("all_reduce_async()")
         self._all_reduces.check_launch()
-        request = _reduce_request(send, recv, op, tag, quantization, distribution_hint, compression)
+        request = check_all_reduce_call(send, recv, op, tag, quantization, distribution_hint, compression)
         return self._all_reduces.launch(request)
 
     async def barrier(self, *, tag: int = 0) -> None:
@@ -914,7 +855,7 @@ class Communicator:
         if not (isinstance(max_in_flight, int) and max_in_flight >= 1):
             raise InvalidArgument(f"max_in_flight must be a positive integer, got {max_in_flight!r}")
         if compression is not None:
-            requests = _topk_requests(tensors, op, quantization, compression)
+            requests = check_topk_multiple_arguments(tensors, op, quantization, compression)
             for request in requests:  # chosen before the first pass, reused by retries
                 assert request.topk is not None
                 await request.topk.select()

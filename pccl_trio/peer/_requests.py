@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,11 +49,13 @@ __all__ = [
     "ReduceRequest",
     "barrier_request",
     "check_all_gather_arguments",
+    "check_all_reduce_call",
     "check_broadcast_arguments",
     "check_reduce_scatter_arguments",
     "check_reduce_arguments",
     "check_reduce_options",
     "check_topk_arguments",
+    "check_topk_multiple_arguments",
 ]
 
 
@@ -261,6 +264,67 @@ def check_topk_arguments(
         values=compression.values,
     )
     return dataclasses.replace(request, kind=CollectiveKind.TOPK_ALL_REDUCE, topk=call)
+
+
+def check_all_reduce_call(
+    send: Any, recv: Any, op: ReduceOp, tag: int, quantization: QuantizationOptions | None,
+    hint: DistributionHint, compression: TopK | None,
+) -> ReduceRequest:
+    """An all-reduce's arguments, checked: plain, quantized, or Top-k compressed.
+
+    Raises:
+        InvalidArgument: which argument is wrong, and how.
+    """
+    if compression is None:
+        return check_reduce_arguments(
+            send, recv, op=op, tag=tag, quantization=quantization, hint=hint
+        )
+    _no_quantization_beside(quantization, hint)
+    return check_topk_arguments(send, recv, op=op, tag=tag, compression=compression)
+
+
+def check_topk_multiple_arguments(
+    tensors: Sequence[Any], op: ReduceOp, quantization: QuantizationOptions | None,
+    compression: TopK,
+) -> list[ReduceRequest]:
+    """``all_reduce_multiple_with_retry``'s Top-k all-reduces, one per tensor, each
+    with the residual of its index.
+
+    Raises:
+        InvalidArgument: which argument is wrong, and how.
+    """
+    _no_quantization_beside(quantization, DistributionHint.NONE)
+    if not isinstance(compression, TopK):
+        raise InvalidArgument(f"compression must be a pccl_trio.TopK or None, got {compression!r}")
+    residuals = compression.residual
+    if not isinstance(residuals, Sequence) or len(residuals) != len(tensors):
+        raise InvalidArgument(
+            "all_reduce_multiple_with_retry(compression=TopK(...)) needs one residual per "
+            f"tensor: TopK.residual must be a sequence of {len(tensors)} arrays"
+        )
+    return [
+        check_topk_arguments(
+            tensor, None, op=op, tag=index, compression=compression,
+            residual=residuals[index], name=f"tensors[{index}]",
+        )
+        for index, tensor in enumerate(tensors)
+    ]
+
+
+def _no_quantization_beside(quantization: QuantizationOptions | None, hint: DistributionHint) -> None:
+    """Top-k compression quantizes with ``TopK.values`` alone.
+
+    Raises:
+        InvalidArgument: ``quantization`` (or a distribution hint) was passed too.
+    """
+    if quantization is not None and quantization.algorithm is not QuantizationAlgorithm.NONE:
+        raise InvalidArgument(
+            "quantization= does not combine with compression=TopK: quantize the kept "
+            "values with TopK(values=QuantizationOptions(...))"
+        )
+    if hint is not DistributionHint.NONE:
+        raise InvalidArgument("distribution_hint= does not apply to compression=TopK")
+
 
 
 def check_tag(tag: int) -> None:
