@@ -13,7 +13,7 @@ like any all-reduce.
 
 ``TopKCall`` carries one call through:
 
-1. ``select`` (before the attempt is made; in a worker thread for host memory): what
+1. ``select`` (before the attempt is made; off the event loop for host memory): what
    this peer sends of ``input + residual`` (``ops.topk_select``); nothing of the caller's is
    written. A retry after an abort sends the same selection: the inputs are unchanged.
 2. The attempt gathers the selections into a buffer of its own (reused from call to
@@ -31,10 +31,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import trio
 
 from .._types import QuantizationOptions, ReduceOp
 from ..ops import Array, ArrayModule, Selection, TopKLayout, topk_feed_back, topk_select, topk_sum
+from ..transport import run_off_loop
 
 __all__ = ["TopKCall"]
 
@@ -92,9 +92,9 @@ class TopKCall:
         await self._run(write)
 
     async def _run(self, work: Any) -> Any:
-        """``work()`` in a worker thread for host memory (a selection of a large
-        vector takes a while), inline for device memory, whose kernels queue on the
-        current stream."""
+        """``work()`` off the event loop for host memory (a selection of a large vector
+        takes a while; ``run_off_loop``: inline under a virtual clock), inline for
+        device memory, whose kernels queue on the current stream."""
         if self.xp is not np:
             return work()
-        return await trio.to_thread.run_sync(work)
+        return await run_off_loop(work)
