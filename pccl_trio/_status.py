@@ -179,9 +179,10 @@ def _render(reply: StatusReply, address: str) -> str:
             for w in reply.waiting
         ]
     if reply.collectives:
-        lines += ["", "all-reduces running:"]
+        lines += ["", "collectives running:"]
         lines += [
-            f"  tag {c.tag} (attempt {c.seq}) of peer group {c.group}, {_duration(c.seconds)}, "
+            f"  {c.call} tag {c.tag} (attempt {c.seq}) of peer group {c.group}, "
+            f"{_duration(c.seconds)}, "
             f"not completed by peers {', '.join(map(str, c.incomplete)) or 'none'}"
             for c in reply.collectives
         ]

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Sequence
 from .errors import RemoteProtocolError
 from .leases import Leases, Resolution
 from .messages import (
+    COLLECTIVE_NAMES,
     CollectiveAbort,
     CollectiveCommence,
     CollectiveComplete,
@@ -101,6 +102,14 @@ def _descriptor_key(message: CollectiveInitiate | LeaseReport) -> tuple[int, ...
         message.quantized_dtype, message.quantization, message.distribution_hint,
         message.slice_bytes, message.topk, message.topk_chunk,
     )
+
+
+def _call_name(collective: _Collective) -> str:
+    """The call the collective's voters made, as the API names it (``all_reduce``
+    before any voted: an adopted attempt)."""
+    kinds = {d.kind for d in collective.descriptors.values()}
+    kind = min(kinds) if kinds else CollectiveKind.ALL_REDUCE
+    return COLLECTIVE_NAMES[kind].split("(", 1)[0]
 
 
 class Collectives:
@@ -358,7 +367,7 @@ class Collectives:
             if len(collective.descriptors) < sizes.get(collective.group, 0):
                 yield Waiting(
                     key=("all_reduce", collective.group, collective.tag, collective.seq),
-                    call=f"{Call.ALL_REDUCE.value}(tag={collective.tag})",
+                    call=f"{_call_name(collective)}(tag={collective.tag})",
                     where=f"peer group {collective.group}",
                     since=collective.since,
                     missing=functools.partial(self._missing, collective),
@@ -369,7 +378,7 @@ class Collectives:
         """The attempts commenced and not ended, with who has not completed them."""
         return [
             CollectiveStatus(
-                group=c.group, tag=c.tag, seq=c.seq,
+                group=c.group, tag=c.tag, seq=c.seq, call=_call_name(c),
                 seconds=max(0.0, self._table.now - c.commenced),
                 incomplete=tuple(sorted(c.participants - c.completed)),
             )

@@ -106,6 +106,7 @@ class CollectiveStatus(Record):
     seq: int
     seconds: float  # since it commenced
     incomplete: tuple[int, ...]  # participants that have not completed it
+    call: str = "all_reduce"  # what its voters called, as the API names it
 
 
 @record

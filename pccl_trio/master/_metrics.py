@@ -44,8 +44,9 @@ COUNTERS: tuple[tuple[str, str, str, str], ...] = (
     ("pccl_master_kicks", "Peers the master removed, by cause.", "kicked", "cause"),
     ("pccl_master_rounds", "Establishment rounds, by outcome.", "round", "outcome"),
     ("pccl_master_ring_changes", "Times a peer group's ring changed.", "ring", ""),
-    ("pccl_master_collectives", "All-reduces that got their verdict, by outcome.", "completed", "outcome"),
-    ("pccl_master_collective_aborts", "All-reduce attempts aborted.", "aborted", ""),
+    ("pccl_master_collectives", "Collectives (all-reduces, barriers, broadcasts, all-gathers, "
+     "reduce-scatters) that got their verdict, by outcome.", "completed", "outcome"),
+    ("pccl_master_collective_aborts", "Collective attempts aborted.", "aborted", ""),
     ("pccl_master_leases", "Leases on a tag granted to a peer group (its next all-reduces "
      "of the tag run without the master).", "leased", ""),
     ("pccl_master_leases_ended", "Leases that ended (a failure, a long wait, a vote outside "

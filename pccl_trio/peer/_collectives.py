@@ -251,6 +251,13 @@ _CALLED = {
 }
 
 
+#: The kinds counted in the metrics' ``pccl_peer_collective*`` families, by their label.
+_METRIC_NAMES: dict[int, str] = {
+    CollectiveKind.BROADCAST: "broadcast", CollectiveKind.ALL_GATHER: "all_gather",
+    CollectiveKind.REDUCE_SCATTER: "reduce_scatter",
+}
+
+
 def _called(vote: CollectiveInitiate | None) -> str:
     """What the caller called, in words (an all-reduce before it voted)."""
     return "all-reduce" if vote is None else _CALLED[CollectiveKind(vote.kind)]
@@ -435,13 +442,20 @@ class AllReduces:
                     None, InvalidUsage("the communicator was closed during the all-reduce")
                 )
             self.tags_in_flight.discard(request.tag)
-            self._observe(result, time.perf_counter() - started)
+            self._observe(request.kind, result, time.perf_counter() - started)
 
-    def _observe(self, result: ReduceResult, seconds: float) -> None:
-        """Tell the metrics how an all-reduce (or a barrier, counted apart) ended."""
+    def _observe(self, kind: int, result: ReduceResult, seconds: float) -> None:
+        """Tell the metrics how a collective of ``kind`` ended (each kind but the two
+        all-reduces counted apart)."""
         info, error = result.info, result.error
-        if _called(result.vote) == "barrier":
+        if kind == CollectiveKind.BARRIER:
             self._metrics.barrier(_outcome(error), seconds)
+            return
+        if kind in _METRIC_NAMES:
+            self._metrics.collective(
+                _METRIC_NAMES[kind], _outcome(error), seconds,
+                info.tx_bytes if info else 0, info.rx_bytes if info else 0,
+            )
             return
         attempt = result.attempt
         self._metrics.all_reduce(

@@ -4,8 +4,10 @@ Theory of operation
 -------------------
 ``PeerMetrics`` holds ``prometheus_client`` counters and histograms in one registry and
 is told, by the parts that know, what each call ended with: an all-reduce's outcome,
-duration and bytes (``AllReduces``), the time spent restoring an aborted in-place
-input, the retries of ``all_reduce_multiple_with_retry``, a shared-state sync's
+duration and bytes (``AllReduces``; a Top-k all-reduce is one, counted with its wire
+bytes), the same of a broadcast, all-gather or reduce-scatter in families of their own
+with the call as a label, a barrier's outcome and duration, the time spent restoring an
+aborted in-place input, the retries of ``all_reduce_multiple_with_retry``, a shared-state sync's
 outcome and bytes (``SharedStateSync``), and each time the master link was got back
 (``Reconnector``). An update is a few counter increments per call, nothing per
 slice or per message.
@@ -22,7 +24,7 @@ slice or per message.
 
 Communicators of one process that name the same registry share its metrics (they add
 up): metric names can be registered once per registry. Label values come from fixed
-sets (outcomes, directions); there is no label per peer, tag or tensor.
+sets (outcomes, directions, ``COLLECTIVES``); there is no label per peer, tag or tensor.
 """
 
 from __future__ import annotations
@@ -37,12 +39,15 @@ from .._errors import InvalidArgument
 from ..transport import parse_address
 
 __all__ = [
-    "NO_METRICS", "OUTCOMES", "SYNC_OUTCOMES", "MetricsEndpoint", "NoMetrics", "PeerMetrics", "metrics_for",
-    "peer_metrics",
+    "COLLECTIVES", "NO_METRICS", "OUTCOMES", "SYNC_OUTCOMES", "MetricsEndpoint", "NoMetrics",
+    "PeerMetrics", "metrics_for", "peer_metrics",
 ]
 
 #: How an all-reduce ended, as the ``outcome`` label says it.
 OUTCOMES = ("success", "aborted", "rejected", "blocked", "failed")
+#: The calls counted in the ``pccl_peer_collective*`` families, as their label says
+#: them (all-reduces and barriers have families of their own).
+COLLECTIVES = ("broadcast", "all_gather", "reduce_scatter")
 #: How a shared-state sync ended.
 SYNC_OUTCOMES = ("success", "rejected", "failed", "cancelled")
 #: Seconds: from a fast loopback all-reduce to a slow transfer over a WAN.
@@ -59,6 +64,11 @@ class NoMetrics:
 
     def barrier(self, outcome: str, seconds: float) -> None:
         pass
+
+    def collective(self, called: str, outcome: str, seconds: float, sent: int,
+                   received: int) -> None:
+        """A broadcast, all-gather or reduce-scatter ended (``called``: in
+        ``COLLECTIVES``)."""
 
     def retries(self, count: int) -> None:
         pass
@@ -101,6 +111,16 @@ class PeerMetrics(NoMetrics):
             registry, "pccl_peer_barrier", "Barriers this peer finished",
             "Seconds from a barrier's call to its result",
         )
+        self.collectives, self.collective_seconds = _by_outcome(
+            registry, "pccl_peer_collective", "Broadcasts, all-gathers and reduce-scatters "
+            "this peer finished", "Seconds from such a call to its result",
+            ("collective", "outcome"),
+        )
+        self.collective_bytes = Counter(
+            "pccl_peer_collective_bytes",
+            "Payload bytes of successful broadcasts, all-gathers and reduce-scatters, by "
+            "collective and direction.", ["collective", "direction"], registry=registry,
+        )
         self.syncs, self.sync_seconds = _by_outcome(
             registry, "pccl_peer_shared_state_sync", "Shared-state syncs this peer finished",
             "Seconds of a shared-state sync",
@@ -121,6 +141,14 @@ class PeerMetrics(NoMetrics):
         }
         self._barrier = {
             o: (self.barriers.labels(o), self.barrier_seconds.labels(o)) for o in OUTCOMES
+        }
+        self._collective = {
+            (c, o): (self.collectives.labels(c, o), self.collective_seconds.labels(c, o))
+            for c in COLLECTIVES for o in OUTCOMES
+        }
+        self._collective_bytes = {
+            (c, d): self.collective_bytes.labels(c, d)
+            for c in COLLECTIVES for d in ("sent", "received")
         }
         self._sent = self.all_reduce_bytes.labels("sent")
         self._received = self.all_reduce_bytes.labels("received")
@@ -146,6 +174,16 @@ class PeerMetrics(NoMetrics):
         count.inc()
         duration.observe(seconds)
 
+    def collective(self, called: str, outcome: str, seconds: float, sent: int,
+                   received: int) -> None:
+        count, duration = self._collective[called, outcome]
+        count.inc()
+        duration.observe(seconds)
+        if sent:
+            self._collective_bytes[called, "sent"].inc(sent)
+        if received:
+            self._collective_bytes[called, "received"].inc(received)
+
     def retries(self, count: int) -> None:
         self.all_reduce_retries.inc(count)
 
@@ -159,16 +197,18 @@ class PeerMetrics(NoMetrics):
         self.reconnects.inc()
 
 
-def _by_outcome(registry: Any, name: str, finished: str, seconds: str) -> tuple[Any, Any]:
+def _by_outcome(registry: Any, name: str, finished: str, seconds: str,
+                labels: tuple[str, ...] = ("outcome",)) -> tuple[Any, Any]:
     """A counter ``{name}s`` of the calls that finished and a histogram
-    ``{name}_seconds`` of how long they took, both by outcome (``finished`` and
-    ``seconds`` their help, without the label's)."""
+    ``{name}_seconds`` of how long they took, both by ``labels`` (``finished`` and
+    ``seconds`` their help, without the labels')."""
     from prometheus_client import Counter, Histogram
 
+    by = f", by {' and '.join(labels)}."
     return (
-        Counter(f"{name}s", f"{finished}, by outcome.", ["outcome"], registry=registry),
+        Counter(f"{name}s", f"{finished}{by}", list(labels), registry=registry),
         Histogram(
-            f"{name}_seconds", f"{seconds}, by outcome.", ["outcome"], buckets=_BUCKETS,
+            f"{name}_seconds", f"{seconds}{by}", list(labels), buckets=_BUCKETS,
             registry=registry,
         ),
     )

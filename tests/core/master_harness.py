@@ -313,6 +313,7 @@ class MasterHarness:
         slice_bytes: int = 0,
         lease: bool = False,
         kind: int = 0,
+        root: int = 0,
     ) -> list[Action]:
         return self.send(
             conn,
@@ -320,6 +321,7 @@ class MasterHarness:
                 tag=tag, count=count, dtype=dtype, op=op, quantized_dtype=quantized_dtype,
                 slice_bytes=slice_bytes, lease=lease,
                 quantization=quantization, distribution_hint=distribution_hint, kind=kind,
+                root=root,
             ),
         )
 

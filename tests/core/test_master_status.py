@@ -9,9 +9,16 @@ import logging
 import pytest
 
 from pccl_trio._core.master import Send
-from pccl_trio._core.messages import CollectiveVerdict, Outcome, StatusReply, StatusRequest
+from pccl_trio._core.messages import (
+    CollectiveKind,
+    CollectiveVerdict,
+    Outcome,
+    StatusReply,
+    StatusRequest,
+)
 from pccl_trio._core.report import KickCause, RunEvent, RunKind
 from pccl_trio._logging import JsonFormatter
+from pccl_trio._status import render
 
 from .master_harness import LIVENESS_TIMEOUT, MasterHarness
 from .scenarios import accepted, started
@@ -98,6 +105,22 @@ def test_an_observer_gets_the_run_and_changes_nothing() -> None:
     h.complete(1, 5)
     [running] = h.core.status().collectives
     assert (running.tag, running.incomplete, running.seconds) == (5, (2,), pytest.approx(1.5))
+
+
+def test_a_collective_waiting_or_running_is_named_by_its_call() -> None:
+    """A broadcast shows as one in "waiting" and "collectives running", not as an
+    all-reduce."""
+    h = MasterHarness()
+    accepted(h, 1, 2)
+    h.initiate(1, 6, kind=CollectiveKind.BROADCAST, root=2)
+    [waiting] = h.core.status().waiting
+    assert waiting.call == "broadcast(tag=6)"
+    h.initiate(2, 6, kind=CollectiveKind.BROADCAST, root=2)
+    h.complete(1, 6)
+    [running] = h.core.status().collectives
+    assert (running.call, running.tag, running.incomplete) == ("broadcast", 6, (2,))
+    screen = render(h.core.status(), "master:1")
+    assert "collectives running:\n  broadcast tag 6 (attempt" in screen, screen
 
 
 def test_a_status_reply_round_trips_the_wire() -> None:

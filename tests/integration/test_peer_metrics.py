@@ -53,9 +53,28 @@ async def test_all_reduces_aborts_and_syncs_are_counted(cluster: Cluster, clock:
         infos = []
         for _ in range(2):
             infos.append(await run_all(comms, lambda i, c: c.all_reduce(data[i])))
-        # Barriers are counted apart: they move no tensor.
+        # Barriers are counted apart: they move no tensor. So are the other collectives,
+        # by their call.
         await run_all(comms, lambda i, c: c.barrier(tag=9))
+        broadcasts = await run_all(comms, lambda i, c: c.broadcast(data[i], root=1, tag=10))
+        await run_all(comms, lambda i, c: c.all_gather(data[i][:i + 1], tag=11))
+        await run_all(comms, lambda i, c: c.reduce_scatter(data[i], tag=12))
         for i, registry in enumerate(registries):
+            for called in ("broadcast", "all_gather", "reduce_scatter"):
+                assert sample(registry, "pccl_peer_collectives_total", collective=called,
+                              outcome="success") == 1
+                assert sample(registry, "pccl_peer_collective_seconds_count",
+                              collective=called, outcome="success") == 1
+                assert sum(sample(registry, "pccl_peer_collective_bytes_total", collective=called,
+                                  direction=d) for d in ("sent", "received")) > 0
+            for direction, field in (("sent", "tx_bytes"), ("received", "rx_bytes")):
+                assert sample(registry, "pccl_peer_collective_bytes_total", collective="broadcast",
+                              direction=direction) == getattr(broadcasts[i], field)
+            # Every part but its own, of 1 + 2 + 3 + 4 float32 elements.
+            assert sample(registry, "pccl_peer_collective_bytes_total", collective="all_gather",
+                          direction="received") == 4 * (10 - (i + 1))
+            assert sample(registry, "pccl_peer_collective_bytes_total",
+                          collective="reduce_scatter", direction="received") > 0
             assert sample(registry, "pccl_peer_barriers_total", outcome="success") == 1
             assert sample(registry, "pccl_peer_barrier_seconds_count", outcome="success") == 1
             assert sample(registry, "pccl_peer_all_reduces_total", outcome="success") == 2
