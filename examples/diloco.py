@@ -23,7 +23,11 @@ Each outer step, every peer:
    feedback) the pseudo-gradient, outer parameters minus local parameters, as one
    flat tensor: one all-reduce, one verdict;
 5. applies the outer step, ``torch.optim.SGD(lr=0.7, momentum=0.9, nesterov=True)``,
-   in place to the shared tensors, and advances the revision by one.
+   in place to the shared tensors, and advances the revision by one. With Top-k the
+   outer step is plain SGD at ``lr=4`` (``--outer-lr``, ``--outer-momentum``): the
+   residual already carries what momentum would (it keeps every update not yet sent,
+   as SparseLoCo argues), and each step moves only the entries sent, so it takes a
+   longer stride.
 
 Why every peer stays bit-identical: the all-reduce gives every peer the same bits, and
 the outer step is a deterministic function of those bits and the (identical) shared
@@ -196,8 +200,10 @@ def make_trainer(args: argparse.Namespace) -> Trainer:
     # SGD updates it in place (a buffer the shared state already points at).
     outer = flat_parameters(model).clone()
     momentum = torch.zeros_like(outer)
-    outer_optimizer = torch.optim.SGD([outer], lr=args.outer_lr, momentum=0.9, nesterov=True)
-    outer_optimizer.state[outer]["momentum_buffer"] = momentum
+    outer_optimizer = torch.optim.SGD([outer], lr=args.outer_lr, momentum=args.outer_momentum,
+                                      nesterov=args.outer_momentum > 0)
+    if args.outer_momentum > 0:
+        outer_optimizer.state[outer]["momentum_buffer"] = momentum
     state = pccl.SharedState([pccl.TensorInfo("outer.params", outer),
                               pccl.TensorInfo("outer.momentum", momentum)])
     quantization = (
@@ -503,6 +509,7 @@ async def launch(args: argparse.Namespace) -> int:
         "--outer-steps", str(args.outer_steps), "--inner-steps", str(args.inner_steps),
         "--batch", str(args.batch), "--seed", str(args.seed), "--hidden", str(args.hidden),
         "--inner-lr", str(args.inner_lr), "--outer-lr", str(args.outer_lr),
+        "--outer-momentum", str(args.outer_momentum),
         "--world", str(args.world), "--hold-at", str(args.hold_at),
         *(["--quantize"] if args.quantize else []),
         *(["--compress", f"topk:{args.compress}"] if args.compress is not None else []),
@@ -619,8 +626,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="hidden units of the MLP (default %(default)s)")
     parser.add_argument("--inner-lr", type=float, default=1e-3,
                         help="AdamW learning rate (default %(default)s)")
-    parser.add_argument("--outer-lr", type=float, default=0.7,
-                        help="outer Nesterov SGD learning rate (default %(default)s)")
+    parser.add_argument("--outer-lr", type=float, default=None,
+                        help="outer SGD learning rate (default 0.7; with --compress 4.0)")
+    parser.add_argument("--outer-momentum", type=float, default=None,
+                        help="outer SGD's Nesterov momentum, 0 for none (default 0.9; with "
+                             "--compress 0: the residual carries it)")
     parser.add_argument("--kill-at", type=int, default=None,
                         help="demo: the outer step after which a peer is killed and a joiner "
                              "started (default T/3; 0: no kill, no joiner)")
@@ -631,6 +641,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="demo: give up after this many seconds (default %(default)s)")
     args = parser.parse_args(argv)
+    sparse = args.compress is not None
+    if args.outer_lr is None:
+        args.outer_lr = 4.0 if sparse else 0.7
+    if args.outer_momentum is None:
+        args.outer_momentum = 0.0 if sparse else 0.9
+    if not 0 <= args.outer_momentum < 1:
+        parser.error(f"--outer-momentum must be in [0, 1), not {args.outer_momentum}")
     for name in ("outer_steps", "inner_steps", "batch", "world", "hidden"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
