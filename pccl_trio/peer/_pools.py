@@ -15,8 +15,12 @@ out (``stale``) and closed.
 
 A tx pool's first connection also carries what the successor sends back; its reader
 (``Pool.read_back``) runs for the connection's life. A tx connection nobody reads
-shows its other end's close as readable bytes, so ``healthy`` asks it; the one with a
-reader may hold bytes for the reader, and shows the close by the reader ending.
+shows its other end's close as readable bytes, so ``healthy`` asks it. The one with a
+reader may hold bytes for the reader, so ``healthy`` asks the kernel whether its other
+end closed it (``ended_by_peer``): the reader's own end comes later, in a worker thread
+perhaps much later, and a round that trusted it alone would keep a pool the successor
+had already cut (a cancelled attempt cuts the connection it was receiving on), on
+which the next collective fails.
 
 Notices go back only over a path whose round trip is at least ``NOTICES_BACK_FROM``
 (the kernel's estimate on rx slot 0, taken when it was admitted; unknown counts as
@@ -55,7 +59,7 @@ class Pool:
     def healthy(self) -> bool:
         """All its connections open at both ends (see the module docstring)."""
         return len(self.slots) == self.size and not any(
-            s.closed or (slot not in self.read and s.closed_by_peer())
+            s.closed or (s.ended_by_peer() if slot in self.read else s.closed_by_peer())
             for slot, s in self.slots.items()
         )
 

@@ -61,7 +61,14 @@ from .._core.wire import (
     parse_control_kind,
     parse_control_length,
 )
-from ._framed import RECEIVE_CHUNK, FramedStream, acknowledge_promptly, drop_sent, readable_now
+from ._framed import (
+    RECEIVE_CHUNK,
+    FramedStream,
+    acknowledge_promptly,
+    drop_sent,
+    ended_by_peer,
+    readable_now,
+)
 from ._network import kernel_congestion_control, pinned_buffers
 
 __all__ = ["SocketLink"]
@@ -411,5 +418,19 @@ class SocketLink:
             return True
         try:
             return readable_now(sock)
+        finally:
+            self._done()
+
+    def ended_by_peer(self) -> bool:
+        """Whether the other side closed the link, even one a reader reads (see
+        ``_framed.ended_by_peer``)."""
+        if self._cut:
+            return True
+        try:
+            sock = self._use()
+        except trio.ClosedResourceError:
+            return True
+        try:
+            return ended_by_peer(sock)
         finally:
             self._done()

@@ -90,6 +90,32 @@ def readable_now(sock: socket.socket | trio.socket.SocketType) -> bool:
         return True
 
 
+#: ``struct tcp_info``'s first byte on Linux: the connection's state, 1 while established.
+_TCP_ESTABLISHED = 1
+
+
+def ended_by_peer(sock: socket.socket | trio.socket.SocketType) -> bool:
+    """Whether the other side closed or reset a TCP connection, whether or not bytes
+    it sent before are still unread; True if the socket is no longer usable at all.
+
+    Unlike ``readable_now`` it is right on a connection that a reader reads too: an
+    unread frame is no close. Linux says so in the connection's state (``TCP_INFO``:
+    anything but established); elsewhere a peek tells an end of stream from data, and
+    data waiting before the end counts as open.
+    """
+    option = getattr(socket, "TCP_INFO", None)
+    try:
+        if option is not None:
+            info = sock.getsockopt(socket.IPPROTO_TCP, option, 8)
+            if info:
+                return info[0] != _TCP_ESTABLISHED
+        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False  # nothing to read: open
+    except (OSError, ValueError):
+        return True
+
+
 #: Linux's option that makes TCP acknowledge what arrives at once (``linux/tcp.h``).
 _TCP_QUICKACK: int | None = getattr(socket, "TCP_QUICKACK", None)
 
@@ -467,6 +493,17 @@ class FramedStream:
             return True
         if self._socket is not None:
             return readable_now(self._socket)
+        if isinstance(self.stream, InMemoryStream):
+            return self.stream.ended_by_peer()
+        return False  # pragma: no cover - only our two stream kinds exist
+
+    def ended_by_peer(self) -> bool:
+        """Whether the other side closed the connection, even one a reader reads (see
+        the module function ``ended_by_peer``)."""
+        if self._closed:
+            return True
+        if self._socket is not None:
+            return ended_by_peer(self._socket)
         if isinstance(self.stream, InMemoryStream):
             return self.stream.ended_by_peer()
         return False  # pragma: no cover - only our two stream kinds exist

@@ -491,6 +491,35 @@ async def test_closed_by_peer_after_a_reset(
         await wait_until(link.closed_by_peer)
 
 
+async def test_ended_by_peer_is_not_fooled_by_unread_bytes(
+    link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
+) -> None:
+    """Bytes waiting for a reader are no close (``closed_by_peer`` would say closed);
+    a close behind them is one, read or not."""
+    link, _, peer = link_and_peer
+    peer.sendall(b"a notice waiting for its reader")
+    with trio.fail_after(TIMEOUT):
+        await wait_until(link.closed_by_peer)  # readable: the bytes arrived
+    assert not link.ended_by_peer()
+    peer.close()
+    with trio.fail_after(TIMEOUT):
+        await wait_until(link.ended_by_peer)
+    assert not link.closed
+    assert link.ended_by_peer()  # stays so
+
+
+async def test_ended_by_peer_after_a_reset_and_a_cut(
+    link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
+) -> None:
+    link, _, peer = link_and_peer
+    assert not link.ended_by_peer()
+    abort(peer)
+    with trio.fail_after(TIMEOUT):
+        await wait_until(link.ended_by_peer)
+    link.cut()
+    assert link.ended_by_peer()
+
+
 # --- malformed headers ------------------------------------------------------------
 
 MALFORMED = {
