@@ -2,8 +2,8 @@
 
 Usage (as root, with iproute2 and /dev/net/tun):
     python benchmarks/long_links.py [--world 3] [--sizes 64M] [--rtt 0.1] [--rate 1gbit]
-        [--pools 0,4] [--congestion system,cubic] [--gloo] [--repeats 3] [--iters 3]
-        [--json FILE]
+        [--pools 0,4] [--congestion system,cubic] [--topk 0,0.01] [--quantize uint8]
+        [--gloo] [--repeats 3] [--iters 3] [--json FILE]
 
 The emulator (``pccl_trio.testing.Wan``) has ``--world`` peer hosts and one more for
 the master, every path ``--rtt``/2 one way, every host's upload shaped to ``--rate``,
@@ -14,7 +14,10 @@ MTU 65000. Each repeat, in one sitting and in this order, measures:
   the hosts: what the path carries;
 - pccl_trio with each ``--pools`` value (``0``: the default configuration) and each
   ``--congestion`` choice (``Config.congestion_control``; ``system``: the hosts'
-  default), through the bench driver (``pccl_trio._bench``), float32 SUM in place;
+  default), through the bench driver (``pccl_trio._bench``), float32 SUM in place; with
+  ``--topk``, for each fraction listed (``0``: the dense all-reduce), a Top-k
+  all-reduce keeping that fraction (``--quantize uint8``: its values as codes), whose
+  busbw is of the dense size it stands in for;
 - with ``--gloo``, torch.distributed's Gloo, one rank per peer host.
 
 A ring all-reduce of S bytes moves 2(W-1)/W x S bytes over every link, so its busbw
@@ -120,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--congestion", default="",
                         help="comma list of Config.congestion_control values to time pccl_trio "
                              "with (empty entry or 'system': the hosts' default), e.g. system,cubic")
+    parser.add_argument("--topk", default="0",
+                        help="comma list of Top-k fractions to time pccl_trio with (0: dense)")
+    parser.add_argument("--quantize", default="none", choices=["none", "uint8", "uint16"],
+                        help="the code dtype of the Top-k values (with --topk)")
     parser.add_argument("--gloo", action="store_true", help="also time torch.distributed's Gloo")
     parser.add_argument("--gloo-sizes", default=None,
                         help="the sizes Gloo is timed at (default: --sizes; it is slow over long links)")
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     world, sizes = args.world, [parse_size(s) for s in args.sizes.split(",")]
     pools = [int(p) for p in args.pools.split(",")]
     congestions = [None if c in ("", "system") else c for c in args.congestion.split(",")]
+    fractions = [float(f) for f in args.topk.split(",")]
     plan = WanPlan(hosts=world + 1, delay=args.rtt / 2, rate=args.rate, loss=args.loss, mtu=args.mtu,
                    sysctls=dict(item.split("=", 1) for item in args.sysctl))
     print(f"# W={world}, every path {args.rtt * 1e3:g} ms RTT, uploads {args.rate}, MTU "
@@ -158,21 +166,27 @@ def main(argv: list[str] | None = None) -> int:
             ceiling = min(wan.ceiling(ring, seconds=args.ceiling_seconds)) * 8
             figures["ceiling"].append(ceiling)
             print(f"repeat {repeat}: ceiling {ceiling / 1e6:7.0f}", flush=True)
-            for pool, congestion in ((p, c) for c in congestions for p in pools):
+            for pool, congestion, topk in (
+                (p, c, f) for f in fractions for c in congestions for p in pools
+            ):
                 run = argparse.Namespace(iters=args.iters, warmup=args.warmup, pool=pool,
                                          slice_bytes=parse_size(args.slice_bytes),
                                          into_recv=False, congestion_control=congestion,
-                                         back_to_back=args.back_to_back,
+                                         back_to_back=args.back_to_back, topk=topk,
+                                         quantize=args.quantize if topk else "none",
                                          timeout=args.timeout)
                 result = _run_pccl(world, sizes, run, placement(wan, world))
-                what = f"pccl pool={pool}" + (f" cc={congestion}" if congestion else "")
+                what = (f"pccl pool={pool}" + (f" cc={congestion}" if congestion else "")
+                        + (f" topk={topk:g}" + (f"/{args.quantize}" if args.quantize != "none"
+                                                 else "") if topk else ""))
                 for size in sizes:
                     if not result[size]["ok"]:
                         raise RuntimeError(f"wrong result: {what}, {size} bytes")
                     median = statistics.median(result[size]["times"])
                     figures.setdefault(f"{what} {size}", []).append(median)
                     print(f"repeat {repeat}: {what} {format_size(size):>8} "
-                          f"{median:7.3f} s {busbw(size, world, median) / 1e6:7.0f}", flush=True)
+                          f"{median:7.3f} s {busbw(size, world, median) / 1e6:7.0f} "
+                          f"(sent {result[size]['tx_bytes']:,} B)", flush=True)
             if args.gloo:
                 gloo_sizes = [parse_size(s) for s in (args.gloo_sizes or args.sizes).split(",")]
                 gloo = run_gloo(wan, world, gloo_sizes, args.iters, args.warmup, args.timeout)

@@ -24,7 +24,11 @@ sent; the JSON has them for every row.
 The data is ones, whose sum is checked exactly. Quantized, it is zeros and ones in
 turn, so that every block carries codes that are read and copied (a constant block's
 are not): they encode as the lowest and highest code, which decode to within a few
-float32 ulps, and the sum is checked to that.
+float32 ulps, and the sum is checked to that. ``--topk F`` times Top-k all-reduces of
+ones instead (``compression=pccl.TopK(F)``, its values quantized with ``--quantize``),
+the residual zeroed before each, so that every peer keeps the same entries every time:
+each kept entry must hold W and every other 0, and the residual must be 0 exactly where
+an entry was kept. Its busbw is of the dense size, what the sparse call stands in for.
 """
 
 from __future__ import annotations
@@ -105,10 +109,54 @@ def format_size(n: int) -> str:
 # --- the peer process ------------------------------------------------------------------
 
 
+class _Inputs:
+    """One size's buffers of a peer and the check of their result (the module
+    docstring says which data each kind of all-reduce gets)."""
+
+    def __init__(self, xp: Any, count: int, world: int, into_recv: bool,
+                 quantization: Any, topk: float) -> None:
+        import numpy as np
+
+        import pccl_trio as pccl
+
+        self._xp, self._world, self._quantization = xp, world, quantization
+        self.base = xp.ones(count, dtype=np.float32)
+        if quantization is not None and not topk:
+            self.base = (xp.arange(count) % 2).astype(np.float32)
+        self.data = xp.empty_like(self.base)
+        self.out = xp.empty_like(self.data) if into_recv else None
+        self.residual = None
+        self.options: dict[str, Any] = {"quantization": quantization}
+        if topk:
+            self.residual = xp.zeros_like(self.base)
+            self.options = {
+                "compression": pccl.TopK(topk, residual=self.residual, values=quantization)
+            }
+
+    def refill(self) -> None:
+        """The input again (and a zero residual: every Top-k call keeps the same)."""
+        self._xp.copyto(self.data, self.base)
+        if self.residual is not None:
+            self.residual.fill(0)
+
+    def correct(self) -> bool:
+        """Whether the last all-reduce's result is right."""
+        xp, world = self._xp, self._world
+        result = self.data if self.out is None else self.out
+        if self.residual is not None:  # the kept entries hold the world's sum, others 0
+            kept = int(xp.count_nonzero(result))
+            return bool(kept and (result[result != 0] == world).all()
+                        and kept == int(xp.count_nonzero(self.residual == 0)))
+        error = abs(result - self.base * world).max()
+        return bool(error == 0 if self._quantization is None else error <= 1e-5 * world)
+
+
+
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
                   algorithm: str, protection: str, device: str, metrics: bool,
-                  leases: bool, congestion_control: str | None, back_to_back: bool) -> None:
+                  leases: bool, congestion_control: str | None, back_to_back: bool,
+                  topk: float) -> None:
     import numpy as np
 
     import pccl_trio as pccl
@@ -146,30 +194,23 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
         clock = np.zeros(1, dtype=np.float64)
         results = {}
         for size in sizes:
-            # Ones, whose sum every run checks exactly. Quantized, zeros and ones in turn
-            # (a constant block's codes are never read), whose sum is checked to a few
-            # ulps: they are the lowest and highest code, which decode almost exactly.
-            base = xp.ones(size // 4, dtype=np.float32)
-            if quantization is not None:
-                base = (xp.arange(size // 4) % 2).astype(np.float32)
-            data = xp.empty_like(base)
-            out = xp.empty_like(data) if into_recv else None
+            inputs = _Inputs(xp, size // 4, world, into_recv, quantization, topk)
+            data, out, options = inputs.data, inputs.out, inputs.options
             for _ in range(warmup):
-                xp.copyto(data, base)
-                await comm.all_reduce(data, out, quantization=quantization)
-            xp.copyto(data, base)
-            await comm.all_reduce(data, out, quantization=quantization)
-            error = abs((data if out is None else out) - base * world).max()
-            ok = bool(error == 0 if quantization is None else error <= 1e-5 * world)
+                inputs.refill()
+                await comm.all_reduce(data, out, **options)
+            inputs.refill()
+            await comm.all_reduce(data, out, **options)
+            ok = inputs.correct()
             times = []
             if back_to_back:
                 # One barrier, then the timed all-reduces one after the other (each peer
                 # starts the next as soon as its last returned), each the slowest peer's.
                 await comm.all_reduce(barrier, tag=1)
                 for _ in range(iters):
-                    xp.copyto(data, base)
+                    inputs.refill()
                     start = time.perf_counter()
-                    info = await comm.all_reduce(data, out, quantization=quantization)
+                    info = await comm.all_reduce(data, out, **options)
                     times.append(time.perf_counter() - start)
                 slowest = np.array(times, dtype=np.float64)
                 await comm.all_reduce(slowest, op=pccl.ReduceOp.MAX, tag=2)
@@ -177,19 +218,18 @@ async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup:
                 to_host = to_device = 0
             else:
                 for _ in range(iters):
-                    xp.copyto(data, base)
+                    inputs.refill()
                     await comm.all_reduce(barrier, tag=1)
                     host_before, device_before = CROSSINGS.snapshot()
                     start = time.perf_counter()
-                    info = await comm.all_reduce(data, out, quantization=quantization)
+                    info = await comm.all_reduce(data, out, **options)
                     clock[0] = time.perf_counter() - start
                     host_after, device_after = CROSSINGS.snapshot()
                     to_host, to_device = host_after - host_before, device_after - device_before
                     await comm.all_reduce(clock, op=pccl.ReduceOp.MAX, tag=2)
                     times.append(float(clock[0]))
             # The last timed one is checked too (outside the clock).
-            error = abs((data if out is None else out) - base * world).max()
-            ok = ok and bool(error == 0 if quantization is None else error <= 1e-5 * world)
+            ok = ok and inputs.correct()
             # This peer's bytes in the last timed all-reduce: on the wire, and (GPU
             # buffers) across PCIe; the barrier and clock are host arrays.
             results[size] = {"ok": ok, "times": times, "tx_bytes": info.tx_bytes,
@@ -221,12 +261,13 @@ def _worker_main(argv: Sequence[str]) -> int:
     parser.add_argument("--no-leases", action="store_true")
     parser.add_argument("--congestion-control", default=None)
     parser.add_argument("--back-to-back", action="store_true")
+    parser.add_argument("--topk", type=float, default=0.0)
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     trio.run(_worker, args.master, args.world, sizes, args.iters, args.warmup, args.pool,
              args.slice_bytes, args.into_recv, args.host, args.quantize, args.algorithm,
              args.protection, args.device, args.metrics, not args.no_leases,
-             args.congestion_control, args.back_to_back)
+             args.congestion_control, args.back_to_back, args.topk)
     return 0
 
 
@@ -295,6 +336,7 @@ def _run_pccl(world: int, sizes: list[int], args: argparse.Namespace,
                  *(["--congestion-control", args.congestion_control]
                    if getattr(args, "congestion_control", None) else []),
                  *(["--back-to-back"] if getattr(args, "back_to_back", False) else []),
+                 *(["--topk", str(args.topk)] if getattr(args, "topk", 0.0) else []),
                  *(["--into-recv"] if args.into_recv else [])],
                 stdout=subprocess.PIPE, text=True, env=env,
             ))
@@ -345,6 +387,10 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
                         default="none", help="quantize the all-reduce to this code dtype")
     parser.add_argument("--algorithm", choices=["min_max", "zero_point_scale"],
                         default="min_max", help="quantization algorithm (with --quantize)")
+    parser.add_argument("--topk", type=float, default=0.0, metavar="F",
+                        help="a Top-k all-reduce keeping the fraction F of the entries, with "
+                             "error feedback (--quantize: its kept values' codes); busbw is "
+                             "then of the dense size")
     parser.add_argument("--gloo", metavar="SCRIPT", type=Path, default=None,
                         help="path to the Gloo anchor (gloo_allreduce.py); needs torch")
     parser.add_argument("--gloo-python", metavar="PYTHON", default=None,
@@ -393,6 +439,8 @@ def bench_main(argv: Sequence[str] | None = None, prog: str = "pccl-trio bench")
     width = max(13, *(len(v[0]) for v in variants))  # of the library column
 
     quantized = "" if args.quantize == "none" else f" quantized {args.algorithm}->{args.quantize}"
+    if args.topk:
+        quantized = f" Top-k {args.topk:g} (values{quantized or ' float32'})"
     print(f"# all-reduce float32 SUM{quantized} {'into recv' if args.into_recv else 'in place'} "
           f"{' and '.join('GPU' if d == 'cuda' else 'host' for d in devices)} buffers on 127.0.0.1, "
           f"iters={args.iters} warmup={args.warmup} "

@@ -51,6 +51,7 @@ __all__ = ["Selection", "TopKLayout", "topk_feed_back", "topk_select", "topk_sum
 _CODES = {DataType.UINT8: numpy.uint8, DataType.UINT16: numpy.uint16}
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 _HEADER = 8  # a chunk's lo and step, float32 each
+_BLOCK = 1 << 20  # entries ``topk_select`` partitions at a time
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,9 +147,16 @@ def topk_select(xp: ArrayModule, layout: TopKLayout, send: Array, residual: Arra
     compensated = xp.zeros(chunks * chunk, dtype=layout.dtype)
     xp.add(send, residual, out=compensated[:layout.count])
     table = compensated.reshape(chunks, chunk)
-    magnitude = xp.abs(table.astype(numpy.float32))
-    kept = xp.argpartition(magnitude, chunk - k, axis=1)[:, chunk - k:]
-    local = xp.sort(kept, axis=1)
+    local = xp.empty((chunks, k), dtype=numpy.int64)
+    # A block of chunks at a time: the partition's indexes (8 bytes per entry, of which
+    # it keeps k per chunk) and the magnitudes stay a few MiB, instead of twice and
+    # thrice the vector's size in fresh memory.
+    rows = max(1, _BLOCK // chunk)
+    for first in range(0, chunks, rows):
+        block = table[first:first + rows]
+        magnitude = xp.abs(block if block.dtype.itemsize >= 4 else block.astype(numpy.float32))
+        kept = xp.argpartition(magnitude, chunk - k, axis=1)[:, chunk - k:]
+        local[first:first + rows] = xp.sort(kept, axis=1)
     values = xp.take_along_axis(table, local, axis=1)
     indexes = local + (xp.arange(chunks) * chunk)[:, None]
     parts = [local.astype(numpy.uint16).reshape(-1).view(numpy.uint8)]

@@ -218,8 +218,9 @@ def test_busy_port_is_a_clear_error() -> None:
 
 
 @pytest.mark.parametrize(
-    "mode", [[], ["--into-recv"], ["--quantize", "uint8"], ["--metrics", "both"]],
-    ids=["in_place", "into_recv", "uint8", "metrics"],
+    "mode", [[], ["--into-recv"], ["--quantize", "uint8"], ["--metrics", "both"],
+             ["--topk", "0.01", "--quantize", "uint8"]],
+    ids=["in_place", "into_recv", "uint8", "metrics", "topk"],
 )
 def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> None:
     """`pccl-trio bench` end to end at a tiny size: W peer processes, a verified result,
@@ -232,6 +233,8 @@ def test_bench_runs_and_checks_its_results(tmp_path: Path, mode: list[str]) -> N
     )
     assert result.returncode == 0, result.stderr
     assert ("into recv" if "--into-recv" in mode else "in place") in result.stdout
+    if "--topk" in mode:
+        assert "Top-k 0.01 (values quantized min_max->uint8)" in result.stdout
     rows = json.loads(out.read_text())
     if "--metrics" in mode:  # each size without, then with metrics
         assert [(r["size"], r["metrics"]) for r in rows] == [
