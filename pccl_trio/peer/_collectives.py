@@ -48,6 +48,12 @@ to fail, which aborts it for everyone) and ``Cancelled`` propagates at once. Aft
 peer's part is failed, which aborts the collective unless the part was complete; the
 caller waits (shielded) for the verdict and the restore, which the protocol's timers
 bound: SUCCESS (every peer had finished) returns the result, anything else re-raises.
+A call cancelled before the commence thus winds down after its caller left: it still
+votes, and ends with the verdict. Until then its tag stays taken; a later call of the
+tag waits for it in its own task instead of being refused as a concurrent one (which
+the caller could not have helped: its call returned), and so do the membership calls
+(``wound_down``), which the master accepts only from a peer with no collective in
+flight.
 
 ``all_reduce_multiple_with_retry``'s passes over its all-reduces are in ``_retry``, which
 launches them here (``start``)."""
@@ -56,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, KeysView
 from functools import partial
 from typing import Any, TypeVar
 
@@ -283,7 +289,9 @@ class AllReduces:
         self._metrics = context.metrics
         self._receiver = receiver
         self._membership = membership
-        self.tags_in_flight: set[int] = set()  # reserved at launch, until the handle ends
+        # Tag -> its call, reserved at launch until the call's task ends (a call whose
+        # caller was cancelled may wind down after the caller left: ``start``).
+        self._calls: dict[int, ReduceResult] = {}
         self._leases = Leases(context, receiver=receiver, membership=membership)
         # The commenced attempts sending their part, and what stops them.
         self._parts = RunningParts(context, receiver=receiver)
@@ -301,6 +309,20 @@ class AllReduces:
     async def leave(self) -> None:
         """This peer leaves the run: the master hears how far it got under its leases."""
         await self._leases.leave()
+
+    @property
+    def tags_in_flight(self) -> KeysView[int]:
+        """The tags of the calls whose task has not ended."""
+        return self._calls.keys()
+
+    async def wound_down(self) -> None:
+        """Wait until the calls whose callers were cancelled have ended here (they
+        wind down in the background: see the module docstring)."""
+        while True:
+            leaving = [r for r in self._calls.values() if r.cancelled]
+            if not leaving:
+                return
+            await leaving[0].ended.wait()
 
     def check_idle(self, call: str) -> None:
         """Connected, with no all-reduce in flight (``call`` is the call asking)."""
@@ -387,17 +409,17 @@ class AllReduces:
         is (which must not be stale), rather than by the task once the ring is up to
         date; this peer then votes for it before any later establishment vote.
         """
-        if request.tag in self.tags_in_flight:
+        before = self._calls.get(request.tag)
+        if before is not None and (on_current_ring or not before.cancelled):
             raise InvalidUsage(
                 f"tag {request.tag} is already in flight; give concurrent all-reduces distinct tags"
             )
-        self.tags_in_flight.add(request.tag)
-        result = ReduceResult()
+        result = self._calls[request.tag] = ReduceResult()
         try:
             attempt = self._prepare(request, result) if on_current_ring else None
-            self._life.spawn(self._run, request, result, attempt)
+            self._life.spawn(self._run, request, result, attempt, before)
         except BaseException:
-            self.tags_in_flight.discard(request.tag)
+            self._release_tag(request.tag, result, before)
             if result.attempt is not None:
                 self._receiver.remove(result.attempt)
                 result.attempt.release()
@@ -406,13 +428,27 @@ class AllReduces:
 
     # --- one attempt -----------------------------------------------------------------------
 
+    def _release_tag(self, tag: int, result: ReduceResult, before: ReduceResult | None) -> None:
+        """``result``'s call of ``tag`` ended (or never started): the tag is free, or
+        back to the cancelled call it waited for, if that one has not ended."""
+        if self._calls.get(tag) is result:
+            if before is not None and not before.ended.is_set():
+                self._calls[tag] = before
+            else:
+                del self._calls[tag]
+        result.ended.set()
+
     async def _run(
-        self, request: ReduceRequest, result: ReduceResult, attempt: RingAttempt | None
+        self, request: ReduceRequest, result: ReduceResult, attempt: RingAttempt | None,
+        before: ReduceResult | None = None,
     ) -> None:
         """The task behind a handle; every outcome ends up in ``result``. ``attempt``:
-        made and registered at launch (None: made here)."""
+        made and registered at launch (None: made here). ``before``: the call of the
+        same tag whose caller was cancelled, which ends first."""
         started = time.perf_counter()
         try:
+            if before is not None:
+                await before.ended.wait()
             info = await self._attempt(request, result, attempt)
             made = result.attempt
             if request.topk is not None and made is not None:
@@ -441,7 +477,7 @@ class AllReduces:
                 result.finish(
                     None, InvalidUsage("the communicator was closed during the all-reduce")
                 )
-            self.tags_in_flight.discard(request.tag)
+            self._release_tag(request.tag, result, None)
             self._observe(request.kind, result, time.perf_counter() - started)
 
     def _observe(self, kind: int, result: ReduceResult, seconds: float) -> None:

@@ -75,6 +75,8 @@ class ReduceResult:
         self.gathered: Any = None
         # The buffers hold what they will hold: the result, or the input restored.
         self.final = trio.Event()
+        # The task that ran it ended: nothing of it goes on here (its tag is free).
+        self.ended = trio.Event()
 
     @property
     def done(self) -> bool:

@@ -277,3 +277,68 @@ async def test_a_cancelled_reduce_of_many_tensors_writes_nothing_after(
             assert all(isinstance(verdicts[1, tag], pccl.ReduceInfo) for tag in tags)
         for comm in comms:
             await comm.aclose()
+
+
+async def cancel_once_registered(
+    comms: list[pccl.Communicator], tag: int, then: Callable[[int, pccl.Communicator], Any],
+) -> list[object]:
+    """Peer 0 calls ``all_reduce(tag=tag)`` and is cancelled as soon as its attempt is
+    registered, then at once makes the call ``then(0, comm)``; the others call the
+    all-reduce too, then ``then``. The others' all-reduce gets one verdict (an abort,
+    or the sum if peer 0's part had run through); returns every peer's ``then``."""
+    arrays = [np.ones(1 << 12, np.float32) for _ in comms]
+    firsts: list[object] = []
+    seconds: list[object] = [None] * len(comms)
+
+    async def other(i: int) -> None:
+        try:
+            firsts.append(await comms[i].all_reduce(arrays[i], tag=tag))
+        except pccl.CollectiveAborted as exc:
+            firsts.append(exc)
+        seconds[i] = await then(i, comms[i])
+
+    async with trio.open_nursery() as nursery:
+        for i in (1, 2):
+            nursery.start_soon(other, i)
+        with trio.CancelScope() as scope:
+
+            async def watch() -> None:
+                while PeerSeam(comms[0]).attempt(tag) is None:
+                    await trio.lowlevel.checkpoint()
+                scope.cancel()
+
+            nursery.start_soon(watch)
+            returned = await comms[0].all_reduce(arrays[0], tag=tag)
+        # At once: the cancelled call may still wind down here.
+        seconds[0] = await then(0, comms[0])
+    if scope.cancelled_caught:
+        assert all(isinstance(r, pccl.CollectiveAborted) for r in firsts), firsts
+    else:
+        assert isinstance(returned, pccl.ReduceInfo), returned
+        assert all(isinstance(r, pccl.ReduceInfo) for r in firsts), firsts
+    return seconds
+
+
+async def test_a_call_right_after_a_cancelled_one_waits_for_it_to_wind_down(
+    cluster: Cluster, clock: object
+) -> None:
+    """A call cancelled before the commence returns at once and winds down in the
+    background (it votes, then fails). The caller's next call of that tag, and its next
+    membership call, wait for it instead of being refused as concurrent: every peer's
+    next call succeeds."""
+    with trio.fail_after(120):
+        comms = await make_ring(cluster, shaped=False)
+        data = inputs(4)
+        arrays = [d.copy() for d in data]
+        results = await cancel_once_registered(
+            comms, 4, lambda i, c: c.all_reduce(arrays[i], tag=4)
+        )
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        total = data[0] + data[1] + data[2]
+        assert all(a.tobytes() == total.tobytes() for a in arrays)
+
+        await cancel_once_registered(comms, 5, lambda i, c: c.update_topology())
+        assert not PeerSeam(comms[0]).reducing(5)
+        await barrier(comms, 6)
+        for comm in comms:
+            await comm.aclose()
