@@ -187,6 +187,7 @@ class Trainer:
     # it has not sent yet: its own, never shared; a joiner's starts at zero).
     topk: float | None
     residual: torch.Tensor
+    value_bits: int | None  # ``--value-bits``: the kept values' codes packed to so many bits
 
 
 def make_trainer(args: argparse.Namespace) -> Trainer:
@@ -212,7 +213,7 @@ def make_trainer(args: argparse.Namespace) -> Trainer:
         if args.quantize else None
     )
     return Trainer(data, model, inner, outer, momentum, outer_optimizer, state, quantization,
-                   args.compress, torch.zeros_like(outer))
+                   args.compress, torch.zeros_like(outer), args.value_bits)
 
 
 def reduce_options(trainer: Trainer) -> dict[str, Any]:
@@ -221,7 +222,7 @@ def reduce_options(trainer: Trainer) -> dict[str, Any]:
     if trainer.topk is None:
         return {"quantization": trainer.quantization}
     return {"compression": pccl.TopK(trainer.topk, residual=trainer.residual,
-                                     values=trainer.quantization)}
+                                     values=trainer.quantization, value_bits=trainer.value_bits)}
 
 
 async def train_peer(master: str, args: argparse.Namespace) -> None:
@@ -513,6 +514,7 @@ async def launch(args: argparse.Namespace) -> int:
         "--world", str(args.world), "--hold-at", str(args.hold_at),
         *(["--quantize"] if args.quantize else []),
         *(["--compress", f"topk:{args.compress}"] if args.compress is not None else []),
+        *(["--value-bits", str(args.value_bits)] if args.value_bits is not None else []),
     ]
     peers: list[Peer] = []
     worlds: dict[int, int] = {}
@@ -620,6 +622,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--compress", type=parse_compress, default=None, metavar="topk:F",
                         help="all-reduce the pseudo-gradient Top-k sparse with error "
                              "feedback, keeping the fraction F of its entries (e.g. topk:0.01)")
+    parser.add_argument("--value-bits", type=int, choices=[2, 4], default=None,
+                        help="with --compress and --quantize: the kept values' codes in 2 or "
+                             "4 bits instead of 8")
     parser.add_argument("--seed", type=int, default=0,
                         help="data split, model init and batches (default %(default)s)")
     parser.add_argument("--hidden", type=int, default=64,
@@ -642,6 +647,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="demo: give up after this many seconds (default %(default)s)")
     args = parser.parse_args(argv)
     sparse = args.compress is not None
+    if args.value_bits is not None and not (sparse and args.quantize):
+        parser.error("--value-bits needs --compress and --quantize")
     if args.outer_lr is None:
         args.outer_lr = 4.0 if sparse else 0.7
     if args.outer_momentum is None:

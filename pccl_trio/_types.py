@@ -91,8 +91,9 @@ class TopK:
     Each peer adds ``residual`` to its input, keeps the ``fraction`` of the entries
     largest in magnitude within each chunk of ``chunk`` elements, sends their indexes
     (16 bits each) and values (``values``: quantized with ``MIN_MAX`` to ``UINT8`` or
-    ``UINT16`` per chunk; None: as they are), and stores what it did not send back into
-    ``residual``. The result is the sum of every peer's sent entries in ascending
+    ``UINT16`` per chunk, and with ``UINT8`` to 2 or 4 bits with ``value_bits``; None:
+    as they are), and stores what it did not send back into ``residual`` (what each
+    code's decoded value left over included). The result is the sum of every peer's sent entries in ascending
     peer-id order (bit-identical everywhere), divided by the world size for ``AVG``.
 
     Attributes:
@@ -103,6 +104,9 @@ class TopK:
             updated in place once the all-reduce succeeded; untouched otherwise.
         values: how kept values travel (None: in the input's dtype).
         chunk: elements per chunk, at most 65536.
+        value_bits: 2 or 4: the ``UINT8`` codes of ``values`` take that many bits
+            (4 or 16 levels between each chunk's least and greatest kept value),
+            packed; None: the code dtype's whole width.
     """
 
     fraction: float
@@ -110,6 +114,7 @@ class TopK:
     residual: Any
     values: QuantizationOptions | None = None
     chunk: int = 4096
+    value_bits: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

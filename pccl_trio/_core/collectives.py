@@ -100,7 +100,7 @@ def _descriptor_key(message: CollectiveInitiate | LeaseReport) -> tuple[int, ...
         -1 if message.kind == CollectiveKind.ALL_GATHER else message.count,
         message.dtype, message.op,
         message.quantized_dtype, message.quantization, message.distribution_hint,
-        message.slice_bytes, message.topk, message.topk_chunk,
+        message.slice_bytes, message.topk, message.topk_chunk, message.topk_bits,
     )
 
 

@@ -170,6 +170,10 @@ COLLECTIVE_NAMES = (
 
 #: The largest chunk of a Top-k all-reduce: its indexes travel in 16 bits.
 MAX_TOPK_CHUNK = 1 << 16
+#: The code widths below a byte a Top-k all-reduce's values may be packed in.
+TOPK_CODE_BITS = (2, 4)
+#: ``DataType.UINT8``'s wire value: the codes packed codes are cut from.
+UINT8_CODE = 0
 
 
 class Outcome(enum.IntEnum):
@@ -359,6 +363,9 @@ class CollectiveInitiate(Message):
     root: int = 0
     topk: int = 0
     topk_chunk: int = 0
+    # A Top-k all-reduce's values as codes of this many bits, packed (0: the whole
+    # width of ``quantized_dtype``, or unquantized).
+    topk_bits: int = 0
 
     def _validate(self) -> None:
         _check_descriptor(self, "CollectiveInitiate")
@@ -393,7 +400,15 @@ def _check_descriptor(message: typing.Any, name: str) -> None:
                 f"{name}: a Top-k all_reduce keeps 1 to topk_chunk of every topk_chunk "
                 f"(at most {MAX_TOPK_CHUNK}) entries, not {message.topk} of {message.topk_chunk}"
             )
-    elif message.topk or message.topk_chunk:
+        if message.topk_bits and (
+            message.topk_bits not in TOPK_CODE_BITS or not message.quantization
+            or message.quantized_dtype != UINT8_CODE
+        ):
+            raise RemoteProtocolError(
+                f"{name}.topk_bits: {message.topk_bits}-bit codes, where packed codes are "
+                f"{' or '.join(map(str, TOPK_CODE_BITS))} bits of uint8 codes"
+            )
+    elif message.topk or message.topk_chunk or message.topk_bits:
         raise RemoteProtocolError(f"{name}.topk: only a Top-k all_reduce keeps entries")
     if message.kind == CollectiveKind.ALL_GATHER and (
         message.quantization or message.op or getattr(message, "lease", False)
@@ -424,6 +439,8 @@ def _describe(message: typing.Any) -> str:
     )
     if message.kind == CollectiveKind.TOPK_ALL_REDUCE:
         text += f" keeping {message.topk} of every {message.topk_chunk}"
+        if message.topk_bits:
+            text += f" as {message.topk_bits}-bit codes"
     if message.quantization:
         text += (
             f" quantization={QUANTIZATION_NAMES[message.quantization]}"
@@ -475,6 +492,7 @@ class LeaseReport(Message):
     root: int = 0
     topk: int = 0
     topk_chunk: int = 0
+    topk_bits: int = 0
 
     def _validate(self) -> None:
         _check_descriptor(self, "LeaseReport")
@@ -500,6 +518,7 @@ class LeaseReport(Message):
             quantized_dtype=self.quantized_dtype, quantization=self.quantization,
             distribution_hint=self.distribution_hint, slice_bytes=self.slice_bytes, lease=True,
             kind=self.kind, root=self.root, topk=self.topk, topk_chunk=self.topk_chunk,
+            topk_bits=self.topk_bits,
         )
 
 

@@ -16,10 +16,12 @@ The wire form of a selection (``TopKLayout.payload_bytes``, the same for every p
 a call) is three arrays, one after the other: the kept entries' indexes within their
 chunk (``uint16``, ascending within each chunk), their values (the input's dtype), or
 their codes (``values=QuantizationOptions``: min-max over each chunk's kept values,
-``uint8`` or ``uint16`` codes), and for codes each chunk's ``lo`` and ``step``
-(``float32``). A value that travels as a code *is* its decoded value
-(``lo + code * step``, in float32, then in the input's dtype), computed by the same
-operations from the same bytes on every peer, the sender included.
+``uint8`` or ``uint16`` codes, or ``uint8`` codes of 2 or 4 bits, ``value_bits``, packed
+four or two to a byte, the first code in the lowest bits, the last byte padded with
+zeros), and for codes each chunk's ``lo`` and ``step`` (``float32``). A value that
+travels as a code *is* its decoded value (``lo + code * step``, in float32, then in the
+input's dtype), computed by the same operations from the same bytes on every peer, the
+sender included.
 
 What was not sent stays for later: the residual becomes ``compensated`` with each sent
 entry replaced by what its decoded value left over (``compensated - decoded``, which is
@@ -39,7 +41,7 @@ from typing import Any
 
 import numpy
 
-from .._core.messages import MAX_TOPK_CHUNK
+from .._core.messages import MAX_TOPK_CHUNK, TOPK_CODE_BITS
 from .._errors import InvalidArgument
 from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from ._buffers import Array, ArrayModule
@@ -62,6 +64,7 @@ class TopKLayout:
         count: elements of the dense vector; dtype: its numpy dtype.
         chunk: elements per chunk; k: entries kept of each.
         codes: the numpy dtype of the values' codes (None: values as they are).
+        bits: the codes' width when packed below a byte (0: not packed).
     """
 
     count: int
@@ -69,6 +72,7 @@ class TopKLayout:
     chunk: int
     k: int
     codes: numpy.dtype[Any] | None
+    bits: int = 0
 
     @property
     def chunks(self) -> int:
@@ -80,19 +84,28 @@ class TopKLayout:
         return self.chunks * self.k
 
     @property
-    def value_bytes(self) -> int:
-        return int((self.dtype if self.codes is None else self.codes).itemsize)
+    def values_bytes(self) -> int:
+        """The bytes of a selection's values (or codes) on the wire."""
+        if self.bits:
+            return -(-self.entries * self.bits // 8)
+        return self.entries * int((self.dtype if self.codes is None else self.codes).itemsize)
+
+    @property
+    def levels(self) -> int:
+        """The highest code (codes only)."""
+        assert self.codes is not None
+        return (1 << self.bits) - 1 if self.bits else int(numpy.iinfo(self.codes).max)
 
     @property
     def payload_bytes(self) -> int:
         """The bytes of one peer's selection on the wire."""
         header = self.chunks * _HEADER if self.codes is not None else 0
-        return self.entries * (2 + self.value_bytes) + header
+        return self.entries * 2 + self.values_bytes + header
 
     @classmethod
     def of(
         cls, count: int, dtype: numpy.dtype[Any], *, fraction: float, chunk: int,
-        values: QuantizationOptions | None,
+        values: QuantizationOptions | None, value_bits: int | None = None,
     ) -> TopKLayout:
         """The layout of a call, its options checked.
 
@@ -117,8 +130,17 @@ class TopKLayout:
                     f"{algorithm!r} to {datatype!r}"
                 )
             codes = numpy.dtype(_CODES[datatype])
+        bits = 0
+        if value_bits is not None:
+            if codes is None or codes != numpy.uint8 or value_bits not in TOPK_CODE_BITS:
+                raise InvalidArgument(
+                    f"TopK.value_bits packs uint8 codes (values=QuantizationOptions(UINT8)) "
+                    f"to {' or '.join(map(str, TOPK_CODE_BITS))} bits; got value_bits="
+                    f"{value_bits!r} with values={values!r}"
+                )
+            bits = value_bits
         k = max(1, min(chunk, round(fraction * chunk)))
-        return cls(count=count, dtype=dtype, chunk=chunk, k=k, codes=codes)
+        return cls(count=count, dtype=dtype, chunk=chunk, k=k, codes=codes, bits=bits)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -170,14 +192,16 @@ def topk_select(xp: ArrayModule, layout: TopKLayout, send: Array, residual: Arra
         span = wide.max(axis=1) - lo
         if not bool(xp.isfinite(span).all()):
             invalid = "Top-k values to quantize hold NaN or infinity"
-        levels = numpy.float32(numpy.iinfo(layout.codes).max)
+        levels = numpy.float32(layout.levels)
         with numpy.errstate(all="ignore"):
             step = (span / levels).astype(numpy.float32)
             safe = xp.where(step > 0, step, numpy.float32(1))
             scaled = xp.rint((wide - lo[:, None]) / safe[:, None])
         codes = xp.clip(xp.nan_to_num(scaled), 0, levels).astype(layout.codes)
         decoded = _decode(xp, layout, codes, lo, step)
-        parts += [codes.reshape(-1).view(numpy.uint8), lo.view(numpy.uint8), step.view(numpy.uint8)]
+        flat = codes.reshape(-1)
+        wire = _pack(xp, flat, layout.bits) if layout.bits else flat.view(numpy.uint8)
+        parts += [wire, lo.view(numpy.uint8), step.view(numpy.uint8)]
     payload = xp.concatenate(parts)
     assert int(payload.size) == layout.payload_bytes
     return Selection(payload, compensated, indexes, decoded, invalid)
@@ -191,12 +215,35 @@ def _decode(xp: ArrayModule, layout: TopKLayout, codes: Array, lo: Array, step: 
     return wide.astype(layout.dtype)
 
 
+def _pack(xp: ArrayModule, codes: Array, bits: int) -> Array:
+    """``uint8`` codes below ``2 ** bits``, ``8 // bits`` to a byte, the first in the
+    lowest bits (the last byte padded with zero codes)."""
+    per_byte = 8 // bits
+    padded = xp.zeros(-(-int(codes.size) // per_byte) * per_byte, dtype=numpy.uint8)
+    padded[:codes.size] = codes
+    table = padded.reshape(-1, per_byte)
+    packed = xp.zeros(table.shape[0], dtype=numpy.uint8)
+    for position in range(per_byte):
+        packed |= table[:, position] << numpy.uint8(position * bits)
+    return packed
+
+
+def _unpack(xp: ArrayModule, packed: Array, bits: int, count: int) -> Array:
+    """The first ``count`` codes of ``_pack``'s bytes."""
+    per_byte = 8 // bits
+    mask = numpy.uint8((1 << bits) - 1)
+    table = xp.empty((int(packed.size), per_byte), dtype=numpy.uint8)
+    for position in range(per_byte):
+        table[:, position] = (packed >> numpy.uint8(position * bits)) & mask
+    return table.reshape(-1)[:count]
+
+
 def _parse(xp: ArrayModule, layout: TopKLayout, payload: Array) -> tuple[Array, Array]:
     """A selection's (global indexes, decoded values), both chunks x k."""
     chunks, k = layout.chunks, layout.k
     entries = layout.entries
     index_end = 2 * entries
-    value_end = index_end + entries * layout.value_bytes
+    value_end = index_end + layout.values_bytes
     # Each part copied out first: a payload's place in the gathered buffer aligns it
     # to nothing, and a device reads wider elements only where they are aligned.
     local = payload[:index_end].copy().view(numpy.uint16).reshape(chunks, k).astype(numpy.int64)
@@ -206,7 +253,8 @@ def _parse(xp: ArrayModule, layout: TopKLayout, payload: Array) -> tuple[Array, 
     else:
         lo = payload[value_end:value_end + 4 * chunks].copy().view(numpy.float32)
         step = payload[value_end + 4 * chunks:].copy().view(numpy.float32)
-        values = _decode(xp, layout, raw.view(layout.codes).reshape(chunks, k), lo, step)
+        codes = _unpack(xp, raw, layout.bits, entries) if layout.bits else raw.view(layout.codes)
+        values = _decode(xp, layout, codes.reshape(chunks, k), lo, step)
     # Past its chunk: no honest peer's; dropped alike everywhere, into a slot past the
     # chunks (``topk_sum``'s sink).
     sink = layout.chunk * chunks

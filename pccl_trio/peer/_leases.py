@@ -434,4 +434,5 @@ def _report_of(lease: Lease | None, tag: int, first: int) -> LeaseReport:
         root=vote.root if vote else 0,
         topk=vote.topk if vote else 0,
         topk_chunk=vote.topk_chunk if vote else 0,
+        topk_bits=vote.topk_bits if vote else 0,
     )

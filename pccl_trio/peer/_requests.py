@@ -103,7 +103,7 @@ class ReduceRequest:
             layout = self.topk.layout
             return _vote(
                 self.tag, layout.count, layout.dtype, self.op, self.topk.values, self.hint,
-                slice_bytes, lease, self.kind, 0, layout.k, layout.chunk,
+                slice_bytes, lease, self.kind, 0, layout.k, layout.chunk, layout.bits,
             )
         return _vote(
             self.tag, int(self.result.size), self.result.dtype, self.op, self.quantization,
@@ -127,6 +127,7 @@ def _vote(
     tag: int, count: int, dtype: np.dtype[Any], op: ReduceOp,
     quantization: QuantizationOptions | None, hint: DistributionHint, slice_bytes: int,
     lease: bool, kind: CollectiveKind, root: int, topk: int = 0, topk_chunk: int = 0,
+    topk_bits: int = 0,
 ) -> CollectiveInitiate:
     """A vote, made once per descriptor (messages are immutable, and a training loop
     votes the same descriptors step after step)."""
@@ -147,6 +148,7 @@ def _vote(
         root=root,
         topk=topk,
         topk_chunk=topk_chunk,
+        topk_bits=topk_bits,
     )
 
 
@@ -257,7 +259,7 @@ def check_topk_arguments(
             raise InvalidArgument(f"TopK.residual shares memory with {what}")
     layout = TopKLayout.of(
         int(send_array.size), send_array.dtype, fraction=compression.fraction,
-        chunk=compression.chunk, values=compression.values,
+        chunk=compression.chunk, values=compression.values, value_bits=compression.value_bits,
     )
     call = TopKCall(
         xp, layout, send=send_array, out=request.result, residual=residual_array, op=op,

@@ -427,8 +427,10 @@ NARROWER: dict[tuple[type[Any], str], st.SearchStrategy[Any]] = {
     # Only a Top-k all-reduce keeps entries: see ``test_a_topk_vote_names_what_it_keeps``.
     (CollectiveInitiate, "topk"): st.just(0),
     (CollectiveInitiate, "topk_chunk"): st.just(0),
+    (CollectiveInitiate, "topk_bits"): st.just(0),
     (LeaseReport, "topk"): st.just(0),
     (LeaseReport, "topk_chunk"): st.just(0),
+    (LeaseReport, "topk_bits"): st.just(0),
     # One size per ring member: see ``test_an_all_gather_vote_is_plain``.
     (CollectiveCommence, "sizes"): st.just(()),
     (CollectiveVerdict, "outcome"): st.sampled_from(OUTCOMES),
@@ -781,6 +783,13 @@ def test_a_topk_vote_names_what_it_keeps_and_only_it_keeps_entries() -> None:
         ({"topk": 0}, "keeps 1 to topk_chunk"), ({"topk": 51}, "keeps 1 to topk_chunk"),
         ({"topk_chunk": 1 << 17, "topk": 5}, "keeps 1 to topk_chunk"),
         ({"kind": CollectiveKind.ALL_REDUCE}, "only a Top-k all_reduce keeps entries"),
+        # Packed codes: 2 or 4 bits of quantized uint8 codes only.
+        ({"topk_bits": 2}, "2-bit codes, where packed codes are 2 or 4 bits of uint8"),
+        ({"topk_bits": 3, "quantization": 1}, "3-bit codes"),
+        ({"topk_bits": 2, "quantization": 1, "quantized_dtype": 2}, "2-bit codes"),
     ):
         with pytest.raises(RemoteProtocolError, match=error):
             dataclasses.replace(topk, **fields)
+    packed = dataclasses.replace(topk, quantization=1, topk_bits=2)
+    assert decode(CollectiveInitiate, wire_fields(packed)) == packed
+    assert "keeping 5 of every 50 as 2-bit codes" in packed.describe()

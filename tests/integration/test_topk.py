@@ -71,8 +71,9 @@ async def test_the_result_is_the_fixed_order_sum_of_every_selection_and_the_resi
 
 
 @pytest.mark.parametrize("network_kind", ["memory", "tcp"])
+@pytest.mark.parametrize("bits", [None, 2], ids=["uint8", "2-bit"])
 async def test_quantized_values_give_every_peer_the_same_bits_into_recv(
-    cluster: Cluster, clock: object,
+    cluster: Cluster, clock: object, bits: int | None,
 ) -> None:
     with trio.fail_after(120):
         comms = await make_run(cluster, WORLD)
@@ -83,7 +84,8 @@ async def test_quantized_values_give_every_peer_the_same_bits_into_recv(
         outs = [np.full(count, np.nan, np.float32) for _ in range(WORLD)]
         residuals = [np.zeros(count, np.float32) for _ in range(WORLD)]
         await run_all(comms, lambda i, c: c.all_reduce(
-            sends[i], outs[i], tag=1, compression=pccl.TopK(0.01, residual=residuals[i], values=UINT8),
+            sends[i], outs[i], tag=1,
+            compression=pccl.TopK(0.01, residual=residuals[i], values=UINT8, value_bits=bits),
         ))
         assert all(o.tobytes() == outs[0].tobytes() for o in outs)
         assert all(s.tobytes() == x.tobytes() for s, x in zip(sends, inputs, strict=True))
@@ -94,7 +96,8 @@ async def test_quantized_values_give_every_peer_the_same_bits_into_recv(
             rest = np.setdiff1d(np.arange(count), where)
             assert residuals[i][rest].tobytes() == inputs[i][rest].tobytes()
             # Sent entries leave what their code could not say (at most a step).
-            assert np.abs(residuals[i][where]).max() <= 2 * np.abs(inputs[i]).max() / 255
+            levels = 255 if bits is None else (1 << bits) - 1
+            assert np.abs(residuals[i][where]).max() <= 2 * np.abs(inputs[i]).max() / levels
         await run_all(comms, lambda i, c: c.aclose())
 
 
@@ -155,6 +158,17 @@ async def test_calls_that_would_sum_differently_are_refused_naming_each(
         assert f"peer {comms[0].peer_id}: all_reduce count=100" in message
         assert f"peer {comms[1].peer_id}: all_reduce(compression=TopK) count=100" in message
         assert "keeping 5 of every 50" in message and "keeping 10 of every 50" in message
+        assert all((t == 1.0).all() for t in tensors) and not any(r.any() for r in residuals)
+
+        # The same entries kept, but their codes packed differently: refused too.
+        async def packed(i: int, comm: pccl.Communicator) -> object:
+            return await comm.all_reduce(tensors[i], tag=5, compression=pccl.TopK(
+                0.1, residual=residuals[i], chunk=50, values=UINT8, value_bits=2 if i else None,
+            ))
+
+        results = await run_all(comms, packed)
+        assert all(isinstance(r, pccl.InvalidArgument) for r in results), results
+        assert "as 2-bit codes" in str(results[0])
         assert all((t == 1.0).all() for t in tensors) and not any(r.any() for r in residuals)
         await run_all(comms, lambda i, c: c.aclose())
 
@@ -249,9 +263,19 @@ async def test_uint8_values_at_one_percent_send_over_fifty_times_fewer_bytes(
         sparse = await run_all(comms, lambda i, c: c.all_reduce(
             dense[i], tag=2, compression=pccl.TopK(0.01, residual=residuals[i], values=UINT8),
         ))
+        two_bit = await run_all(comms, lambda i, c: c.all_reduce(
+            dense[i], tag=3,
+            compression=pccl.TopK(0.01, residual=residuals[i], values=UINT8, value_bits=2),
+        ))
         layout = TopKLayout.of(count, np.dtype(np.float32), fraction=0.01, chunk=4096, values=UINT8)
-        for p, s in zip(plain, sparse, strict=True):
+        packed = TopKLayout.of(
+            count, np.dtype(np.float32), fraction=0.01, chunk=4096, values=UINT8, value_bits=2
+        )
+        for p, s, t in zip(plain, sparse, two_bit, strict=True):
             assert isinstance(p, pccl.ReduceInfo) and isinstance(s, pccl.ReduceInfo)
+            assert isinstance(t, pccl.ReduceInfo)
             assert s.tx_bytes == (WORLD - 1) * layout.payload_bytes
+            assert t.tx_bytes == (WORLD - 1) * packed.payload_bytes
             assert p.tx_bytes / s.tx_bytes >= 50, (p.tx_bytes, s.tx_bytes)
+            assert p.tx_bytes / t.tx_bytes >= 60, (p.tx_bytes, t.tx_bytes)
         await run_all(comms, lambda i, c: c.aclose())

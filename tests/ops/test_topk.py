@@ -78,18 +78,26 @@ def test_the_sum_adds_every_selection_in_the_order_given_and_an_average_divides(
     assert out.tobytes() == (expected / np.float32(world)).astype(np.float32).tobytes()
 
 
-@pytest.mark.parametrize("codes", [DataType.UINT8, DataType.UINT16])
-def test_quantized_values_decode_alike_at_the_sender_and_the_receivers(codes: DataType) -> None:
+@pytest.mark.parametrize(("codes", "bits"), [
+    (DataType.UINT8, None), (DataType.UINT16, None), (DataType.UINT8, 4), (DataType.UINT8, 2),
+], ids=["uint8", "uint16", "4-bit", "2-bit"])
+def test_quantized_values_decode_alike_at_the_sender_and_the_receivers(
+    codes: DataType, bits: int | None
+) -> None:
     rng = np.random.default_rng(9)
     count = 5000
     values = QuantizationOptions(quantized_datatype=codes)
-    layout = TopKLayout.of(count, np.dtype(np.float32), fraction=0.02, chunk=1024, values=values)
+    layout = TopKLayout.of(
+        count, np.dtype(np.float32), fraction=0.02, chunk=1024, values=values, value_bits=bits
+    )
     send = rng.standard_normal(count).astype(np.float32)
     residual = np.zeros(count, np.float32)
     selection = topk_select(np, layout, send, residual)
     assert selection.invalid is None
-    code_bytes = np.dtype(codes.name.lower()).itemsize
-    assert layout.payload_bytes == layout.entries * (2 + code_bytes) + 8 * layout.chunks
+    width = 8 * np.dtype(codes.name.lower()).itemsize if bits is None else bits
+    # 5 chunks of 20 entries: 100 codes, packed whole into bytes.
+    assert layout.payload_bytes == layout.entries * 2 + -(-layout.entries * width // 8) + 8 * layout.chunks
+    assert len(selection.payload) == layout.payload_bytes
     out = np.empty(count, np.float32)
     topk_sum(np, layout, [selection.payload], op=ReduceOp.SUM, out=out)
     where = selection.indexes.reshape(-1)
@@ -98,8 +106,11 @@ def test_quantized_values_decode_alike_at_the_sender_and_the_receivers(codes: Da
     assert out[where].tobytes() == selection.decoded.reshape(-1)[: len(where)].tobytes()
     topk_feed_back(np, layout, selection, residual)
     assert residual[where].tobytes() == (send[where] - out[where]).tobytes()
+    # A code is within half a step of its value: the step is a chunk's span / levels.
     span = np.abs(send[where]).max() * 2
-    assert np.abs(residual[where]).max() <= span / np.iinfo(codes.name.lower()).max
+    assert np.abs(residual[where]).max() <= span / ((1 << width) - 1) / 2 * 1.001
+    if bits is not None:
+        assert len(np.unique(out[where])) <= layout.chunks * (1 << bits)
     rest = np.setdiff1d(np.arange(count), where)
     assert residual[rest].tobytes() == send[rest].tobytes()
 
@@ -133,6 +144,10 @@ def test_an_index_past_its_chunk_is_dropped_alike() -> None:
         ({"chunk": 1 << 17}, "TopK.chunk"),
         ({"values": QuantizationOptions(algorithm=QuantizationAlgorithm.ZERO_POINT_SCALE)}, "MIN_MAX"),
         ({"values": QuantizationOptions(quantized_datatype=DataType.FLOAT16)}, "UINT8 or UINT16"),
+        ({"value_bits": 2}, "value_bits packs uint8 codes"),
+        ({"values": UINT8, "value_bits": 3}, "to 2 or 4 bits"),
+        ({"values": QuantizationOptions(quantized_datatype=DataType.UINT16), "value_bits": 2},
+         "value_bits packs uint8 codes"),
     ],
 )
 def test_bad_options_are_refused_naming_them(kwargs: dict[str, Any], words: str) -> None:
@@ -143,12 +158,17 @@ def test_bad_options_are_refused_naming_them(kwargs: dict[str, Any], words: str)
         TopKLayout.of(100, dtype, **options)
 
 
-@pytest.mark.parametrize("values", [None, UINT8])
-def test_the_device_path_gives_the_host_paths_bytes(values: QuantizationOptions | None) -> None:
+@pytest.mark.parametrize(("values", "bits"), [(None, None), (UINT8, None), (UINT8, 2)],
+                         ids=["float32", "uint8", "2-bit"])
+def test_the_device_path_gives_the_host_paths_bytes(
+    values: QuantizationOptions | None, bits: int | None
+) -> None:
     device = StrictDevice()
     rng = np.random.default_rng(2)
     count = 3000
-    layout = TopKLayout.of(count, np.dtype(np.float32), fraction=0.05, chunk=700, values=values)
+    layout = TopKLayout.of(
+        count, np.dtype(np.float32), fraction=0.05, chunk=700, values=values, value_bits=bits
+    )
     sends = [rng.standard_normal(count).astype(np.float32) for _ in range(2)]
     residual = (rng.standard_normal(count) * 0.1).astype(np.float32)
     host = [topk_select(np, layout, s, residual) for s in sends]

@@ -1,7 +1,7 @@
 """The DiLoCo example, ``examples/diloco.py``, in a short run of its demo: three peers,
 one SIGKILLed while the others wait for it in an all-reduce, a joiner admitted later;
 every peer ends with bit-identical outer parameters and momentum, and the loss fell.
-And Top-k sparse with uint8 values, without churn: bit-identical, over 40 times fewer
+And Top-k sparse with 2-bit values, without churn: bit-identical, over 40 times fewer
 bytes than dense."""
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ async def test_diloco_survives_a_kill_and_a_joiner_bit_identical() -> None:
 async def test_diloco_with_topk_sends_few_bytes_and_stays_bit_identical() -> None:
     summary, output = await run_demo(
         "--outer-steps", "6", "--inner-steps", "20", "--kill-at", "0",
-        "--compress", "topk:0.01", "--quantize",
+        "--compress", "topk:0.01", "--quantize", "--value-bits", "2",
     )
     assert not summary["killed"], output
-    # 1 % of the entries, uint8 values: over 40 times fewer bytes; in six outer steps
+    # 1 % of the entries, 2-bit values: over 40 times fewer bytes; in six outer steps
     # the sparse run's loss falls less far than dense's (docs/diloco.md).
     assert 0 < summary["tx_bytes_per_step"] * 40 < DENSE_BYTES, output
     assert summary["final_loss"] < 0.75 * summary["first_loss"], output
