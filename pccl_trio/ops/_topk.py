@@ -132,13 +132,14 @@ class TopKLayout:
             codes = numpy.dtype(_CODES[datatype])
         bits = 0
         if value_bits is not None:
-            if codes is None or codes != numpy.uint8 or value_bits not in TOPK_CODE_BITS:
+            if (isinstance(value_bits, bool) or not isinstance(value_bits, int)
+                    or codes is None or codes != numpy.uint8 or value_bits not in TOPK_CODE_BITS):
                 raise InvalidArgument(
                     f"TopK.value_bits packs uint8 codes (values=QuantizationOptions(UINT8)) "
                     f"to {' or '.join(map(str, TOPK_CODE_BITS))} bits; got value_bits="
                     f"{value_bits!r} with values={values!r}"
                 )
-            bits = value_bits
+            bits = int(value_bits)
         k = max(1, min(chunk, round(fraction * chunk)))
         return cls(count=count, dtype=dtype, chunk=chunk, k=k, codes=codes, bits=bits)
 

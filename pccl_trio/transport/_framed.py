@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import select
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -91,7 +92,11 @@ def readable_now(sock: socket.socket | trio.socket.SocketType) -> bool:
 
 
 #: ``struct tcp_info``'s first byte on Linux: the connection's state, 1 while established.
+#: (Other kernels lay the struct out otherwise: there, no ``TCP_INFO`` is asked.)
 _TCP_ESTABLISHED = 1
+_LINUX_TCP_INFO: int | None = (
+    getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
+)
 
 
 def ended_by_peer(sock: socket.socket | trio.socket.SocketType) -> bool:
@@ -103,13 +108,18 @@ def ended_by_peer(sock: socket.socket | trio.socket.SocketType) -> bool:
     anything but established); elsewhere a peek tells an end of stream from data, and
     data waiting before the end counts as open.
     """
-    option = getattr(socket, "TCP_INFO", None)
     try:
-        if option is not None:
-            info = sock.getsockopt(socket.IPPROTO_TCP, option, 8)
+        if _LINUX_TCP_INFO is not None:
+            info = sock.getsockopt(socket.IPPROTO_TCP, _LINUX_TCP_INFO, 8)
             if info:
                 return info[0] != _TCP_ESTABLISHED
-        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        # A plain socket on the same descriptor: a trio socket's ``recv`` is async.
+        raw = sock if isinstance(sock, socket.socket) else socket.socket(fileno=sock.fileno())
+        try:
+            return not raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        finally:
+            if raw is not sock:
+                raw.detach()
     except BlockingIOError:
         return False  # nothing to read: open
     except (OSError, ValueError):

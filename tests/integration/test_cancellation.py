@@ -323,9 +323,9 @@ async def test_a_call_right_after_a_cancelled_one_waits_for_it_to_wind_down(
     cluster: Cluster, clock: object
 ) -> None:
     """A call cancelled before the commence returns at once and winds down in the
-    background (it votes, then fails). The caller's next call of that tag, and its next
-    membership call, wait for it instead of being refused as concurrent: every peer's
-    next call succeeds."""
+    background (it votes, then fails). The caller's next call of that tag (alone, or
+    among ``all_reduce_multiple_with_retry``'s), and its next membership call, wait for
+    it instead of being refused as concurrent: every peer's next call succeeds."""
     with trio.fail_after(120):
         comms = await make_ring(cluster, shaped=False)
         data = inputs(4)
@@ -336,6 +336,15 @@ async def test_a_call_right_after_a_cancelled_one_waits_for_it_to_wind_down(
         assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
         total = data[0] + data[1] + data[2]
         assert all(a.tobytes() == total.tobytes() for a in arrays)
+
+        # all_reduce_multiple_with_retry launches its buckets on the current ring
+        # (tag 0 for the one tensor here): it waits for the cancelled call of tag 0 too.
+        tensors = [d.copy() for d in data]
+        results = await cancel_once_registered(
+            comms, 0, lambda i, c: c.all_reduce_multiple_with_retry([tensors[i]])
+        )
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        assert all(t.tobytes() == total.tobytes() for t in tensors)
 
         await cancel_once_registered(comms, 5, lambda i, c: c.update_topology())
         assert not PeerSeam(comms[0]).reducing(5)

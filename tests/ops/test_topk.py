@@ -146,6 +146,8 @@ def test_an_index_past_its_chunk_is_dropped_alike() -> None:
         ({"values": QuantizationOptions(quantized_datatype=DataType.FLOAT16)}, "UINT8 or UINT16"),
         ({"value_bits": 2}, "value_bits packs uint8 codes"),
         ({"values": UINT8, "value_bits": 3}, "to 2 or 4 bits"),
+        ({"values": UINT8, "value_bits": 2.0}, "to 2 or 4 bits"),
+        ({"values": UINT8, "value_bits": True}, "to 2 or 4 bits"),
         ({"values": QuantizationOptions(quantized_datatype=DataType.UINT16), "value_bits": 2},
          "value_bits packs uint8 codes"),
     ],

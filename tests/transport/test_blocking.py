@@ -16,6 +16,7 @@ import termios
 import threading
 from collections.abc import Callable, Iterator
 from functools import partial
+from typing import Any
 
 import pytest
 import trio
@@ -24,7 +25,7 @@ from pccl_trio._core.errors import RemoteProtocolError
 from pccl_trio._core.messages import PROTOCOL_VERSION, P2PHello, P2PHelloAck
 from pccl_trio._core.wire import DATA_HEADER, DataFrame, FrameType, encode_control, encode_data
 from pccl_trio.testing import MemoryNetwork
-from pccl_trio.transport import FramedStream, SocketLink, run_in_thread
+from pccl_trio.transport import FramedStream, SocketLink, _framed, run_in_thread
 from pccl_trio.transport._framed import readable_now
 
 TIMEOUT = 10
@@ -518,6 +519,30 @@ async def test_ended_by_peer_after_a_reset_and_a_cut(
         await wait_until(link.ended_by_peer)
     link.cut()
     assert link.ended_by_peer()
+
+
+@pytest.mark.parametrize("kind", ["stdlib", "trio"])
+async def test_ended_by_peer_without_tcp_info_peeks(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Where the kernel's state is not read (other systems), a peek tells data from an
+    end of stream, on a plain socket and on a trio one alike."""
+    monkeypatch.setattr(_framed, "_LINUX_TCP_INFO", None)
+    mine, peer = tcp_pair()
+    sock: Any = mine if kind == "stdlib" else trio.socket.from_stdlib_socket(mine)
+    try:
+        assert not _framed.ended_by_peer(sock)
+        peer.sendall(b"unread")
+        with trio.fail_after(TIMEOUT):
+            await wait_until(lambda: readable_now(mine))
+        assert not _framed.ended_by_peer(sock)
+        mine.recv(6)
+        peer.close()
+        with trio.fail_after(TIMEOUT):
+            await wait_until(lambda: _framed.ended_by_peer(sock))
+    finally:
+        sock.close()
+        peer.close()
 
 
 # --- malformed headers ------------------------------------------------------------
