@@ -52,8 +52,8 @@ A call cancelled before the commence thus winds down after its caller left: it s
 votes, and ends with the verdict. Until then its tag stays taken; a later call of the
 tag waits for it in its own task instead of being refused as a concurrent one (which
 the caller could not have helped: its call returned), and so do the membership calls
-(``wound_down``), which the master accepts only from a peer with no collective in
-flight.
+and each pass of ``all_reduce_multiple_with_retry`` (``CallsByTag.wound_down``): the
+master accepts a membership vote only from a peer with no collective in flight.
 
 ``all_reduce_multiple_with_retry``'s passes over its all-reduces are in ``_retry``, which
 launches them here (``start``)."""
@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, KeysView
+from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
@@ -98,7 +98,14 @@ from ._membership import Membership
 from ._parts import Part, RunningParts
 from ._receiver import DataReceiver
 from ._requests import ReduceRequest
-from ._results import AsyncReduceHandle, AsyncValueHandle, Blocked, ReduceResult, Rejected
+from ._results import (
+    AsyncReduceHandle,
+    AsyncValueHandle,
+    Blocked,
+    CallsByTag,
+    ReduceResult,
+    Rejected,
+)
 from ._session import MasterLost
 
 __all__ = ["AllReduces", "gathered", "shard"]
@@ -289,9 +296,8 @@ class AllReduces:
         self._metrics = context.metrics
         self._receiver = receiver
         self._membership = membership
-        # Tag -> its call, reserved at launch until the call's task ends (a call whose
-        # caller was cancelled may wind down after the caller left: ``start``).
-        self._calls: dict[int, ReduceResult] = {}
+        # The calls by tag, from launch until their task ends.
+        self.calls = CallsByTag()
         self._leases = Leases(context, receiver=receiver, membership=membership)
         # The commenced attempts sending their part, and what stops them.
         self._parts = RunningParts(context, receiver=receiver)
@@ -310,27 +316,14 @@ class AllReduces:
         """This peer leaves the run: the master hears how far it got under its leases."""
         await self._leases.leave()
 
-    @property
-    def tags_in_flight(self) -> KeysView[int]:
-        """The tags of the calls whose task has not ended."""
-        return self._calls.keys()
-
-    async def wound_down(self) -> None:
-        """Wait until the calls whose callers were cancelled have ended here (they
-        wind down in the background: see the module docstring)."""
-        while True:
-            leaving = [r for r in self._calls.values() if r.cancelled]
-            if not leaving:
-                return
-            await leaving[0].ended.wait()
-
     def check_idle(self, call: str) -> None:
-        """Connected, with no all-reduce in flight (``call`` is the call asking)."""
+        """Connected, with no all-reduce in flight (``call`` is the call asking; it
+        awaited ``calls.wound_down`` first)."""
         self._life.check_connected()
-        if self.tags_in_flight:
+        if self.calls.tags:
             raise InvalidUsage(
                 f"{call}() while all-reduces are in flight (tags "
-                f"{sorted(self.tags_in_flight)}); await them first"
+                f"{sorted(self.calls.tags)}); await them first"
             )
 
     # --- calls ---------------------------------------------------------------------------
@@ -409,17 +402,14 @@ class AllReduces:
         is (which must not be stale), rather than by the task once the ring is up to
         date; this peer then votes for it before any later establishment vote.
         """
-        before = self._calls.get(request.tag)
-        if before is not None and (on_current_ring or not before.cancelled):
-            raise InvalidUsage(
-                f"tag {request.tag} is already in flight; give concurrent all-reduces distinct tags"
-            )
-        result = self._calls[request.tag] = ReduceResult()
+        result = ReduceResult()
+        # A call made on the current ring cannot wait: its attempt registers now.
+        before = self.calls.reserve(request.tag, result, may_wait=not on_current_ring)
         try:
             attempt = self._prepare(request, result) if on_current_ring else None
             self._life.spawn(self._run, request, result, attempt, before)
         except BaseException:
-            self._release_tag(request.tag, result, before)
+            self.calls.release(request.tag, result, before)
             if result.attempt is not None:
                 self._receiver.remove(result.attempt)
                 result.attempt.release()
@@ -427,16 +417,6 @@ class AllReduces:
         return result
 
     # --- one attempt -----------------------------------------------------------------------
-
-    def _release_tag(self, tag: int, result: ReduceResult, before: ReduceResult | None) -> None:
-        """``result``'s call of ``tag`` ended (or never started): the tag is free, or
-        back to the cancelled call it waited for, if that one has not ended."""
-        if self._calls.get(tag) is result:
-            if before is not None and not before.ended.is_set():
-                self._calls[tag] = before
-            else:
-                del self._calls[tag]
-        result.ended.set()
 
     async def _run(
         self, request: ReduceRequest, result: ReduceResult, attempt: RingAttempt | None,
@@ -477,7 +457,7 @@ class AllReduces:
                 result.finish(
                     None, InvalidUsage("the communicator was closed during the all-reduce")
                 )
-            self._release_tag(request.tag, result, None)
+            self.calls.release(request.tag, result, None)
             self._observe(request.kind, result, time.perf_counter() - started)
 
     def _observe(self, kind: int, result: ReduceResult, seconds: float) -> None:

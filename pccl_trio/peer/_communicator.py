@@ -445,7 +445,7 @@ class Communicator:
             MasterConnectionError, Kicked: the run is over for this peer.
         """
         self._life.check_loop("update_topology()")
-        await self._all_reduces.wound_down()
+        await self._all_reduces.calls.wound_down()
         self._all_reduces.check_idle("update_topology")
         await self._through_master_loss(self._membership.update_topology)
 
@@ -510,7 +510,7 @@ class Communicator:
             MasterConnectionError, Kicked: the run is over for this peer.
         """
         self._life.check_loop("optimize_topology()")
-        await self._all_reduces.wound_down()
+        await self._all_reduces.calls.wound_down()
         self._all_reduces.check_idle("optimize_topology")
         await self._through_master_loss(self._optimizer.optimize)
 
@@ -547,7 +547,7 @@ class Communicator:
             raise InvalidArgument(
                 f"strategy must be a pccl_trio.SharedStateSyncStrategy, got {strategy!r}"
             )
-        await self._all_reduces.wound_down()
+        await self._all_reduces.calls.wound_down()
         self._all_reduces.check_idle("sync_shared_state")
         return await self._through_master_loss(lambda: self._sync.sync(state, strategy))
 

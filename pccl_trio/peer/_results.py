@@ -12,16 +12,22 @@ all-reduce, which goes on in the communicator; an ``AsyncValueHandle`` is that o
 collective whose caller gets a value made from its buffers (a shard, gathered parts).
 ``Rejected`` and ``Blocked`` mark the verdicts that a retry would meet again (they show
 as their public base).
+
+``CallsByTag`` holds this peer's calls by tag, from their launch until their task
+ended. A call cancelled before its commence winds down after its caller left (it still
+votes, then fails): a later call of its tag is then not refused as concurrent, but
+reserves the tag and waits for it in its own task; ``wound_down`` waits for every such
+call, for the calls that need this peer in no collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, KeysView
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import trio
 
-from .._errors import CollectiveAborted, InvalidArgument, shown_as_base
+from .._errors import CollectiveAborted, InvalidArgument, InvalidUsage, shown_as_base
 from .._types import ReduceInfo, Shard
 
 if TYPE_CHECKING:
@@ -34,6 +40,7 @@ __all__ = [
     "AsyncShardHandle",
     "AsyncValueHandle",
     "Blocked",
+    "CallsByTag",
     "ReduceResult",
     "Rejected",
 ]
@@ -178,3 +185,49 @@ class AsyncShardHandle(AsyncValueHandle[Shard]):
 class AsyncGatherHandle(AsyncValueHandle[dict[int, Any]]):
     """A running all-gather started by ``Communicator.all_gather_async``: ``await
     handle.wait()`` returns every peer's part by peer id (see ``AsyncValueHandle``)."""
+
+
+class CallsByTag:
+    """This peer's collective calls by tag, from launch until their task ended (see
+    the module docstring)."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, ReduceResult] = {}  # tag -> its latest call
+
+    @property
+    def tags(self) -> KeysView[int]:
+        """The tags of the calls whose task has not ended."""
+        return self._calls.keys()
+
+    def reserve(self, tag: int, result: ReduceResult, *, may_wait: bool) -> ReduceResult | None:
+        """``result``'s call takes ``tag``; the cancelled call it must wait for, if any
+        (``may_wait``: the call can wait; else such a call refuses it too).
+
+        Raises:
+            InvalidUsage: a call of the tag is in flight (one waits for, or may not).
+        """
+        before = self._calls.get(tag)
+        if before is not None and (not may_wait or not before.cancelled):
+            raise InvalidUsage(
+                f"tag {tag} is already in flight; give concurrent all-reduces distinct tags"
+            )
+        self._calls[tag] = result
+        return before
+
+    def release(self, tag: int, result: ReduceResult, before: ReduceResult | None) -> None:
+        """``result``'s call of ``tag`` ended (or never started, having reserved it
+        after ``before``): the tag is free, or ``before``'s again while it runs."""
+        if self._calls.get(tag) is result:
+            if before is not None and not before.ended.is_set():
+                self._calls[tag] = before
+            else:
+                del self._calls[tag]
+        result.ended.set()
+
+    async def wound_down(self) -> None:
+        """Wait until the calls whose callers were cancelled have ended."""
+        while True:
+            leaving = [r for r in self._calls.values() if r.cancelled]
+            if not leaving:
+                return
+            await leaving[0].ended.wait()

@@ -122,7 +122,7 @@ class RetriedReduces:
         while pending:
             # Calls cancelled before their commence (an earlier pass of a cancelled
             # call of this method, say) may still hold its tags: they end first.
-            await self._reduces.wound_down()
+            await self._reduces.calls.wound_down()
             # Asked before the ring is brought up to date, so that a call holding this
             # peer in a vote is reported rather than waited for; each launch of the
             # pass asks again (``_reduce_pass``), after the waits that came since.

@@ -135,7 +135,7 @@ class PeerSeam:
     def reducing(self, tag: int) -> bool:
         """Whether an all-reduce with ``tag`` is still in flight here (its task has not
         ended; after a cancelled ``all_reduce`` it may go on in the background)."""
-        return tag in self._comm._all_reduces.tags_in_flight
+        return tag in self._comm._all_reduces.calls.tags
 
     measure_link: _Step[MeasureLink] = _Step("_optimizer", "measure_link", """How the
         communicator measures the link from a peer to itself, within a number of bytes;
