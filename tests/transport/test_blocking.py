@@ -482,14 +482,18 @@ async def test_closed_by_peer(link_and_peer: tuple[SocketLink, CountingSocket, s
     assert link.closed_by_peer()  # stays so
 
 
-async def test_closed_by_peer_after_a_reset(
-    link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
+@pytest.mark.parametrize("ended", ["closed_by_peer", "ended_by_peer"])
+async def test_a_reset_and_a_cut_read_as_ended(
+    link_and_peer: tuple[SocketLink, CountingSocket, socket.socket], ended: str
 ) -> None:
     link, _, peer = link_and_peer
-    assert not link.closed_by_peer()
+    asks = getattr(link, ended)
+    assert not asks()
     abort(peer)
     with trio.fail_after(TIMEOUT):
-        await wait_until(link.closed_by_peer)
+        await wait_until(asks)
+    link.cut()
+    assert asks()
 
 
 async def test_ended_by_peer_is_not_fooled_by_unread_bytes(
@@ -507,18 +511,6 @@ async def test_ended_by_peer_is_not_fooled_by_unread_bytes(
         await wait_until(link.ended_by_peer)
     assert not link.closed
     assert link.ended_by_peer()  # stays so
-
-
-async def test_ended_by_peer_after_a_reset_and_a_cut(
-    link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
-) -> None:
-    link, _, peer = link_and_peer
-    assert not link.ended_by_peer()
-    abort(peer)
-    with trio.fail_after(TIMEOUT):
-        await wait_until(link.ended_by_peer)
-    link.cut()
-    assert link.ended_by_peer()
 
 
 @pytest.mark.parametrize("kind", ["stdlib", "trio"])
