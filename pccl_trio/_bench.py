@@ -151,7 +151,6 @@ class _Inputs:
         return bool(error == 0 if self._quantization is None else error <= 1e-5 * world)
 
 
-
 async def _worker(master: str, world: int, sizes: list[int], iters: int, warmup: int,
                   pool: int, slice_bytes: int, into_recv: bool, host: str, quantize: str,
                   algorithm: str, protection: str, device: str, metrics: bool,
