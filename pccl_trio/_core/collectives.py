@@ -57,7 +57,7 @@ from .messages import (
 from .peers import FREE_STATES, VOTES, Call, Peer, PeerPhase, PeerState, PeerTable, find_blocker
 from .report import RunKind
 from .rounds import RingBook
-from .stalls import Waiting
+from .stalls import Waiting, call_name
 from .status import CollectiveStatus
 
 __all__ = ["Collectives"]
@@ -109,7 +109,7 @@ def _call_name(collective: _Collective) -> str:
     before any voted: an adopted attempt)."""
     kinds = {d.kind for d in collective.descriptors.values()}
     kind = min(kinds) if kinds else CollectiveKind.ALL_REDUCE
-    return COLLECTIVE_NAMES[kind].split("(", 1)[0]
+    return call_name(COLLECTIVE_NAMES[kind])
 
 
 class Collectives:

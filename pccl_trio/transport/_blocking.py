@@ -46,6 +46,7 @@ import socket
 import struct
 import termios
 import threading
+from collections.abc import Callable
 
 import trio
 
@@ -410,20 +411,15 @@ class SocketLink:
 
     def closed_by_peer(self) -> bool:
         """Whether the other side closed a connection we only send on."""
-        if self._cut:
-            return True
-        try:
-            sock = self._use()
-        except trio.ClosedResourceError:
-            return True
-        try:
-            return readable_now(sock)
-        finally:
-            self._done()
+        return self._socket_says(readable_now)
 
     def ended_by_peer(self) -> bool:
         """Whether the other side closed the link, even one a reader reads (see
         ``_framed.ended_by_peer``)."""
+        return self._socket_says(ended_by_peer)
+
+    def _socket_says(self, check: Callable[[socket.socket], bool]) -> bool:
+        """``check`` of the socket, or True once the link is cut or closed."""
         if self._cut:
             return True
         try:
@@ -431,6 +427,6 @@ class SocketLink:
         except trio.ClosedResourceError:
             return True
         try:
-            return ended_by_peer(sock)
+            return check(sock)
         finally:
             self._done()

@@ -499,21 +499,20 @@ class FramedStream:
     def closed_by_peer(self) -> bool:
         """Whether the other side closed a connection we only send on (it would be
         readable: end of stream or a reset)."""
-        if self._closed:
-            return True
-        if self._socket is not None:
-            return readable_now(self._socket)
-        if isinstance(self.stream, InMemoryStream):
-            return self.stream.ended_by_peer()
-        return False  # pragma: no cover - only our two stream kinds exist
+        return self._socket_says(readable_now)
 
     def ended_by_peer(self) -> bool:
         """Whether the other side closed the connection, even one a reader reads (see
         the module function ``ended_by_peer``)."""
+        return self._socket_says(ended_by_peer)
+
+    def _socket_says(self, check: Callable[[trio.socket.SocketType], bool]) -> bool:
+        """``check`` of a TCP stream's socket; an in-memory stream knows its peer's
+        end whoever reads it."""
         if self._closed:
             return True
         if self._socket is not None:
-            return ended_by_peer(self._socket)
+            return check(self._socket)
         if isinstance(self.stream, InMemoryStream):
             return self.stream.ended_by_peer()
         return False  # pragma: no cover - only our two stream kinds exist
