@@ -484,7 +484,11 @@ class AllReduces:
         (before the vote; from now on this peer re-establishes no ring before it ends)."""
         ring = self._membership.ring
         if len(ring) < 2:
-            raise TooFewPeers("all_reduce() needs at least 2 peers in the peer group; it has 1")
+            raise TooFewPeers(
+                f"{_CALLED[request.kind]} needs at least 2 peers in the peer group; it has 1: "
+                "admit the waiting ones first (are_peers_pending, update_topology), or wait "
+                "for them (wait_for_peers)"
+            )
         assert self._session.peer_id is not None
         codec = None
         if request.quantization is not None:

@@ -233,5 +233,6 @@ def _outside_trio(call: str, *, connected: bool) -> str:
     which = ", the one that connected the communicator" if connected else ""
     return (
         f"{call} was called {where}, but pccl_trio runs on Trio: call it from code that "
-        f"runs under trio.run(){which}"
+        f"runs under trio.run(){which}, or use pccl_trio.sync.Communicator, whose calls "
+        "block instead"
     )

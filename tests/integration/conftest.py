@@ -6,6 +6,9 @@
 every peer, so every connection is handshaken and every frame authenticated. Tests
 that speak raw frames as a stranger skip it (``Cluster.plain_frames``): against a run
 with a secret, a stranger gets nothing past the handshake (``test_run_secret``).
+``sync``: loopback TCP as ``tcp``, each peer a ``pccl_trio.sync.Communicator`` driven
+through its blocking calls (``blocking.BlockingPeer``); only for the modules that ask
+for it (``NETWORKS = WITH_BLOCKING``), whose scenarios thus cover the blocking API.
 
 Below the fixtures, the helpers and scenarios that several modules share: forming a
 run, all peers doing one call, a run that trains through a master's death, masters
@@ -26,6 +29,7 @@ import trio
 import trio.testing
 
 import pccl_trio as pccl
+import pccl_trio.sync
 from pccl_trio._core.messages import (
     PROTOCOL_VERSION,
     Message,
@@ -38,13 +42,19 @@ from pccl_trio.peer import _shared_state as sharing
 from pccl_trio.testing import MemoryNetwork, PeerSeam
 from pccl_trio.transport import FramedStream, Network, TcpNetwork, format_address
 
+from .blocking import BlockingPeer
+
 #: Real-clock timers: short enough for quick tests, long enough for a loaded CI box.
 TCP_CONFIG = pccl.Config(heartbeat_interval=0.1, liveness_timeout=2.0, connect_timeout=5.0)
 MEMORY_CONFIG = pccl.Config()
 RUN_SECRET = b"integration tests' run secret"
 SECRET_CONFIG = pccl.Config(run_secret=RUN_SECRET)
 #: The peers' config per network kind.
-CONFIGS = {"memory": MEMORY_CONFIG, "tcp": TCP_CONFIG, "secret": SECRET_CONFIG}
+CONFIGS = {"memory": MEMORY_CONFIG, "tcp": TCP_CONFIG, "secret": SECRET_CONFIG, "sync": TCP_CONFIG}
+#: A module's ``NETWORKS`` that runs its scenarios against the blocking API too.
+WITH_BLOCKING = ("memory", "tcp", "secret", "sync")
+#: The kinds whose peers talk over loopback TCP under the real clock.
+OVER_TCP = ("tcp", "sync")
 
 
 @pytest.fixture(params=["memory", "tcp", "secret"])
@@ -57,10 +67,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """A module that sets ``NETWORKS`` (a module whose runs bring their own secrets:
     ``("memory", "tcp")``) runs its tests on those networks only, as if each test that
     takes ``network_kind`` were marked ``parametrize("network_kind", NETWORKS)``; a
-    test's own such mark still decides for that test."""
+    test's own such mark still decides for that test. A test marked ``async_only``
+    (it cancels calls, or replaces a step of a communicator with one that uses the
+    test's own trio primitives, which a blocking peer's event loop cannot touch) skips
+    the ``sync`` kind."""
     networks = getattr(metafunc.module, "NETWORKS", None)
     if networks is None or "network_kind" not in metafunc.fixturenames:
         return
+    if metafunc.definition.get_closest_marker("async_only") is not None:
+        networks = tuple(kind for kind in networks if kind != "sync")
     for mark in metafunc.definition.iter_markers("parametrize"):
         names = mark.args[0]
         if "network_kind" in ([n.strip() for n in names.split(",")] if isinstance(names, str) else names):
@@ -72,7 +87,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def clock(network_kind: str) -> trio.testing.MockClock | None:
     """Virtual time for the memory network; tests take this fixture so pytest-trio
     runs them on it."""
-    return None if network_kind == "tcp" else trio.testing.MockClock(autojump_threshold=0)
+    return None if network_kind in OVER_TCP else trio.testing.MockClock(autojump_threshold=0)
 
 
 @pytest.fixture
@@ -88,6 +103,8 @@ class Cluster:
     config: pccl.Config
     memory: MemoryNetwork | None
     master_scope: trio.CancelScope
+    # The blocking peers made (``sync``), whose event loops end with the test.
+    blocking: list[BlockingPeer] = dataclasses.field(default_factory=list)
 
     def plain_frames(self) -> None:
         """Skip the test on a run with a secret: it speaks raw frames as a stranger."""
@@ -104,6 +121,13 @@ class Cluster:
     ) -> pccl.Communicator:
         if self.memory is None:
             kwargs.setdefault("p2p_host", "127.0.0.1")
+        if self.kind == "sync":
+            peer = BlockingPeer(pccl_trio.sync.Communicator(
+                self.master_address, peer_group, pool_size, config=self.config,
+                network=self.network(host), **kwargs,  # type: ignore[arg-type]
+            ))
+            self.blocking.append(peer)
+            return peer  # type: ignore[return-value]
         return pccl.Communicator(
             self.master_address,
             peer_group,
@@ -131,7 +155,15 @@ async def cluster(
 ) -> AsyncIterator[Cluster]:
     cluster = await start_cluster(nursery, network_kind, CONFIGS[network_kind], master_config)
     yield cluster
+    await end_loops(cluster.blocking)
     cluster.master_scope.cancel()
+
+
+async def end_loops(peers: Sequence[BlockingPeer]) -> None:
+    """End the event loops of blocking peers, as the end of a test's trio run ends an
+    async peer's: what a test left open is closed, and no thread outlives the test."""
+    for peer in peers:
+        await trio.to_thread.run_sync(peer.end_loop)
 
 
 async def start_cluster(
@@ -143,7 +175,7 @@ async def start_cluster(
     stop it."""
     master_config = master_config or config
     scope = trio.CancelScope()
-    memory = None if network_kind == "tcp" else MemoryNetwork()
+    memory = None if network_kind in OVER_TCP else MemoryNetwork()
 
     async def run_master(*, task_status: trio.TaskStatus[object]) -> None:
         with scope:
@@ -411,6 +443,7 @@ class Masters:
     nursery: trio.Nursery
     config: pccl.Config
     memory: MemoryNetwork | None
+    blocking: list[BlockingPeer] = dataclasses.field(default_factory=list)
 
     async def start(self, name: str, port: int = 0) -> tuple[str, trio.CancelScope]:
         """A master at ``name`` (a memory host; over TCP, 127.0.0.1 at ``port``, 0: a
@@ -439,6 +472,12 @@ class Masters:
         config = self.config if identity is None else dataclasses.replace(
             self.config, identity=identity
         )
+        if self.kind == "sync":
+            peer = BlockingPeer(pccl_trio.sync.Communicator(
+                address, config=config, network=network, p2p_host="127.0.0.1"
+            ))
+            self.blocking.append(peer)
+            return peer  # type: ignore[return-value]
         return pccl.Communicator(
             address, config=config, network=network,
             **({"p2p_host": "127.0.0.1"} if self.memory is None else {}),
@@ -447,8 +486,10 @@ class Masters:
 
 @pytest.fixture
 async def masters(network_kind: str, clock: object, nursery: trio.Nursery) -> AsyncIterator[Masters]:
-    yield Masters(kind=network_kind, nursery=nursery, config=CONFIGS[network_kind],
-                  memory=MemoryNetwork() if network_kind == "memory" else None)
+    masters = Masters(kind=network_kind, nursery=nursery, config=CONFIGS[network_kind],
+                      memory=MemoryNetwork() if network_kind == "memory" else None)
+    yield masters
+    await end_loops(masters.blocking)
 
 
 @dataclasses.dataclass

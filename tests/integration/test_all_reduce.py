@@ -15,7 +15,9 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio.testing import PeerSeam
 
-from .conftest import SMALL, Cluster, form_run, make_run, run_all
+from .conftest import SMALL, WITH_BLOCKING, Cluster, form_run, make_run, run_all
+
+NETWORKS = WITH_BLOCKING
 
 DTYPES = [
     np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,

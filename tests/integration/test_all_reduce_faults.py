@@ -10,7 +10,9 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, all_do, fine, form_run, run_all, started, unfused
+from .conftest import WITH_BLOCKING, Cluster, all_do, fine, form_run, run_all, started, unfused
+
+NETWORKS = WITH_BLOCKING
 
 
 @pytest.mark.parametrize("victim", [0, 2], ids=["kill-rank0", "kill-rank2"])
@@ -135,6 +137,7 @@ async def test_silent_peer_mid_all_reduce(cluster: Cluster, clock: object) -> No
             await comm.aclose()
 
 
+@pytest.mark.async_only
 async def test_cancelled_all_reduce_aborts_for_everyone(cluster: Cluster, clock: object) -> None:
     """Peer 0's all-reduce is cancelled once data arrived. The cancellation either takes
     effect, and the all-reduce is aborted for every peer with every input in place, or

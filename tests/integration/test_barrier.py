@@ -14,7 +14,9 @@ import trio.testing
 import pccl_trio as pccl
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, make_run, retried_after_an_abort, run_all
+from .conftest import WITH_BLOCKING, Cluster, make_run, retried_after_an_abort, run_all
+
+NETWORKS = WITH_BLOCKING
 
 
 async def test_no_peer_leaves_a_barrier_before_every_peer_arrived(

@@ -12,7 +12,16 @@ import trio
 
 import pccl_trio as pccl
 
-from .conftest import Cluster, die_mid_all_reduce, make_run, retried_after_an_abort, run_all
+from .conftest import (
+    WITH_BLOCKING,
+    Cluster,
+    die_mid_all_reduce,
+    make_run,
+    retried_after_an_abort,
+    run_all,
+)
+
+NETWORKS = WITH_BLOCKING
 
 WORLD = 3
 

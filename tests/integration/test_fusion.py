@@ -15,7 +15,9 @@ from pccl_trio._core.messages import CollectiveInitiate
 from pccl_trio.peer._requests import ReduceRequest
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, fine, form_run, run_all, started
+from .conftest import WITH_BLOCKING, Cluster, fine, form_run, run_all, started
+
+NETWORKS = WITH_BLOCKING
 
 BUCKET = 4096
 

@@ -23,7 +23,9 @@ import pccl_trio as pccl
 from pccl_trio.ops import Gathered
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, die_mid_all_reduce, fine, form_run, run_all
+from .conftest import WITH_BLOCKING, Cluster, die_mid_all_reduce, fine, form_run, run_all
+
+NETWORKS = WITH_BLOCKING
 
 COUNT = 50_000
 
@@ -247,6 +249,7 @@ async def test_a_peer_in_a_sync_blocks_the_attempt_the_others_started(
             await comm.aclose()
 
 
+@pytest.mark.async_only
 async def test_a_cancelled_leased_all_reduce_leaves_its_input_and_aborts_the_others(
     cluster: Cluster, clock: object
 ) -> None:

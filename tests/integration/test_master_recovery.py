@@ -52,7 +52,7 @@ RESTART_DELAY = 0.5
 
 
 #: Its runs bring their own secrets (or none): the two networks only (``conftest``).
-NETWORKS = ("memory", "tcp")
+NETWORKS = ("memory", "tcp", "sync")
 
 
 async def kill_once_stepped(progress: Progress, scope: trio.CancelScope) -> None:
@@ -197,6 +197,7 @@ async def all_reduce_then_close(comms: list[pccl.Communicator]) -> None:
         await comm.aclose()
 
 
+@pytest.mark.async_only
 @pytest.mark.parametrize("call", ["update_topology", "sync_shared_state", "optimize_topology"])
 async def test_a_membership_call_the_master_died_in_completes_once_it_is_back(
     masters: Masters, clock: object, call: str
@@ -265,6 +266,7 @@ async def test_an_answer_the_master_sent_before_it_died_still_ends_the_call(
         await all_reduce_then_close(comms)
 
 
+@pytest.mark.async_only
 async def test_a_fetch_the_master_died_during_is_not_reported_to_the_next_master(
     masters: Masters, clock: object
 ) -> None:
@@ -375,6 +377,7 @@ async def test_an_all_reduce_the_master_died_in_is_aborted_with_its_input_restor
             await comm.aclose()
 
 
+@pytest.mark.async_only
 async def test_a_joiner_not_admitted_yet_fails_and_the_members_go_on(masters: Masters, clock: object) -> None:
     """A peer still in ``connect()`` has no place to come back to: its ``connect``
     fails with the reason; the members' ``update_topology`` completes without it."""

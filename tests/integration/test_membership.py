@@ -14,7 +14,9 @@ import pccl_trio as pccl
 from pccl_trio._core.messages import Kick
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster, all_do, first_reply, form_run
+from .conftest import WITH_BLOCKING, Cluster, all_do, first_reply, form_run
+
+NETWORKS = WITH_BLOCKING
 
 A = pccl.Attribute
 
@@ -272,6 +274,7 @@ async def test_usage_errors(cluster: Cluster, clock: object) -> None:
             await comm.update_topology()
 
 
+@pytest.mark.async_only
 async def test_interrupted_vote_leaves_the_run_instead_of_stalling_it(
     cluster: Cluster, clock: object
 ) -> None:

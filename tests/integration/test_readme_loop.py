@@ -29,7 +29,9 @@ from pccl_trio._core.messages import Heartbeat, PeerEndpoint, VotePeersPending
 from pccl_trio.peer._shared_state import Fetcher
 from pccl_trio.testing import PeerSeam
 
-from .conftest import Cluster
+from .conftest import WITH_BLOCKING, Cluster
+
+NETWORKS = WITH_BLOCKING
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 MARKER = "<!-- readme-loop: tests/integration/test_readme_loop.py runs the next block -->"

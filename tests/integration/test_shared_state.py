@@ -13,6 +13,7 @@ from pccl_trio.peer._session import MasterSession
 from pccl_trio.testing import PeerSeam
 
 from .conftest import (
+    WITH_BLOCKING,
     Cluster,
     big_state,
     form_run,
@@ -23,6 +24,8 @@ from .conftest import (
     state_bytes,
     sync_all,
 )
+
+NETWORKS = WITH_BLOCKING
 
 
 def make_state(seed: int, *, revision: int = 0, zero: bool = False) -> pccl.SharedState:

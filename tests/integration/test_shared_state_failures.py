@@ -14,7 +14,19 @@ import trio
 import pccl_trio as pccl
 from pccl_trio.peer import _shared_state as sharing
 
-from .conftest import Cluster, big_state, form_run, joined, run_all, same_content, state_bytes, sync_all
+from .conftest import (
+    WITH_BLOCKING,
+    Cluster,
+    big_state,
+    form_run,
+    joined,
+    run_all,
+    same_content,
+    state_bytes,
+    sync_all,
+)
+
+NETWORKS = WITH_BLOCKING
 
 
 def count_frames(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -112,6 +124,7 @@ async def test_sync_works_with_a_smaller_max_data_frame(cluster: Cluster, clock:
         assert same_content(states)
 
 
+@pytest.mark.async_only
 # Cancelling sync_shared_state while it fetches puts the old bytes back, as a
 # cancelled all_reduce restores its input.
 async def test_a_cancelled_fetch_restores_the_old_state(

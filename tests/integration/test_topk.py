@@ -14,7 +14,9 @@ import pccl_trio as pccl
 from pccl_trio._types import DataType
 from pccl_trio.ops import TopKLayout
 
-from .conftest import Cluster, die_mid_all_reduce, make_run, retried_after_an_abort, run_all
+from .conftest import WITH_BLOCKING, Cluster, die_mid_all_reduce, make_run, retried_after_an_abort, run_all
+
+NETWORKS = WITH_BLOCKING
 
 WORLD = 3
 UINT8 = pccl.QuantizationOptions(quantized_datatype=DataType.UINT8)

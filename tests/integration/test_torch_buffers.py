@@ -8,7 +8,9 @@ import trio.testing
 
 import pccl_trio as pccl
 
-from .conftest import Cluster, form_run, run_all, sync_all
+from .conftest import WITH_BLOCKING, Cluster, form_run, run_all, sync_all
+
+NETWORKS = WITH_BLOCKING
 
 torch = pytest.importorskip("torch")
 

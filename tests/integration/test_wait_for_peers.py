@@ -12,7 +12,7 @@ import pccl_trio as pccl
 
 from .conftest import Cluster, make_run, run_all
 
-NETWORKS = ("memory", "tcp")
+NETWORKS = ("memory", "tcp", "sync")
 
 
 async def test_the_members_admit_joiners_as_they_come_until_the_run_has_n(
