@@ -183,12 +183,13 @@ def test_solve_picks_the_exact_solver_for_small_groups() -> None:
 
 @pytest.mark.parametrize("seed", [2, 3])
 def test_heuristic_on_64_peers_is_close_to_a_long_run(seed: int) -> None:
-    """A budget of about 1 s here against five times that with another seed: within
+    """A budget of 100,000 iterations against five times that with another seed: within
     10% (benchmarks/ring_solver.py measures the wall-clock version); both above the
-    cycle-cover bound no ring can beat."""
+    cycle-cover bound no ring can beat. (The search is deterministic given its seed, so
+    these budgets pass or fail alike on every machine.)"""
     cost = random_costs(64, seed)
-    quick = solve_heuristic(cost, iterations=300_000, seed=seed)
-    long = solve_heuristic(cost, iterations=1_500_000, seed=seed + 100)
+    quick = solve_heuristic(cost, iterations=100_000, seed=seed)
+    long = solve_heuristic(cost, iterations=500_000, seed=seed + 100)
     bound = bottleneck_lower_bound(cost)
     assert sorted(quick.order) == list(range(64))
     assert bound <= long.bottleneck and bound <= quick.bottleneck
