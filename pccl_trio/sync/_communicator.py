@@ -30,11 +30,9 @@ returns): the loop's thread writes into them meanwhile.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
-
-import trio
 
 from .._config import Config
 from .._errors import InvalidUsage
@@ -58,32 +56,6 @@ from ._loop import LoopThread
 __all__ = ["Communicator", "Handle"]
 
 _T = TypeVar("_T")
-
-
-def _outside_any_run(make: Callable[[], _T]) -> _T:
-    """``make()``, where no Trio run is current: the async communicator's parts bind to
-    the run they are made in, and this one's is the loop's, not a caller's (a program
-    under ``trio.run`` may make one, to call it from its worker threads). Its error is
-    raised here."""
-    try:
-        trio.lowlevel.current_task()
-    except RuntimeError:
-        return make()
-    made: list[_T] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            made.append(make())
-        except BaseException as exc:
-            failed.append(exc)
-
-    thread = threading.Thread(target=run, name="pccl_trio communicator construction")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return made[0]
 
 
 class Handle(Generic[_T]):
@@ -139,11 +111,11 @@ class Communicator:
         discover: str | None = None,
         host_master: bool = False,
     ) -> None:
-        self._comm = _outside_any_run(lambda: AsyncCommunicator(
+        self._comm = AsyncCommunicator(
             master_address, peer_group, p2p_connection_pool_size, config=config,
             network=network, p2p_host=p2p_host, p2p_port=p2p_port,
             advertised_host=advertised_host, discover=discover, host_master=host_master,
-        ))
+        )
         self._loop = LoopThread(f"pccl_trio communicator {id(self):#x}")
         self._started = False  # connect() was called: the loop is started only once
         self._starting = threading.Lock()

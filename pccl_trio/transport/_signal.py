@@ -22,8 +22,9 @@ the check (which then sees the change) or after the park (which it then ends). A
 thread checks its predicate and waits under the lock that ``notify`` is called with.
 
 A signal belongs to the trio run it is made in. One made outside a run (a
-communicator is made before it connects) is bound to the run by its first use in the
-trio thread; worker threads may notify it only after that.
+communicator is made before it connects), or in a run that has ended (a blocking
+communicator made in a trio program, connected in its own loop), is bound to the run
+whose task first waits on it; worker threads may notify it only after that.
 """
 
 from __future__ import annotations
@@ -60,6 +61,12 @@ class Signal:
         self._token = trio.lowlevel.current_trio_token()
         self._trio_thread = threading.get_ident()
 
+    def _bind_to_waiter(self) -> None:
+        """A trio task waits: the signal belongs to its run from now on, if it did not
+        (made outside a run, or in another one that has ended)."""
+        if trio.lowlevel.current_trio_token() is not self._token:
+            self._bind()
+
     def notify(self, *, trio_too: bool = True) -> None:
         """Something changed (with ``lock`` held): wake the waiting threads, and the
         waiting trio tasks when called from the trio thread or with ``trio_too``."""
@@ -76,8 +83,7 @@ class Signal:
 
     async def wait(self) -> None:
         """Wait, in a trio task (``lock`` not held), for the next ``notify``."""
-        if self._token is None:
-            self._bind()
+        self._bind_to_waiter()
         await self._lot.park()
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
@@ -85,8 +91,7 @@ class Signal:
         read in the trio thread without the lock, so it must read state that is only
         ever set once (a flag, a count that only falls). A checkpoint, like every
         async call, also when it holds at once."""
-        if self._token is None:
-            self._bind()
+        self._bind_to_waiter()
         if predicate():
             await trio.lowlevel.checkpoint()
             return

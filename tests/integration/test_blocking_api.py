@@ -262,9 +262,10 @@ def test_an_async_handle_waits_and_says_when_it_is_done(master: str) -> None:
 
 def test_peers_made_inside_a_trio_run_serve_its_worker_threads(master: str) -> None:
     """Made under ``trio.run`` (to be called from its worker threads), communicators
-    run their data path in their own loops and outlive that run. (Their parts are made
-    outside it: parts made inside bound their wake-ups to it, which
-    ``test_both_data_path_drivers[trio_tasks-sync]`` caught every time.)"""
+    run their data path in their own loops and outlive that run. (Their parts' wake-ups
+    belong to the run that waits on them, not to the one that made them:
+    ``test_signal`` tests that; ``test_both_data_path_drivers[trio_tasks-sync]``
+    failed every time while they did not.)"""
     config = dataclasses.replace(TCP_CONFIG, threaded_data_path=False, slice_bytes=4096)
     world = 3
     data = [[np.arange(20_000 + tag, dtype=np.float64) * (i + 1) for tag in range(4)]

@@ -92,3 +92,34 @@ def test_a_signal_made_outside_a_run_belongs_to_the_run_that_first_waits() -> No
             await woken.wait()
 
     trio.run(main)
+
+
+def test_a_signal_made_in_one_run_belongs_to_the_run_that_waits_on_it() -> None:
+    """A communicator made under one ``trio.run`` and connected in another (a blocking
+    communicator made in a trio program, connected in its own loop): its signals go to
+    the run whose tasks wait, not to the one they were made in."""
+
+    async def make() -> Signal:
+        return Signal()
+
+    signal = trio.run(make)  # that run is over
+
+    async def main() -> None:
+        woken = trio.Event()
+
+        async def wait() -> None:
+            await signal.wait()
+            woken.set()
+
+        def notify() -> None:
+            with signal.lock:
+                signal.notify()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait)
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.to_thread.run_sync(notify)
+            with trio.fail_after(30):
+                await woken.wait()
+
+    trio.run(main)
