@@ -102,6 +102,8 @@ class TopK:
         residual: the caller's array like the input (for
             ``all_reduce_multiple_with_retry``, a sequence of them, one per tensor),
             updated in place once the all-reduce succeeded; untouched otherwise.
+            Required by those calls; ``pccl_trio.torch.DiLoCo`` wants None here (it
+            keeps the residual itself).
         values: how kept values travel (None: in the input's dtype).
         chunk: elements per chunk, at most 65536.
         value_bits: 2 or 4: the ``UINT8`` codes of ``values`` take that many bits
@@ -111,7 +113,7 @@ class TopK:
 
     fraction: float
     _: dataclasses.KW_ONLY
-    residual: Any
+    residual: Any = None
     values: QuantizationOptions | None = None
     chunk: int = 4096
     value_bits: int | None = None

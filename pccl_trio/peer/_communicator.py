@@ -203,6 +203,12 @@ class Communicator:
             master_address, discover=discover, host_master=host_master, peer_group=peer_group,
             pool_size=p2p_connection_pool_size, p2p_port=p2p_port,
         )
+        # What replacement() makes another communicator of: the arguments as given.
+        self._arguments = partial(
+            type(self), master_address, peer_group, p2p_connection_pool_size, config=config,
+            network=network, p2p_host=p2p_host, p2p_port=p2p_port,
+            advertised_host=advertised_host, discover=discover, host_master=host_master,
+        )
         config = (config or Config()).with_environment_secret()
         if network is None:
             try:
@@ -884,6 +890,12 @@ class Communicator:
         if self._life.status is Status.CONNECTED:
             await self._all_reduces.leave()
         await self._shutdown()
+
+    def replacement(self) -> Communicator:
+        """A new communicator made with this one's arguments (not connected): how a peer
+        that was kicked, or whose communicator closed, joins the run again as a
+        newcomer. This one is left as it is."""
+        return self._arguments()
 
     async def __aenter__(self) -> Communicator:
         await self.connect()

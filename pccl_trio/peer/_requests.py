@@ -244,6 +244,11 @@ def check_topk_arguments(
         send, recv, op=op, tag=tag, quantization=None, hint=DistributionHint.NONE, name=name
     )
     xp, send_array = request.xp, request.send
+    if residual is None and compression.residual is None:
+        raise InvalidArgument(
+            "compression=TopK(...) needs residual=: an array like the input, zeroed at "
+            "the start, that keeps what this peer has not sent yet"
+        )
     residual_xp, residual_array = as_array(
         compression.residual if residual is None else residual, name="TopK.residual"
     )

@@ -30,7 +30,7 @@ returns): the loop's thread writes into them meanwhile.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, Generic, TypeVar
 
@@ -116,6 +116,9 @@ class Communicator:
             network=network, p2p_host=p2p_host, p2p_port=p2p_port,
             advertised_host=advertised_host, discover=discover, host_master=host_master,
         )
+        self._setup_loop()
+
+    def _setup_loop(self) -> None:
         self._loop = LoopThread(f"pccl_trio communicator {id(self):#x}")
         self._started = False  # connect() was called: the loop is started only once
         self._starting = threading.Lock()
@@ -214,6 +217,29 @@ class Communicator:
             self._loop.call(self._comm.aclose, what="close()")
         finally:
             self._loop.stop()
+
+    def replacement(self) -> Communicator:
+        """A new blocking communicator made with this one's arguments (not connected),
+        as ``pccl_trio.Communicator.replacement``."""
+        replaced = object.__new__(Communicator)
+        replaced._comm = self._comm.replacement()
+        replaced._setup_loop()
+        return replaced
+
+    def call_in_loop(self, afn: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+        """Block while ``await afn(comm, *args)`` runs in this communicator's event
+        loop, where ``comm`` is the ``pccl_trio.Communicator`` it drives; its value, or
+        its exception raised here. The way to run code written for the async API over
+        a blocking communicator (``pccl_trio.torch``'s wrappers do): ``afn`` may make
+        any async call on ``comm`` and start tasks that outlive it (an
+        ``all_reduce_async`` whose handle a later ``call_in_loop`` waits on).
+
+        Raises:
+            InvalidUsage: called inside a Trio run or on the loop's thread, or the
+                communicator is not connected.
+        """
+        name = getattr(afn, "__qualname__", "a function")
+        return self._loop.call(afn, self._comm, *args, what=f"call_in_loop({name})")
 
     def __enter__(self) -> Communicator:
         self.connect()

@@ -207,6 +207,7 @@ async def test_bad_arguments_are_refused_before_any_vote(cluster: Cluster, clock
             (dict(compression=pccl.TopK(0.1, residual=np.zeros(10, np.float32)), quantization=UINT8),
              "TopK\\(values="),
             (dict(compression="topk"), "pccl_trio.TopK"),
+            (dict(compression=pccl.TopK(0.1)), "needs residual="),
         ]
         for kwargs, words in cases:
             with pytest.raises(pccl.InvalidArgument, match=words):

@@ -1,0 +1,271 @@
+"""``DiLoCo`` and ``AsyncDiLoCo``: a torch training loop's outer steps, owned.
+
+Theory of operation
+-------------------
+The trainer keeps its loop: forward, backward, ``optimizer.step()``, and then
+``diloco.step()``. Every ``sync_every`` calls, ``step`` runs an outer round's boundary
+(``OuterRounds``: admit, sync, all-reduce the pseudo-gradient, outer step), which
+handles every error of a run that can go on; what reaches the trainer means it cannot
+(``MasterConnectionError``, a kick before the first outer step, bad arguments).
+
+Both classes own their communicator: ``join`` (also the start of a ``with`` block, or
+the first ``step``) connects it when it is new and makes this peer's first boundary,
+``close`` leaves the run. A peer kicked after it stepped joins again by itself: the
+kicked communicator is closed and ``replacement()`` gives a new one with the same
+arguments; ``communicator`` is always the current one.
+
+``DiLoCo`` takes a ``pccl_trio.sync.Communicator`` and runs each boundary in that
+communicator's event loop (``call_in_loop``), so the outer step's torch work runs on
+the loop's thread while the trainer's thread waits; with ``overlap`` the all-reduce
+in flight goes on in that loop while the trainer's thread computes. ``AsyncDiLoCo``
+takes a ``pccl_trio.Communicator`` and runs the boundary in the trainer's own task;
+with ``overlap`` the inner steps should run off the event loop
+(``trio.to_thread.run_sync``) for the all-reduce in flight to make progress meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+
+import torch
+from torch import nn
+
+from .._errors import InvalidArgument, InvalidUsage
+from .._types import QuantizationOptions, TopK
+from ..peer import Communicator as AsyncCommunicator
+from ..sync import Communicator as BlockingCommunicator
+from ._outer import OuterModel
+from ._rounds import OuterRounds, Rejoin
+
+__all__ = ["AsyncDiLoCo", "DiLoCo"]
+
+_Rounds = Callable[[OuterRounds, AsyncCommunicator], Awaitable[None]]
+
+
+class _Schedule:
+    """The arguments both classes check alike, and the count of inner steps."""
+
+    def __init__(
+        self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
+        outer_optimizer: torch.optim.Optimizer | None, sync_every: int,
+        compression: QuantizationOptions | TopK | None, overlap: bool, min_peers: int,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidArgument(f"model must be a torch.nn.Module, not {type(model).__name__}")
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise InvalidArgument(
+                f"inner_optimizer must be a torch.optim.Optimizer, not {type(inner_optimizer).__name__}"
+            )
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise InvalidArgument(f"sync_every must be a positive int, not {sync_every!r}")
+        if isinstance(min_peers, bool) or not isinstance(min_peers, int) or min_peers < 1:
+            raise InvalidArgument(f"min_peers must be a positive int, not {min_peers!r}")
+        if compression is not None and not isinstance(compression, (QuantizationOptions, TopK)):
+            raise InvalidArgument(
+                "compression must be None, a pccl_trio.QuantizationOptions or a "
+                f"pccl_trio.TopK, not {type(compression).__name__}"
+            )
+        if isinstance(compression, TopK) and compression.residual is not None:
+            raise InvalidArgument(
+                "compression=TopK(..., residual=None): DiLoCo keeps the residual itself"
+            )
+        if outer_optimizer is inner_optimizer:
+            raise InvalidArgument("the outer optimizer must not be the inner one")
+        self.sync_every = sync_every
+        self.inner_steps = 0  # since the last boundary
+        self.rounds = OuterRounds(
+            OuterModel(model, outer_optimizer), compression=compression, overlap=overlap,
+            min_peers=min_peers,
+        )
+
+    def due(self) -> bool:
+        """Count one inner step; whether the round ends with it."""
+        self.inner_steps += 1
+        if self.inner_steps < self.sync_every:
+            return False
+        self.inner_steps = 0
+        return True
+
+
+class DiLoCo:
+    """DiLoCo for a synchronous torch loop, over a ``pccl_trio.sync.Communicator``.
+
+    Call ``step()`` after each inner ``optimizer.step()``. Every ``sync_every`` steps
+    the peers average their pseudo-gradients (outer minus local parameters) and take
+    an outer step with ``outer_optimizer`` (default: SGD, lr 0.7, Nesterov momentum
+    0.9, over ``model.parameters()``), after which the model holds the new outer
+    parameters, the same bits on every peer. The outer parameters and the outer
+    optimizer's state are the run's shared state: a joiner receives them.
+
+    Args:
+        model: its trainable parameters are trained; on one device, floating point.
+        inner_optimizer: the trainer's optimizer over the model's parameters (its
+            state stays this peer's own).
+        communicator: a new (or just connected) ``pccl_trio.sync.Communicator``;
+            owned from here on (``close()`` closes it).
+        outer_optimizer: a torch optimizer over ``model.parameters()``.
+        sync_every: inner steps per round.
+        compression: how the pseudo-gradient travels: None (as it is), a
+            ``QuantizationOptions`` (e.g. uint8 min-max), or ``TopK(fraction,
+            residual=None, ...)``, whose residual (error feedback) DiLoCo keeps.
+        overlap: the all-reduce of a round runs while the next round's inner steps
+            compute, and its average is applied one round late.
+        min_peers: below this many peers in the run, a boundary waits for company.
+
+    Raises:
+        InvalidArgument: an argument is wrong.
+    """
+
+    def __init__(
+        self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+        communicator: BlockingCommunicator, outer_optimizer: torch.optim.Optimizer | None = None,
+        sync_every: int, compression: QuantizationOptions | TopK | None = None,
+        overlap: bool = False, min_peers: int = 1,
+    ) -> None:
+        if not isinstance(communicator, BlockingCommunicator):
+            raise InvalidArgument(
+                "communicator must be a pccl_trio.sync.Communicator (AsyncDiLoCo takes a "
+                f"pccl_trio.Communicator), not {type(communicator).__name__}"
+            )
+        self._schedule = _Schedule(model, inner_optimizer, outer_optimizer, sync_every,
+                                   compression, overlap, min_peers)
+        self._comm = communicator
+        self._joined = False
+
+    @property
+    def communicator(self) -> BlockingCommunicator:
+        """The communicator in use (a new one after this peer joined again)."""
+        return self._comm
+
+    @property
+    def outer_steps(self) -> int:
+        """The run's count of outer steps done (the shared state's revision): the same
+        on every peer after each boundary."""
+        return self._schedule.rounds.shared.revision  # type: ignore[no-any-return]
+
+    def join(self) -> None:
+        """Connect (when the communicator is new) and make this peer's first boundary:
+        the model then holds the run's outer parameters."""
+        if self._joined:
+            raise InvalidUsage("join(): this DiLoCo joined the run already")
+        if self._comm.peer_id is None:
+            self._comm.connect()
+        self._joined = True
+        self._run(OuterRounds.join)
+
+    def step(self) -> None:
+        """Count one inner step; at the end of a round, the outer round (blocks)."""
+        if not self._joined:
+            self.join()
+            return
+        if self._schedule.due():
+            self._run(OuterRounds.boundary)
+
+    def close(self) -> None:
+        """Leave the run; a round's all-reduce in flight (``overlap``) is dropped."""
+        self._comm.close()
+
+    def __enter__(self) -> DiLoCo:
+        self.join()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _run(self, rounds: _Rounds) -> None:
+        state = self._schedule.rounds
+        while True:
+            try:
+                self._comm.call_in_loop(rounds, state)
+                return
+            except Rejoin:
+                self._comm.close()
+                self._comm = self._comm.replacement()
+                self._comm.connect()
+                state.rejoining()
+                self._schedule.inner_steps = 0
+                rounds = OuterRounds.join
+
+
+class AsyncDiLoCo:
+    """``DiLoCo`` for a trainer that runs in trio, over a ``pccl_trio.Communicator``:
+    the same arguments, with ``await diloco.join()``, ``await diloco.step()``,
+    ``await diloco.aclose()`` and ``async with``. With ``overlap``, compute the inner
+    steps off the event loop (``trio.to_thread.run_sync``) so that the all-reduce in
+    flight makes progress meanwhile.
+    """
+
+    def __init__(
+        self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+        communicator: AsyncCommunicator, outer_optimizer: torch.optim.Optimizer | None = None,
+        sync_every: int, compression: QuantizationOptions | TopK | None = None,
+        overlap: bool = False, min_peers: int = 1,
+    ) -> None:
+        if not isinstance(communicator, AsyncCommunicator):
+            raise InvalidArgument(
+                "communicator must be a pccl_trio.Communicator (DiLoCo takes a "
+                f"pccl_trio.sync.Communicator), not {type(communicator).__name__}"
+            )
+        self._schedule = _Schedule(model, inner_optimizer, outer_optimizer, sync_every,
+                                   compression, overlap, min_peers)
+        self._comm = communicator
+        self._joined = False
+
+    @property
+    def communicator(self) -> AsyncCommunicator:
+        """As ``DiLoCo.communicator``."""
+        return self._comm
+
+    @property
+    def outer_steps(self) -> int:
+        """As ``DiLoCo.outer_steps``."""
+        return self._schedule.rounds.shared.revision  # type: ignore[no-any-return]
+
+    async def join(self) -> None:
+        """As ``DiLoCo.join``."""
+        if self._joined:
+            raise InvalidUsage("join(): this AsyncDiLoCo joined the run already")
+        if self._comm.peer_id is None:
+            await self._comm.connect()
+        self._joined = True
+        await self._run(OuterRounds.join)
+
+    async def step(self) -> None:
+        """As ``DiLoCo.step``."""
+        if not self._joined:
+            await self.join()
+            return
+        if self._schedule.due():
+            await self._run(OuterRounds.boundary)
+
+    async def aclose(self) -> None:
+        """As ``DiLoCo.close``."""
+        await self._comm.aclose()
+
+    async def __aenter__(self) -> AsyncDiLoCo:
+        await self.join()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _run(self, rounds: _Rounds) -> None:
+        state = self._schedule.rounds
+        while True:
+            try:
+                await rounds(state, self._comm)
+                return
+            except Rejoin:
+                await self._comm.aclose()
+                self._comm = self._comm.replacement()
+                await self._comm.connect()
+                state.rejoining()
+                self._schedule.inner_steps = 0
+                rounds = OuterRounds.join

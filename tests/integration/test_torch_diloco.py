@@ -1,0 +1,359 @@
+"""``pccl_trio.torch.AsyncDiLoCo`` and ``DiLoCo`` in runs: founders, a joiner, a death,
+a kick, a lone peer, with and without overlap; and against a hand-written loop.
+
+Every peer trains a small torch model with its own deterministic data (the peer's
+shard seeds it, and the outer step number), so a run's result depends only on its
+membership history. The hand-written loop in ``hand_written_peer`` is the README's
+loop with DiLoCo's rounds, written with the async communicator; on the same
+membership history the wrapper must give the same bits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import pytest
+import torch
+import trio
+import trio.testing
+from torch import nn
+
+import pccl_trio as pccl
+import pccl_trio.torch as pccl_torch
+
+from .conftest import Cluster, started
+
+NETWORKS = ("memory", "tcp")
+SYNC_EVERY = 3
+OUTER_STEPS = 5
+
+
+def make_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, shard: int, outer: int,
+               inner: int) -> None:
+    """One inner step on this shard's batch for (outer step, inner step)."""
+    generator = torch.Generator().manual_seed(shard * 10_007 + outer * 101 + inner)
+    x = torch.randn(16, 6, generator=generator)
+    y = torch.stack([x[:, :3].sum(1), x[:, 3:].prod(1)], dim=1) + 0.1 * shard
+    loss = nn.functional.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def parameters(model: nn.Module) -> bytes:
+    return b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+
+
+@dataclasses.dataclass
+class Trained:
+    """What a peer ended with."""
+
+    params: bytes
+    outer_steps: int
+    state: bytes  # the shared state's tensors
+
+
+def state_of(diloco: pccl_torch.AsyncDiLoCo) -> bytes:
+    shared = diloco._schedule.rounds.shared
+    return b"".join(t.data.numpy().tobytes() for t in shared.tensors)
+
+
+async def wrapper_peer(
+    comm: pccl.Communicator, shard: int, *, overlap: bool = False, steps: int = OUTER_STEPS,
+    pause: Callable[[int], Awaitable[None]] | None = None,
+    compression: pccl.QuantizationOptions | pccl.TopK | None = None, min_peers: int = 1,
+    dilocos: dict[int, pccl_torch.AsyncDiLoCo] | None = None,
+) -> Trained:
+    """A trainer's loop with ``AsyncDiLoCo``; ``pause(outer_steps)`` runs after each
+    boundary (the test's hook); ``dilocos[shard]`` is this peer's wrapper."""
+    model, optimizer = make_model()
+    async with pccl_torch.AsyncDiLoCo(
+        model, optimizer, communicator=comm, sync_every=SYNC_EVERY, overlap=overlap,
+        compression=compression, min_peers=min_peers,
+    ) as diloco:
+        if dilocos is not None:
+            dilocos[shard] = diloco
+        inner = 0
+        while diloco.outer_steps < steps:
+            if inner % SYNC_EVERY == 0 and pause is not None:
+                await pause(diloco.outer_steps)
+            inner_step(model, optimizer, shard, diloco.outer_steps, inner % SYNC_EVERY)
+            inner += 1
+            await diloco.step()
+        return Trained(parameters(model), diloco.outer_steps, state_of(diloco))
+
+
+async def hand_written_peer(comm: pccl.Communicator, shard: int, *,
+                            steps: int = OUTER_STEPS, min_peers: int = 1,
+                            pause: Callable[[int], Awaitable[None]] | None = None) -> Trained:
+    """The same training as ``wrapper_peer`` (no overlap), written out by hand."""
+    model, optimizer = make_model()
+    params = list(model.parameters())
+    outer = [p.detach().clone() for p in params]
+    outer_optimizer = torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+    for p in params:
+        outer_optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    state = pccl.SharedState(
+        [pccl.TensorInfo(f"outer.{name}", o)
+         for (name, _), o in zip(model.named_parameters(), outer, strict=True)]
+        + [pccl.TensorInfo(f"outer_optimizer.{name}.momentum_buffer",
+                           outer_optimizer.state[p]["momentum_buffer"])
+           for name, p in model.named_parameters()]
+    )
+    numel = sum(p.numel() for p in params)
+
+    def load() -> None:
+        with torch.no_grad():
+            for o, p in zip(outer, params, strict=True):
+                p.copy_(o)
+
+    async with comm:
+        fresh, own = True, False
+        pseudo = torch.zeros(numel)
+        while True:
+            changed, waiting = False, False
+            while True:  # admit waiting peers; before step 1, below min_peers, wait for them
+                if fresh or await comm.are_peers_pending(wait=math.inf if waiting else 0):
+                    if not fresh:
+                        await comm.update_topology()
+                    fresh = False
+                    if comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) >= 2:
+                        await comm.optimize_topology()
+                changed |= (await comm.sync_shared_state(state)).rx_bytes > 0
+                world = comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
+                waiting = state.revision == 0 and world < min_peers
+                if not waiting:
+                    break
+            if changed or not own:
+                pseudo.zero_()
+            try:
+                await comm.all_reduce(pseudo, op=pccl.ReduceOp.AVG)
+            except pccl.TooFewPeers:
+                pass
+            if pseudo.any():
+                with torch.no_grad():
+                    offset = 0
+                    for o, p in zip(outer, params, strict=True):
+                        p.copy_(o)
+                        p.grad = pseudo[offset:offset + p.numel()].view_as(p).clone()
+                        offset += p.numel()
+                outer_optimizer.step()
+                with torch.no_grad():
+                    for o, p in zip(outer, params, strict=True):
+                        o.copy_(p)
+                        p.grad = None
+                state.revision += 1
+            load()
+            if state.revision >= steps:
+                break
+            if pause is not None:
+                await pause(state.revision)
+            for inner in range(SYNC_EVERY):
+                inner_step(model, optimizer, shard, state.revision, inner)
+            with torch.no_grad():
+                torch.cat([(o - p.detach()).reshape(-1)
+                           for o, p in zip(outer, params, strict=True)], out=pseudo)
+            own = True
+        return Trained(parameters(model), state.revision,
+                       b"".join(t.data.numpy().tobytes() for t in state.tensors))
+
+
+async def run_peers(cluster: Cluster, peer: Callable[..., Awaitable[Trained]], shards: int,
+                    **kwargs: object) -> list[Trained]:
+    results: list[Trained | None] = [None] * shards
+
+    async def one(i: int) -> None:
+        results[i] = await peer(cluster.communicator(f"p{i}"), i, **kwargs)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(shards):
+            nursery.start_soon(one, i)
+    return [r for r in results if r is not None]
+
+
+class Gate:
+    """Holds ``peers`` trainers at outer step ``at`` (``pause``) until ``open()``;
+    ``reached`` is set once all of them wait there."""
+
+    def __init__(self, peers: int, at: int) -> None:
+        self.peers, self.at = peers, at
+        self.waiting = 0
+        self.reached = trio.Event()
+        self._open = trio.Event()
+
+    async def pause(self, outer_steps: int) -> None:
+        if outer_steps != self.at or self._open.is_set():
+            return
+        self.waiting += 1
+        if self.waiting == self.peers:
+            self.reached.set()
+        await self._open.wait()
+
+    def open(self) -> None:
+        self._open.set()
+
+
+def all_same(results: list[Trained]) -> None:
+    assert len({r.params for r in results}) == 1
+    assert len({r.state for r in results}) == 1
+    assert {r.outer_steps for r in results} == {OUTER_STEPS}
+
+
+async def test_founders_match_a_hand_written_loop(cluster: Cluster, clock: object) -> None:
+    """Two founders that start together: the wrapper's bits are the hand-written loop's."""
+    wrapped = await run_peers(cluster, wrapper_peer, 2, min_peers=2)
+    all_same(wrapped)
+    by_hand = await run_peers(cluster, hand_written_peer, 2, min_peers=2)
+    all_same(by_hand)
+    assert wrapped[0].params == by_hand[0].params
+    assert wrapped[0].state == by_hand[0].state
+
+
+async def test_founders_with_overlap_end_alike(cluster: Cluster, clock: object) -> None:
+    """Delayed outer updates: every peer ends with the same bits, and they differ from
+    the run without overlap (the update really comes a round late)."""
+    overlapped = await run_peers(cluster, wrapper_peer, 3, overlap=True, min_peers=3)
+    all_same(overlapped)
+    plain = await run_peers(cluster, wrapper_peer, 3, min_peers=3)
+    all_same(plain)
+    assert overlapped[0].params != plain[0].params
+
+
+@pytest.mark.parametrize("compression", [
+    pccl.QuantizationOptions(quantized_datatype=pccl.DataType.UINT8,
+                             algorithm=pccl.QuantizationAlgorithm.MIN_MAX),
+    pccl.TopK(0.25, chunk=16),
+    pccl.TopK(0.25, chunk=16, values=pccl.QuantizationOptions(
+        quantized_datatype=pccl.DataType.UINT8, algorithm=pccl.QuantizationAlgorithm.MIN_MAX)),
+], ids=["uint8", "topk", "topk-uint8"])
+async def test_compressed_pseudo_gradients(
+    cluster: Cluster, clock: object, compression: object
+) -> None:
+    results = await run_peers(cluster, wrapper_peer, 3, compression=compression, min_peers=3)
+    all_same(results)
+
+
+async def test_a_lone_peer_trains_alone(cluster: Cluster, clock: object) -> None:
+    """Alone, a peer's pseudo-gradient is the average: the outer steps go on."""
+    alone, = await run_peers(cluster, wrapper_peer, 1)
+    assert alone.outer_steps == OUTER_STEPS
+    model, _ = make_model()
+    assert alone.params != parameters(model)
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])  # a joiner placed at a known boundary
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_a_joiner_mid_run(cluster: Cluster, clock: object, overlap: bool) -> None:
+    """A peer joins at outer step 2 (with overlap: while an all-reduce is in flight):
+    it ends with the founders' bits. Without overlap, the hand-written loop on the
+    same membership history gives the same bits too."""
+
+    async def run(peer: Callable[..., Awaitable[Trained]], **kwargs: object) -> list[Trained]:
+        gate = Gate(2, at=2)
+        results: list[Trained] = []
+
+        async def one(host: str, shard: int, **more: object) -> None:
+            results.append(await peer(cluster.communicator(host), shard, **kwargs, **more))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):  # in order: peer ids, hence the ring, alike in both runs
+                nursery.start_soon(partial(one, f"p{i}", i, min_peers=2, pause=gate.pause))
+                await trio.testing.wait_all_tasks_blocked()
+            await gate.reached.wait()
+            nursery.start_soon(one, "joiner", 2)
+            await trio.testing.wait_all_tasks_blocked()  # the joiner waits to be admitted
+            gate.open()
+        return results
+
+    wrapped = await run(wrapper_peer, overlap=overlap)
+    all_same(wrapped)
+    if not overlap:
+        all_same(wrapped + await run(hand_written_peer))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_a_peer_killed_mid_all_reduce(cluster: Cluster, clock: object, overlap: bool) -> None:
+    """Peer 2 dies while the others' all-reduce of outer step 3 moves data: the
+    survivors go on to the end with the same bits."""
+    dilocos: dict[int, pccl_torch.AsyncDiLoCo] = {}
+    gate = Gate(3, at=2)
+    results: list[Trained] = []
+
+    async def survivor(i: int) -> None:
+        results.append(await wrapper_peer(cluster.communicator(f"p{i}"), i, overlap=overlap,
+                                          min_peers=3, pause=gate.pause, dilocos=dilocos))
+
+    async def victim() -> None:
+        try:
+            await wrapper_peer(cluster.communicator("p2"), 2, overlap=overlap, min_peers=3,
+                               pause=gate.pause, dilocos=dilocos)
+        except (pccl.PCCLError, trio.BrokenResourceError, trio.ClosedResourceError):
+            return  # its process died
+        raise AssertionError("the victim trained to the end")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(survivor, 0)
+        nursery.start_soon(survivor, 1)
+        async with trio.open_nursery() as doomed:
+            doomed.start_soon(victim)
+            await gate.reached.wait()
+            gate.open()
+            await started(dilocos[0].communicator, 0, or_ended=cluster.memory is None)
+            await cluster.kill("p2", dilocos[2].communicator)
+    assert len(results) == 2
+    all_same(results)
+
+
+@pytest.mark.parametrize("network_kind", ["memory"])  # partitions need the memory network
+async def test_a_peer_cut_off_until_kicked_joins_again(cluster: Cluster, clock: object) -> None:
+    """Peer 1 goes silent at outer step 2 for five liveness timeouts: the run removes
+    it and goes on (to outer step 4, where it waits for company); when peer 1 hears
+    again it is kicked, and the wrapper joins it again with a new communicator.
+    Everyone ends with the same bits."""
+    assert cluster.memory is not None
+    memory = cluster.memory
+    dilocos: dict[int, pccl_torch.AsyncDiLoCo] = {}
+    comms = [cluster.communicator(f"p{i}") for i in range(3)]
+    results: list[Trained] = []
+    cut = trio.Event()
+
+    async with trio.open_nursery() as nursery:
+
+        async def heal() -> None:
+            await trio.sleep(5 * cluster.config.liveness_timeout)
+            memory.heal("p1")
+
+        async def cut_off(outer_steps: int) -> None:
+            if outer_steps == 2 and not cut.is_set():
+                cut.set()
+                memory.partition("p1")  # silently, as a pulled cable
+                nursery.start_soon(heal)
+
+        async def hold(i: int, outer_steps: int) -> None:
+            """A survivor waits at outer step 4 until peer 1 is back (pending or in the
+            run): else the run could end before it hears again."""
+            if outer_steps == 4 and comms[i].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < 3:
+                await comms[i].are_peers_pending(wait=math.inf)
+
+        async def one(i: int) -> None:
+            results.append(await wrapper_peer(
+                comms[i], i, min_peers=3, dilocos=dilocos,
+                pause=cut_off if i == 1 else partial(hold, i),
+            ))
+
+        for i in range(3):
+            nursery.start_soon(one, i)
+    assert cut.is_set()
+    assert len(results) == 3
+    all_same(results)
+    assert dilocos[1].communicator is not comms[1]  # it joined again
+    assert dilocos[0].communicator is comms[0]
