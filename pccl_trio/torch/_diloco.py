@@ -40,7 +40,8 @@ from ._rounds import OuterRounds, Rejoin
 
 __all__ = ["AsyncDiLoCo", "DiLoCo"]
 
-_Rounds = Callable[[OuterRounds, AsyncCommunicator], Awaitable[None]]
+#: A bound ``OuterRounds.join`` or ``.boundary``: what runs with the communicator.
+_Rounds = Callable[[AsyncCommunicator], Awaitable[None]]
 
 
 class _Schedule:
@@ -152,7 +153,7 @@ class DiLoCo:
         if self._comm.peer_id is None:
             self._comm.connect()
         self._joined = True
-        self._run(OuterRounds.join)
+        self._run(self._schedule.rounds.join)
 
     def step(self) -> None:
         """Count one inner step; at the end of a round, the outer round (blocks)."""
@@ -160,7 +161,7 @@ class DiLoCo:
             self.join()
             return
         if self._schedule.due():
-            self._run(OuterRounds.boundary)
+            self._run(self._schedule.rounds.boundary)
 
     def close(self) -> None:
         """Leave the run; a round's all-reduce in flight (``overlap``) is dropped."""
@@ -180,7 +181,7 @@ class DiLoCo:
         state = self._schedule.rounds
         while True:
             try:
-                self._comm.call_in_loop(rounds, state)
+                self._comm.call_in_loop(rounds)
                 return
             except Rejoin:
                 self._comm.close()
@@ -188,7 +189,7 @@ class DiLoCo:
                 self._comm.connect()
                 state.rejoining()
                 self._schedule.inner_steps = 0
-                rounds = OuterRounds.join
+                rounds = state.join
 
 
 class AsyncDiLoCo:
@@ -232,7 +233,7 @@ class AsyncDiLoCo:
         if self._comm.peer_id is None:
             await self._comm.connect()
         self._joined = True
-        await self._run(OuterRounds.join)
+        await self._run(self._schedule.rounds.join)
 
     async def step(self) -> None:
         """As ``DiLoCo.step``."""
@@ -240,7 +241,7 @@ class AsyncDiLoCo:
             await self.join()
             return
         if self._schedule.due():
-            await self._run(OuterRounds.boundary)
+            await self._run(self._schedule.rounds.boundary)
 
     async def aclose(self) -> None:
         """As ``DiLoCo.close``."""
@@ -260,7 +261,7 @@ class AsyncDiLoCo:
         state = self._schedule.rounds
         while True:
             try:
-                await rounds(state, self._comm)
+                await rounds(self._comm)
                 return
             except Rejoin:
                 await self._comm.aclose()
@@ -268,4 +269,4 @@ class AsyncDiLoCo:
                 await self._comm.connect()
                 state.rejoining()
                 self._schedule.inner_steps = 0
-                rounds = OuterRounds.join
+                rounds = state.join

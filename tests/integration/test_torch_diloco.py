@@ -1,5 +1,10 @@
 """``pccl_trio.torch.AsyncDiLoCo`` and ``DiLoCo`` in runs: founders, a joiner, a death,
-a kick, a lone peer, with and without overlap; and against a hand-written loop.
+a kick, a master restarted, a lone peer, with and without overlap; and against a
+hand-written loop.
+
+On the ``sync`` network kind every trainer is a synchronous loop with ``DiLoCo`` over
+a ``pccl_trio.sync.Communicator``, run on a worker thread of the test's trio run (as a
+trainer's process would run it); on the others, a trio task with ``AsyncDiLoCo``.
 
 Every peer trains a small torch model with its own deterministic data (the peer's
 shard seeds it, and the outer step number), so a run's result depends only on its
@@ -22,13 +27,19 @@ import trio.testing
 from torch import nn
 
 import pccl_trio as pccl
+import pccl_trio.sync
 import pccl_trio.torch as pccl_torch
 
-from .conftest import Cluster, started
+from .blocking import BlockingPeer
+from .conftest import Cluster, Masters, started
 
-NETWORKS = ("memory", "tcp")
+NETWORKS = ("memory", "tcp", "sync")
 SYNC_EVERY = 3
 OUTER_STEPS = 5
+#: Seconds a scenario may take at most (virtual on the memory network): a hang fails.
+GUARD = 120
+#: Seconds the run goes without a master.
+RESTART_DELAY = 0.5
 
 
 def make_model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -62,19 +73,37 @@ class Trained:
     state: bytes  # the shared state's tensors
 
 
-def state_of(diloco: pccl_torch.AsyncDiLoCo) -> bytes:
+Wrapper = pccl_torch.AsyncDiLoCo | pccl_torch.DiLoCo
+Pause = Callable[[int], Awaitable[None]]
+
+
+def state_of(diloco: Wrapper) -> bytes:
     shared = diloco._schedule.rounds.shared
     return b"".join(t.data.numpy().tobytes() for t in shared.tensors)
 
 
+def async_view(diloco: Wrapper) -> pccl.Communicator:
+    """The wrapper's communicator with the async API's surface (``BlockingPeer``)."""
+    comm = diloco.communicator
+    if isinstance(comm, pccl_trio.sync.Communicator):
+        return BlockingPeer(comm)  # type: ignore[return-value]
+    return comm
+
+
 async def wrapper_peer(
     comm: pccl.Communicator, shard: int, *, overlap: bool = False, steps: int = OUTER_STEPS,
-    pause: Callable[[int], Awaitable[None]] | None = None,
+    pause: Pause | None = None,
     compression: pccl.QuantizationOptions | pccl.TopK | None = None, min_peers: int = 1,
-    dilocos: dict[int, pccl_torch.AsyncDiLoCo] | None = None,
+    dilocos: dict[int, Wrapper] | None = None,
 ) -> Trained:
-    """A trainer's loop with ``AsyncDiLoCo``; ``pause(outer_steps)`` runs after each
-    boundary (the test's hook); ``dilocos[shard]`` is this peer's wrapper."""
+    """A trainer's loop with ``AsyncDiLoCo`` (for a ``BlockingPeer``: ``DiLoCo`` in
+    ``blocking_wrapper_peer``); ``pause(outer_steps)`` runs after each boundary (the
+    test's hook); ``dilocos[shard]`` is this peer's wrapper."""
+    if isinstance(comm, BlockingPeer):
+        return await trio.to_thread.run_sync(partial(
+            blocking_wrapper_peer, comm.blocking, shard, overlap=overlap, steps=steps,
+            pause=pause, compression=compression, min_peers=min_peers, dilocos=dilocos,
+        ), abandon_on_cancel=True)
     model, optimizer = make_model()
     async with pccl_torch.AsyncDiLoCo(
         model, optimizer, communicator=comm, sync_every=SYNC_EVERY, overlap=overlap,
@@ -89,6 +118,30 @@ async def wrapper_peer(
             inner_step(model, optimizer, shard, diloco.outer_steps, inner % SYNC_EVERY)
             inner += 1
             await diloco.step()
+        return Trained(parameters(model), diloco.outer_steps, state_of(diloco))
+
+
+def blocking_wrapper_peer(
+    comm: pccl_trio.sync.Communicator, shard: int, *, overlap: bool, steps: int,
+    pause: Pause | None, compression: pccl.QuantizationOptions | pccl.TopK | None,
+    min_peers: int, dilocos: dict[int, Wrapper] | None,
+) -> Trained:
+    """``wrapper_peer``'s loop, synchronous, with ``DiLoCo``; ``pause`` runs in the
+    test's trio run."""
+    model, optimizer = make_model()
+    with pccl_torch.DiLoCo(
+        model, optimizer, communicator=comm, sync_every=SYNC_EVERY, overlap=overlap,
+        compression=compression, min_peers=min_peers,
+    ) as diloco:
+        if dilocos is not None:
+            dilocos[shard] = diloco
+        inner = 0
+        while diloco.outer_steps < steps:
+            if inner % SYNC_EVERY == 0 and pause is not None:
+                trio.from_thread.run(pause, diloco.outer_steps)
+            inner_step(model, optimizer, shard, diloco.outer_steps, inner % SYNC_EVERY)
+            inner += 1
+            diloco.step()
         return Trained(parameters(model), diloco.outer_steps, state_of(diloco))
 
 
@@ -174,9 +227,10 @@ async def run_peers(cluster: Cluster, peer: Callable[..., Awaitable[Trained]], s
     async def one(i: int) -> None:
         results[i] = await peer(cluster.communicator(f"p{i}"), i, **kwargs)
 
-    async with trio.open_nursery() as nursery:
-        for i in range(shards):
-            nursery.start_soon(one, i)
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            for i in range(shards):
+                nursery.start_soon(one, i)
     return [r for r in results if r is not None]
 
 
@@ -250,33 +304,44 @@ async def test_a_lone_peer_trains_alone(cluster: Cluster, clock: object) -> None
     assert alone.params != parameters(model)
 
 
-@pytest.mark.parametrize("network_kind", ["memory"])  # a joiner placed at a known boundary
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 async def test_a_joiner_mid_run(cluster: Cluster, clock: object, overlap: bool) -> None:
     """A peer joins at outer step 2 (with overlap: while an all-reduce is in flight):
-    it ends with the founders' bits. Without overlap, the hand-written loop on the
-    same membership history gives the same bits too."""
+    it ends with the founders' bits. On the memory network (where the founders connect
+    in a known order, hence the same ring) and without overlap, the hand-written loop
+    on the same membership history gives the same bits too."""
 
     async def run(peer: Callable[..., Awaitable[Trained]], **kwargs: object) -> list[Trained]:
-        gate = Gate(2, at=2)
+        comms = [cluster.communicator(host) for host in ("p0", "p1", "joiner")]
         results: list[Trained] = []
+        held: set[int] = set()
+        founders_held = trio.Event()
 
-        async def one(host: str, shard: int, **more: object) -> None:
-            results.append(await peer(cluster.communicator(host), shard, **kwargs, **more))
+        async def hold(i: int, outer_steps: int) -> None:
+            """A founder waits at outer step 2 until the joiner is pending."""
+            if outer_steps != 2 or i in held:
+                return
+            held.add(i)
+            if len(held) == 2:
+                founders_held.set()
+            await comms[i].are_peers_pending(wait=math.inf)
 
-        async with trio.open_nursery() as nursery:
-            for i in range(2):  # in order: peer ids, hence the ring, alike in both runs
-                nursery.start_soon(partial(one, f"p{i}", i, min_peers=2, pause=gate.pause))
-                await trio.testing.wait_all_tasks_blocked()
-            await gate.reached.wait()
-            nursery.start_soon(one, "joiner", 2)
-            await trio.testing.wait_all_tasks_blocked()  # the joiner waits to be admitted
-            gate.open()
+        async def one(i: int, **more: object) -> None:
+            results.append(await peer(comms[i], i, **kwargs, **more))
+
+        with trio.fail_after(GUARD):
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(partial(one, i, min_peers=2, pause=partial(hold, i)))
+                    if cluster.memory is not None:
+                        await trio.testing.wait_all_tasks_blocked()  # p0 connects first
+                await founders_held.wait()
+                nursery.start_soon(one, 2)
         return results
 
     wrapped = await run(wrapper_peer, overlap=overlap)
     all_same(wrapped)
-    if not overlap:
+    if cluster.memory is not None and not overlap:
         all_same(wrapped + await run(hand_written_peer))
 
 
@@ -284,7 +349,7 @@ async def test_a_joiner_mid_run(cluster: Cluster, clock: object, overlap: bool) 
 async def test_a_peer_killed_mid_all_reduce(cluster: Cluster, clock: object, overlap: bool) -> None:
     """Peer 2 dies while the others' all-reduce of outer step 3 moves data: the
     survivors go on to the end with the same bits."""
-    dilocos: dict[int, pccl_torch.AsyncDiLoCo] = {}
+    dilocos: dict[int, Wrapper] = {}
     gate = Gate(3, at=2)
     results: list[Trained] = []
 
@@ -300,16 +365,45 @@ async def test_a_peer_killed_mid_all_reduce(cluster: Cluster, clock: object, ove
             return  # its process died
         raise AssertionError("the victim trained to the end")
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(survivor, 0)
-        nursery.start_soon(survivor, 1)
-        async with trio.open_nursery() as doomed:
-            doomed.start_soon(victim)
-            await gate.reached.wait()
-            gate.open()
-            await started(dilocos[0].communicator, 0, or_ended=cluster.memory is None)
-            await cluster.kill("p2", dilocos[2].communicator)
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivor, 0)
+            nursery.start_soon(survivor, 1)
+            async with trio.open_nursery() as doomed:
+                doomed.start_soon(victim)
+                await gate.reached.wait()
+                gate.open()
+                await started(async_view(dilocos[0]), 0, or_ended=cluster.memory is None)
+                await cluster.kill("p2", async_view(dilocos[2]))
     assert len(results) == 2
+    all_same(results)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_the_master_restarted_mid_run(masters: Masters, clock: object, overlap: bool) -> None:
+    """The master dies after outer step 2 and comes back at the same address
+    ``RESTART_DELAY`` later, while the trainers go on: none of them sees it, and every
+    peer ends with the same bits."""
+    with trio.fail_after(GUARD):
+        address, scope = await masters.start("master")
+        port = int(address.rsplit(":", 1)[1])
+        comms = [masters.communicator(f"p{i}", address) for i in range(3)]
+        gate = Gate(3, at=2)
+        results: list[Trained] = []
+
+        async def one(i: int) -> None:
+            results.append(await wrapper_peer(comms[i], i, overlap=overlap, min_peers=3,
+                                              pause=gate.pause))
+
+        async with trio.open_nursery() as nursery:
+            for i in range(3):
+                nursery.start_soon(one, i)
+            await gate.reached.wait()
+            scope.cancel()
+            gate.open()
+            await trio.sleep(RESTART_DELAY)  # the scenario: the run without a master
+            await masters.start("master", port=port)
+    assert len(results) == 3
     all_same(results)
 
 
@@ -321,37 +415,38 @@ async def test_a_peer_cut_off_until_kicked_joins_again(cluster: Cluster, clock: 
     Everyone ends with the same bits."""
     assert cluster.memory is not None
     memory = cluster.memory
-    dilocos: dict[int, pccl_torch.AsyncDiLoCo] = {}
+    dilocos: dict[int, Wrapper] = {}
     comms = [cluster.communicator(f"p{i}") for i in range(3)]
     results: list[Trained] = []
     cut = trio.Event()
 
-    async with trio.open_nursery() as nursery:
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
 
-        async def heal() -> None:
-            await trio.sleep(5 * cluster.config.liveness_timeout)
-            memory.heal("p1")
+            async def heal() -> None:
+                await trio.sleep(5 * cluster.config.liveness_timeout)
+                memory.heal("p1")
 
-        async def cut_off(outer_steps: int) -> None:
-            if outer_steps == 2 and not cut.is_set():
-                cut.set()
-                memory.partition("p1")  # silently, as a pulled cable
-                nursery.start_soon(heal)
+            async def cut_off(outer_steps: int) -> None:
+                if outer_steps == 2 and not cut.is_set():
+                    cut.set()
+                    memory.partition("p1")  # silently, as a pulled cable
+                    nursery.start_soon(heal)
 
-        async def hold(i: int, outer_steps: int) -> None:
-            """A survivor waits at outer step 4 until peer 1 is back (pending or in the
-            run): else the run could end before it hears again."""
-            if outer_steps == 4 and comms[i].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < 3:
-                await comms[i].are_peers_pending(wait=math.inf)
+            async def hold(i: int, outer_steps: int) -> None:
+                """A survivor waits at outer step 4 until peer 1 is back (pending or in the
+                run): else the run could end before it hears again."""
+                if outer_steps == 4 and comms[i].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < 3:
+                    await comms[i].are_peers_pending(wait=math.inf)
 
-        async def one(i: int) -> None:
-            results.append(await wrapper_peer(
-                comms[i], i, min_peers=3, dilocos=dilocos,
-                pause=cut_off if i == 1 else partial(hold, i),
-            ))
+            async def one(i: int) -> None:
+                results.append(await wrapper_peer(
+                    comms[i], i, min_peers=3, dilocos=dilocos,
+                    pause=cut_off if i == 1 else partial(hold, i),
+                ))
 
-        for i in range(3):
-            nursery.start_soon(one, i)
+            for i in range(3):
+                nursery.start_soon(one, i)
     assert cut.is_set()
     assert len(results) == 3
     all_same(results)
