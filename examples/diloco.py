@@ -226,7 +226,7 @@ def reduce_options(trainer: Trainer) -> dict[str, Any]:
 
 
 async def train_peer(master: str, args: argparse.Namespace) -> None:
-    """One peer, in the README's loop: a communicator per stay in the run; a peer
+    """One peer, in the hand-written loop of docs/loop.md: a communicator per stay in the run; a peer
     kicked after it stepped joins again as a newcomer (revision 0, so its first sync
     brings the run's outer model)."""
     emit(event="loading")  # importing torch and the data takes a few seconds
@@ -242,7 +242,7 @@ async def train_peer(master: str, args: argparse.Namespace) -> None:
 async def train_in_run(comm: pccl.Communicator, trainer: Trainer, args: argparse.Namespace) -> None:
     """Outer steps with one communicator; returns when this peer must join again.
 
-    The README's loop, with what DiLoCo changes: the run holds for company before
+    The hand-written loop of docs/loop.md, with what DiLoCo changes: the run holds for company before
     outer step 0 and at ``--hold-at`` (testing the revision after the sync, which
     every peer shares), a peer alone otherwise takes the outer step on its own
     pseudo-gradient (``TooFewPeers`` from the all-reduce), and an aborted all-reduce

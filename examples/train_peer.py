@@ -7,7 +7,7 @@ shared-state sync: a peer that joins mid-run (with zeroed weights) receives the 
 weights and step from the others there; after that every peer applies the same averaged
 gradient in place, so all hold bit-identical weights and every sync moves 0 bytes. A
 peer that dies mid-step makes the all-reduce abort for everyone; the survivors start the
-step over at its sync. The loop is the README's quickstart loop (a peer alone waits for
+step over at its sync. The loop is the hand-written loop of docs/loop.md (a peer alone waits for
 company without polling; a failed sync is made again; a kick joins again). Prints one
 JSON line per event for ``examples/demo.py``.
 """
@@ -55,7 +55,7 @@ def loss_and_gradient(params: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple
 
 
 async def train(master: str, seed: int, steps: int, step_seconds: float) -> None:
-    """The README's quickstart loop, with the demo's model and a line per event."""
+    """The hand-written loop of docs/loop.md, with the demo's model and a line per event."""
     x, y = make_data(seed)
     params = np.zeros(WEIGHTS, dtype=np.float32)  # the same start everywhere
     step = np.zeros(1, dtype=np.int64)

@@ -8,7 +8,7 @@ state and all-reduces its gradients::
 
     async with pccl.Communicator("10.0.0.1:48148") as comm:
         # connect() returned inside the others' update_topology: a joiner's first
-        # call is the optimize_topology they make next (the README's loop).
+        # call is the optimize_topology they make next (the hand-written loop of docs/loop.md).
         await comm.optimize_topology()
         while training:
             if await comm.are_peers_pending():
@@ -17,7 +17,7 @@ state and all-reduces its gradients::
             await comm.sync_shared_state(state)
             await comm.all_reduce(gradients, op=pccl.ReduceOp.AVG)
 
-The README's loop adds what each error means; ``docs/troubleshooting.md`` says what
+The hand-written loop of ``docs/loop.md`` adds what each error means; ``docs/troubleshooting.md`` says what
 to do about each.
 """
 

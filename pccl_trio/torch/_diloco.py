@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from .._errors import InvalidArgument, InvalidUsage
-from .._types import QuantizationOptions, TopK
+from .._types import QuantizationOptions, SharedState, TopK
 from ..peer import Communicator as AsyncCommunicator
 from ..sync import Communicator as BlockingCommunicator
 from ._outer import OuterModel
@@ -143,7 +143,16 @@ class DiLoCo:
     def outer_steps(self) -> int:
         """The run's count of outer steps done (the shared state's revision): the same
         on every peer after each boundary."""
-        return self._schedule.rounds.shared.revision  # type: ignore[no-any-return]
+        return self._schedule.rounds.shared.revision
+
+    @property
+    def shared_state(self) -> SharedState:
+        """The run's shared state: the outer parameters (``outer.<name>``) and the
+        outer optimizer's state (``outer_optimizer.<name>.<key>``), revision
+        ``outer_steps``. ``pccl_trio.state_digest(diloco.shared_state)`` is the same on
+        every peer after each boundary: log it to check that the weights agree. Read
+        it between steps; the wrapper writes it at boundaries."""
+        return self._schedule.rounds.shared
 
     def join(self) -> None:
         """Connect (when the communicator is new) and make this peer's first boundary:
@@ -224,7 +233,12 @@ class AsyncDiLoCo:
     @property
     def outer_steps(self) -> int:
         """As ``DiLoCo.outer_steps``."""
-        return self._schedule.rounds.shared.revision  # type: ignore[no-any-return]
+        return self._schedule.rounds.shared.revision
+
+    @property
+    def shared_state(self) -> SharedState:
+        """As ``DiLoCo.shared_state``."""
+        return self._schedule.rounds.shared
 
     async def join(self) -> None:
         """As ``DiLoCo.join``."""

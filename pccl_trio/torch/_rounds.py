@@ -1,4 +1,4 @@
-"""DiLoCo's outer rounds over a communicator: the README's loop, made once for every trainer.
+"""DiLoCo's outer rounds over a communicator: the hand-written loop, made once for every trainer.
 
 Theory of operation
 -------------------
@@ -33,7 +33,7 @@ boundary's all-reduce with zeros, and is in step with everyone after it. An aver
 that is zero everywhere (only newcomers took part: the founders of a run) makes no
 outer step; every peer sees the same bits, so every peer skips it alike.
 
-Errors, as the README's loop handles them:
+Errors, as the hand-written loop (``docs/loop.md``) handles them:
 
 - ``CollectiveAborted`` (a peer died mid all-reduce, the master was lost, a peer's sync
   failed): every peer got the same verdict and its input back; it syncs again (a
@@ -68,7 +68,14 @@ from .._errors import (
     TopologyOptimizationFailed,
     UpdateTopologyFailed,
 )
-from .._types import Attribute, QuantizationOptions, ReduceOp, SharedStateSyncInfo, TopK
+from .._types import (
+    Attribute,
+    QuantizationOptions,
+    ReduceOp,
+    SharedState,
+    SharedStateSyncInfo,
+    TopK,
+)
 from ..peer import AsyncReduceHandle, Communicator
 from ._outer import OuterModel
 
@@ -106,7 +113,7 @@ class OuterRounds:
         self._stepped = False  # an outer step was applied with this communicator
 
     @property
-    def shared(self) -> Any:
+    def shared(self) -> SharedState:
         return self.outer.shared
 
     async def join(self, comm: Communicator) -> None:

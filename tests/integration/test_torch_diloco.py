@@ -71,6 +71,7 @@ class Trained:
     params: bytes
     outer_steps: int
     state: bytes  # the shared state's tensors
+    digest: str  # pccl_trio.state_digest of the shared state
 
 
 Wrapper = pccl_torch.AsyncDiLoCo | pccl_torch.DiLoCo
@@ -78,8 +79,7 @@ Pause = Callable[[int], Awaitable[None]]
 
 
 def state_of(diloco: Wrapper) -> bytes:
-    shared = diloco._schedule.rounds.shared
-    return b"".join(t.data.numpy().tobytes() for t in shared.tensors)
+    return b"".join(t.data.numpy().tobytes() for t in diloco.shared_state.tensors)
 
 
 def async_view(diloco: Wrapper) -> pccl.Communicator:
@@ -118,7 +118,8 @@ async def wrapper_peer(
             inner_step(model, optimizer, shard, diloco.outer_steps, inner % SYNC_EVERY)
             inner += 1
             await diloco.step()
-        return Trained(parameters(model), diloco.outer_steps, state_of(diloco))
+        return Trained(parameters(model), diloco.outer_steps, state_of(diloco),
+                       pccl.state_digest(diloco.shared_state))
 
 
 def blocking_wrapper_peer(
@@ -142,7 +143,8 @@ def blocking_wrapper_peer(
             inner_step(model, optimizer, shard, diloco.outer_steps, inner % SYNC_EVERY)
             inner += 1
             diloco.step()
-        return Trained(parameters(model), diloco.outer_steps, state_of(diloco))
+        return Trained(parameters(model), diloco.outer_steps, state_of(diloco),
+                       pccl.state_digest(diloco.shared_state))
 
 
 async def hand_written_peer(comm: pccl.Communicator, shard: int, *,
@@ -217,7 +219,8 @@ async def hand_written_peer(comm: pccl.Communicator, shard: int, *,
                            for o, p in zip(outer, params, strict=True)], out=pseudo)
             own = True
         return Trained(parameters(model), state.revision,
-                       b"".join(t.data.numpy().tobytes() for t in state.tensors))
+                       b"".join(t.data.numpy().tobytes() for t in state.tensors),
+                       pccl.state_digest(state))
 
 
 async def run_peers(cluster: Cluster, peer: Callable[..., Awaitable[Trained]], shards: int,
@@ -257,6 +260,7 @@ class Gate:
 
 
 def all_same(results: list[Trained]) -> None:
+    assert len({r.digest for r in results}) == 1
     assert len({r.params for r in results}) == 1
     assert len({r.state for r in results}) == 1
     assert {r.outer_steps for r in results} == {OUTER_STEPS}

@@ -1,6 +1,6 @@
-"""The README's quickstart loop, run as written: a peer dying mid-step, a peer alone.
+"""The hand-written loop of docs/loop.md, run as written: a peer dying mid-step, a peer alone.
 
-The block after the ``readme-loop`` marker in README.md is executed as it stands, with
+The block after the ``hand-written-loop`` marker in docs/loop.md is executed as it stands, with
 the three functions it leaves to the trainer (``init_model``, ``compute_gradients``,
 ``apply_update``) defined here: a small model, each peer's gradient from its own data
 shard, momentum SGD. ``pccl_trio.Communicator`` is swapped, for the test's duration,
@@ -33,15 +33,15 @@ from .conftest import WITH_BLOCKING, Cluster
 
 NETWORKS = WITH_BLOCKING
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
-MARKER = "<!-- readme-loop: tests/integration/test_readme_loop.py runs the next block -->"
+LOOP = pathlib.Path(__file__).resolve().parents[2] / "docs" / "loop.md"
+MARKER = "<!-- hand-written-loop: tests/integration/test_hand_written_loop.py runs the next block -->"
 SIZE = 64
 
 
-def quickstart_block() -> str:
-    """The python block right after the marker in README.md."""
-    text = README.read_text(encoding="utf-8")
-    assert text.count(MARKER) == 1, "README.md must mark its quickstart loop exactly once"
+def loop_block() -> str:
+    """The python block right after the marker in docs/loop.md."""
+    text = LOOP.read_text(encoding="utf-8")
+    assert text.count(MARKER) == 1, "docs/loop.md must mark its loop exactly once"
     after = text.split(MARKER, 1)[1]
     opening = "\n```python\n"
     assert after.startswith(opening), "the marker must be followed by a ```python block"
@@ -67,7 +67,7 @@ class Peer:
     computed: Counter[bytes] = dataclasses.field(default_factory=Counter)
 
 
-CURRENT: contextvars.ContextVar[Peer] = contextvars.ContextVar("readme_loop_peer")
+CURRENT: contextvars.ContextVar[Peer] = contextvars.ContextVar("hand_written_loop_peer")
 
 
 class Trainer:
@@ -101,12 +101,12 @@ class Trainer:
 
         monkeypatch.setattr(pccl, "Communicator", communicator)
         self.namespace: dict[str, Any] = {
-            "__name__": "readme_quickstart",
+            "__name__": "hand_written_loop",
             "init_model": self.init_model,
             "compute_gradients": self.compute_gradients,
             "apply_update": self.apply_update,
         }
-        exec(compile(quickstart_block(), str(README), "exec"), self.namespace)
+        exec(compile(loop_block(), str(LOOP), "exec"), self.namespace)
 
     @staticmethod
     def init_model() -> tuple[np.ndarray, np.ndarray]:
