@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -29,6 +30,7 @@ from torch import nn
 import pccl_trio as pccl
 import pccl_trio.sync
 import pccl_trio.torch as pccl_torch
+from pccl_trio.testing import PeerSeam
 
 from .blocking import BlockingPeer
 from .conftest import Cluster, Masters, started
@@ -456,3 +458,30 @@ async def test_a_peer_cut_off_until_kicked_joins_again(cluster: Cluster, clock: 
     all_same(results)
     assert dilocos[1].communicator is not comms[1]  # it joined again
     assert dilocos[0].communicator is comms[0]
+
+
+@pytest.mark.parametrize("network_kind", ["sync"])
+async def test_close_from_another_thread_ends_a_diloco_blocked_in_a_boundary(
+    cluster: Cluster, clock: object
+) -> None:
+    """A lone ``DiLoCo`` waits for company in its first boundary (``min_peers=2``);
+    ``close()`` from another thread ends it with ``InvalidUsage`` (whichever vote it
+    waited in), and the communicator's loop thread with it."""
+    peer = cluster.communicator("p0")
+    assert isinstance(peer, BlockingPeer)
+    model, optimizer = make_model()
+    diloco = pccl_torch.DiLoCo(model, optimizer, communicator=peer.blocking,
+                               sync_every=SYNC_EVERY, min_peers=2)
+    loop_thread = f"pccl_trio communicator {id(peer.blocking):#x}"
+
+    async def trainer() -> None:
+        with pytest.raises(pccl.InvalidUsage, match="the communicator is closed"):
+            await trio.to_thread.run_sync(diloco.join)
+
+    with trio.fail_after(GUARD):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trainer)
+            while not PeerSeam(peer).voted:  # in a membership call of its boundary
+                await trio.lowlevel.checkpoint()
+            await trio.to_thread.run_sync(diloco.close)
+    assert loop_thread not in {thread.name for thread in threading.enumerate()}
