@@ -8,7 +8,7 @@ The trainer keeps its loop: forward, backward, ``optimizer.step()``, and then
 handles every error of a run that can go on; what reaches the trainer means it cannot
 (``MasterConnectionError``, a kick before the first outer step, bad arguments).
 
-Both classes own their communicator: ``join`` (also the start of a ``with`` block, or
+Both classes own their communicator (``_owner``): ``join`` (also the start of a ``with`` block, or
 the first ``step``) connects it when it is new and makes this peer's first boundary,
 ``close`` leaves the run. A peer kicked after it stepped joins again by itself: the
 kicked communicator is closed and ``replacement()`` gives a new one with the same
@@ -25,68 +25,57 @@ with ``overlap`` the inner steps should run off the event loop
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from types import TracebackType
 
 import torch
 from torch import nn
 
-from .._errors import InvalidArgument, InvalidUsage
+from .._errors import InvalidArgument
 from .._types import QuantizationOptions, SharedState, TopK
 from ..peer import Communicator as AsyncCommunicator
 from ..sync import Communicator as BlockingCommunicator
 from ._outer import OuterModel
-from ._rounds import OuterRounds, Rejoin
+from ._owner import AsyncOwner, BlockingOwner
+from ._rounds import OuterRounds
 
 __all__ = ["AsyncDiLoCo", "DiLoCo"]
 
-#: A bound ``OuterRounds.join`` or ``.boundary``: what runs with the communicator.
-_Rounds = Callable[[AsyncCommunicator], Awaitable[None]]
 
-
-class _Schedule:
-    """The arguments both classes check alike, and the count of inner steps."""
-
-    def __init__(
-        self, model: nn.Module, inner_optimizer: torch.optim.Optimizer,
-        outer_optimizer: torch.optim.Optimizer | None, sync_every: int,
-        compression: QuantizationOptions | TopK | None, overlap: bool, min_peers: int,
-    ) -> None:
-        if not isinstance(model, nn.Module):
-            raise InvalidArgument(f"model must be a torch.nn.Module, not {type(model).__name__}")
-        if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise InvalidArgument(
-                f"inner_optimizer must be a torch.optim.Optimizer, not {type(inner_optimizer).__name__}"
-            )
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise InvalidArgument(f"sync_every must be a positive int, not {sync_every!r}")
-        if isinstance(min_peers, bool) or not isinstance(min_peers, int) or min_peers < 1:
-            raise InvalidArgument(f"min_peers must be a positive int, not {min_peers!r}")
-        if compression is not None and not isinstance(compression, (QuantizationOptions, TopK)):
-            raise InvalidArgument(
-                "compression must be None, a pccl_trio.QuantizationOptions or a "
-                f"pccl_trio.TopK, not {type(compression).__name__}"
-            )
-        if isinstance(compression, TopK) and compression.residual is not None:
-            raise InvalidArgument(
-                "compression=TopK(..., residual=None): DiLoCo keeps the residual itself"
-            )
-        if outer_optimizer is inner_optimizer:
-            raise InvalidArgument("the outer optimizer must not be the inner one")
-        self.sync_every = sync_every
-        self.inner_steps = 0  # since the last boundary
-        self.rounds = OuterRounds(
-            OuterModel(model, outer_optimizer), compression=compression, overlap=overlap,
-            min_peers=min_peers,
+def _rounds(
+    model: nn.Module, inner_optimizer: torch.optim.Optimizer,
+    outer_optimizer: torch.optim.Optimizer | None, sync_every: int,
+    compression: QuantizationOptions | TopK | None, overlap: bool, min_peers: int,
+) -> OuterRounds:
+    """The outer rounds, from the arguments both classes check alike."""
+    if not isinstance(model, nn.Module):
+        raise InvalidArgument(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if not isinstance(inner_optimizer, torch.optim.Optimizer):
+        raise InvalidArgument(
+            f"inner_optimizer must be a torch.optim.Optimizer, not {type(inner_optimizer).__name__}"
         )
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise InvalidArgument(f"sync_every must be a positive int, not {sync_every!r}")
+    check_min_peers(min_peers)
+    if compression is not None and not isinstance(compression, (QuantizationOptions, TopK)):
+        raise InvalidArgument(
+            "compression must be None, a pccl_trio.QuantizationOptions or a "
+            f"pccl_trio.TopK, not {type(compression).__name__}"
+        )
+    if isinstance(compression, TopK) and compression.residual is not None:
+        raise InvalidArgument(
+            "compression=TopK(..., residual=None): DiLoCo keeps the residual itself"
+        )
+    if outer_optimizer is inner_optimizer:
+        raise InvalidArgument("the outer optimizer must not be the inner one")
+    return OuterRounds(
+        OuterModel(model, outer_optimizer), sync_every=sync_every, compression=compression,
+        overlap=overlap, min_peers=min_peers,
+    )
 
-    def due(self) -> bool:
-        """Count one inner step; whether the round ends with it."""
-        self.inner_steps += 1
-        if self.inner_steps < self.sync_every:
-            return False
-        self.inner_steps = 0
-        return True
+
+def check_min_peers(min_peers: int) -> None:
+    if isinstance(min_peers, bool) or not isinstance(min_peers, int) or min_peers < 1:
+        raise InvalidArgument(f"min_peers must be a positive int, not {min_peers!r}")
 
 
 class DiLoCo:
@@ -129,21 +118,20 @@ class DiLoCo:
                 "communicator must be a pccl_trio.sync.Communicator (AsyncDiLoCo takes a "
                 f"pccl_trio.Communicator), not {type(communicator).__name__}"
             )
-        self._schedule = _Schedule(model, inner_optimizer, outer_optimizer, sync_every,
-                                   compression, overlap, min_peers)
-        self._comm = communicator
-        self._joined = False
+        self._rounds = _rounds(model, inner_optimizer, outer_optimizer, sync_every,
+                               compression, overlap, min_peers)
+        self._owner = BlockingOwner(communicator, self._rounds, "DiLoCo")
 
     @property
     def communicator(self) -> BlockingCommunicator:
         """The communicator in use (a new one after this peer joined again)."""
-        return self._comm
+        return self._owner.communicator
 
     @property
     def outer_steps(self) -> int:
         """The run's count of outer steps done (the shared state's revision): the same
         on every peer after each boundary."""
-        return self._schedule.rounds.shared.revision
+        return self._rounds.shared.revision
 
     @property
     def shared_state(self) -> SharedState:
@@ -152,29 +140,24 @@ class DiLoCo:
         ``outer_steps``. ``pccl_trio.state_digest(diloco.shared_state)`` is the same on
         every peer after each boundary: log it to check that the weights agree. Read
         it between steps; the wrapper writes it at boundaries."""
-        return self._schedule.rounds.shared
+        return self._rounds.shared
 
     def join(self) -> None:
         """Connect (when the communicator is new) and make this peer's first boundary:
         the model then holds the run's outer parameters."""
-        if self._joined:
-            raise InvalidUsage("join(): this DiLoCo joined the run already")
-        if self._comm.peer_id is None:
-            self._comm.connect()
-        self._joined = True
-        self._run(self._schedule.rounds.join)
+        self._owner.join()
 
     def step(self) -> None:
         """Count one inner step; at the end of a round, the outer round (blocks)."""
-        if not self._joined:
+        if not self._owner.joined:
             self.join()
             return
-        if self._schedule.due():
-            self._run(self._schedule.rounds.boundary)
+        if self._rounds.due():
+            self._owner.run(self._rounds.boundary)
 
     def close(self) -> None:
         """Leave the run; a round's all-reduce in flight (``overlap``) is dropped."""
-        self._comm.close()
+        self._owner.close()
 
     def __enter__(self) -> DiLoCo:
         self.join()
@@ -185,20 +168,6 @@ class DiLoCo:
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-    def _run(self, rounds: _Rounds) -> None:
-        state = self._schedule.rounds
-        while True:
-            try:
-                self._comm.call_in_loop(rounds)
-                return
-            except Rejoin:
-                self._comm.close()
-                self._comm = self._comm.replacement()
-                self._comm.connect()
-                state.rejoining()
-                self._schedule.inner_steps = 0
-                rounds = state.join
 
 
 class AsyncDiLoCo:
@@ -220,46 +189,40 @@ class AsyncDiLoCo:
                 "communicator must be a pccl_trio.Communicator (DiLoCo takes a "
                 f"pccl_trio.sync.Communicator), not {type(communicator).__name__}"
             )
-        self._schedule = _Schedule(model, inner_optimizer, outer_optimizer, sync_every,
-                                   compression, overlap, min_peers)
-        self._comm = communicator
-        self._joined = False
+        self._rounds = _rounds(model, inner_optimizer, outer_optimizer, sync_every,
+                               compression, overlap, min_peers)
+        self._owner = AsyncOwner(communicator, self._rounds, "AsyncDiLoCo")
 
     @property
     def communicator(self) -> AsyncCommunicator:
         """As ``DiLoCo.communicator``."""
-        return self._comm
+        return self._owner.communicator
 
     @property
     def outer_steps(self) -> int:
         """As ``DiLoCo.outer_steps``."""
-        return self._schedule.rounds.shared.revision
+        return self._rounds.shared.revision
 
     @property
     def shared_state(self) -> SharedState:
         """As ``DiLoCo.shared_state``."""
-        return self._schedule.rounds.shared
+        return self._rounds.shared
 
     async def join(self) -> None:
         """As ``DiLoCo.join``."""
-        if self._joined:
-            raise InvalidUsage("join(): this AsyncDiLoCo joined the run already")
-        if self._comm.peer_id is None:
-            await self._comm.connect()
-        self._joined = True
-        await self._run(self._schedule.rounds.join)
+        await self._owner.join()
 
     async def step(self) -> None:
         """As ``DiLoCo.step``."""
-        if not self._joined:
+        if not self._owner.joined:
             await self.join()
             return
-        if self._schedule.due():
-            await self._run(self._schedule.rounds.boundary)
+        if self._rounds.due():
+            await self._owner.run(self._rounds.boundary)
 
     async def aclose(self) -> None:
         """As ``DiLoCo.close``."""
-        await self._comm.aclose()
+        await self._owner.aclose()
 
     async def __aenter__(self) -> AsyncDiLoCo:
         await self.join()
@@ -270,17 +233,3 @@ class AsyncDiLoCo:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
-
-    async def _run(self, rounds: _Rounds) -> None:
-        state = self._schedule.rounds
-        while True:
-            try:
-                await rounds(self._comm)
-                return
-            except Rejoin:
-                await self._comm.aclose()
-                self._comm = self._comm.replacement()
-                await self._comm.connect()
-                state.rejoining()
-                self._schedule.inner_steps = 0
-                rounds = state.join

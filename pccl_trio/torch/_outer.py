@@ -19,15 +19,8 @@ is left at the new outer parameters. The outer step is a deterministic function 
 identical inputs (shared state and all-reduce result), so every peer computes the same
 bits.
 
-The outer optimizer's state must exist before the first sync: a joiner must hold the
-same tensors as the run (the sync fills them in place), and torch creates optimizer
-state lazily at the first step. ``OuterModel`` creates it up front with one step on zero
-gradients, then restores the parameters and sets every state tensor that step created
-to zero, which is the fresh state of torch's SGD (without dampening), Adam, AdamW,
-Adamax, RAdam, RMSprop and Adadelta, so the first real step does exactly what it would
-have done. State that exists already (an optimizer that creates it eagerly, like
-Adagrad, or state the trainer created or loaded) is shared as it is. State that is not
-a tensor cannot be shared, and is refused.
+The outer optimizer's state must exist before the first sync: it is made up front,
+as torch would make it at the first step (``_state.create_state``).
 """
 
 from __future__ import annotations
@@ -37,8 +30,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from .._errors import InvalidArgument
 from .._types import SharedState, TensorInfo
+from ._state import check_optimizes, create_state, state_tensors, trainable
 
 __all__ = ["OuterModel"]
 
@@ -48,18 +41,7 @@ class OuterModel:
     them (see the module docstring)."""
 
     def __init__(self, model: nn.Module, outer_optimizer: torch.optim.Optimizer | None) -> None:
-        named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-        if not named:
-            raise InvalidArgument("the model has no parameters that require a gradient")
-        devices = {p.device for _, p in named}
-        if len(devices) > 1:
-            raise InvalidArgument(
-                f"the model's parameters live on several devices ({sorted(map(str, devices))}); "
-                "pccl_trio.torch wants them on one"
-            )
-        for name, p in named:
-            if not p.is_floating_point():
-                raise InvalidArgument(f"parameter {name!r} is {p.dtype}, not floating point")
+        named = trainable(model)
         self.params = [p for _, p in named]
         self.device = self.params[0].device
         self.dtype = (
@@ -72,24 +54,13 @@ class OuterModel:
             # DiLoCo's outer optimizer (Douillard et al., 2023).
             outer_optimizer = torch.optim.SGD(self.params, lr=0.7, momentum=0.9, nesterov=True)
         self.optimizer = outer_optimizer
-        _check_optimizes(outer_optimizer, named)
-        _create_state(outer_optimizer, self.params, self.outer)
+        check_optimizes(outer_optimizer, named, what="outer optimizer")
+        create_state(outer_optimizer, self.params)
         tensors = [
             TensorInfo(f"outer.{name}", outer)
             for (name, _), outer in zip(named, self.outer, strict=True)
         ]
-        for (name, p) in named:
-            for key, value in sorted(outer_optimizer.state[p].items()):
-                if value is None:
-                    continue
-                if not isinstance(value, torch.Tensor):
-                    raise InvalidArgument(
-                        f"the outer optimizer keeps {key!r} of parameter {name!r} as "
-                        f"{type(value).__name__}, not a tensor: it cannot be shared with "
-                        "joiners"
-                    )
-                tensors.append(TensorInfo(f"outer_optimizer.{name}.{key}", _contiguous(value)))
-        self.shared = SharedState(tensors)
+        self.shared = SharedState(tensors + state_tensors(outer_optimizer, named, "outer_optimizer"))
 
     def new_vector(self) -> torch.Tensor:
         """A zeroed vector of the pseudo-gradient's size, dtype and device."""
@@ -125,47 +96,3 @@ class OuterModel:
         for outer, p in zip(self.outer, self.params, strict=True):
             yield vector[offset : offset + p.numel()], outer, p
             offset += p.numel()
-
-
-def _check_optimizes(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]]) -> None:
-    """The outer optimizer must step exactly the model's trainable parameters."""
-    theirs = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    ours = {id(p) for _, p in named}
-    if theirs != ours:
-        missing = [name for name, p in named if id(p) not in theirs]
-        raise InvalidArgument(
-            "the outer optimizer must be built over the model's trainable parameters "
-            f"(model.parameters()); it misses {missing[:3]}" if missing else
-            "the outer optimizer steps tensors that are not the model's trainable parameters"
-        )
-
-
-def _create_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
-                  outer: list[torch.Tensor]) -> None:
-    """Create the optimizer state it would create lazily, as fresh (zero) state."""
-    lacking = [p for p in params if not optimizer.state.get(p)]
-    if not lacking:
-        return
-    if len(lacking) < len(params):
-        raise InvalidArgument(
-            "the outer optimizer holds state for some of the model's parameters but not "
-            "all: give it state for every parameter, or for none"
-        )
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    with torch.no_grad():
-        for p, saved, grad in zip(params, outer, grads, strict=True):
-            p.copy_(saved)
-            p.grad = grad
-        for p in lacking:
-            for value in optimizer.state[p].values():
-                if isinstance(value, torch.Tensor):
-                    value.zero_()
-
-
-def _contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    if not tensor.is_contiguous():
-        raise InvalidArgument("an outer optimizer state tensor is not contiguous")
-    return tensor

@@ -12,18 +12,14 @@ A boundary, on every peer alike:
 1. the pseudo-gradient of the round just computed (outer minus local parameters);
 2. with ``overlap``, the all-reduce started at the previous boundary is waited for and
    its average applied (the delayed outer update);
-3. the peers waiting to join are admitted (``are_peers_pending``, ``update_topology``)
-   and the ring re-ordered (``optimize_topology``);
-4. the shared state (outer parameters, outer optimizer state, revision = outer steps)
-   is synced: a joiner receives it here, between peers that stepped together nothing
-   moves. Before the run's first outer step (revision 0, which every peer holds after
-   the sync), with fewer than ``min_peers`` in the run, it waits for company
-   (``are_peers_pending(wait=inf)``: the master answers when one asks) and goes back
-   to 3; later the run goes on with whoever is left, a lone peer on its own;
-5. the pseudo-gradient is all-reduced (AVG; quantized or Top-k as asked): at once and
+3. the membership part (``Admission``): the peers waiting to join are admitted and
+   the ring re-ordered, the shared state (outer parameters, outer optimizer state,
+   revision = outer steps) is synced, and before the run's first outer step, below
+   ``min_peers``, it waits for company;
+4. the pseudo-gradient is all-reduced (AVG; quantized or Top-k as asked): at once and
    then applied, or, with ``overlap``, started and left running while the next round's
    inner steps compute;
-6. the model is set to the outer parameters: the next round starts there.
+5. the model is set to the outer parameters: the next round starts there.
 
 A peer whose outer parameters changed in its sync (a joiner, a peer that was behind)
 holds a pseudo-gradient relative to parameters the run no longer has: it contributes
@@ -41,7 +37,7 @@ Errors, as the hand-written loop (``docs/loop.md``) handles them:
 - ``SharedStateSyncFailed``: sync again.
 - ``TooFewPeers`` from the all-reduce: alone, this peer's pseudo-gradient is the
   average. From a membership call, and ``UpdateTopologyFailed`` and
-  ``TopologyOptimizationFailed``: step 3 starts over.
+  ``TopologyOptimizationFailed``: step 3 starts over (``Admission``).
 - ``Kicked`` after this peer's first outer step: ``Rejoin`` is raised, and the wrapper
   joins again with a new communicator (``Communicator.replacement``) at revision 0, so
   that its first sync takes the run's state. Kicked before that: a mistake to fix
@@ -55,35 +51,18 @@ reaches the trainer.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import torch
 
-from .._errors import (
-    CollectiveAborted,
-    Kicked,
-    SharedStateSyncFailed,
-    TooFewPeers,
-    TopologyOptimizationFailed,
-    UpdateTopologyFailed,
-)
-from .._types import (
-    Attribute,
-    QuantizationOptions,
-    ReduceOp,
-    SharedState,
-    SharedStateSyncInfo,
-    TopK,
-)
+from .._errors import CollectiveAborted, Kicked, TooFewPeers
+from .._types import QuantizationOptions, ReduceOp, SharedState, TopK
 from ..peer import AsyncReduceHandle, Communicator
+from ._admission import Admission
 from ._outer import OuterModel
+from ._owner import Rejoin
 
-__all__ = ["OuterRounds", "Rejoin"]
-
-
-class Rejoin(Exception):
-    """This peer was kicked after it stepped: join again as a newcomer."""
+__all__ = ["OuterRounds"]
 
 
 @dataclasses.dataclass
@@ -98,18 +77,19 @@ class OuterRounds:
     """The outer rounds of one peer (see the module docstring)."""
 
     def __init__(
-        self, outer: OuterModel, *, compression: QuantizationOptions | TopK | None,
-        overlap: bool, min_peers: int,
+        self, outer: OuterModel, *, sync_every: int,
+        compression: QuantizationOptions | TopK | None, overlap: bool, min_peers: int,
     ) -> None:
         self.outer = outer
+        self.sync_every = sync_every
+        self._inner_steps = 0  # since the last boundary
         self.overlap = overlap
-        self.min_peers = min_peers
         self._compression = compression
         # With Top-k: what this peer has not sent yet (its own; zero for a newcomer).
         self._residual = outer.new_vector() if isinstance(compression, TopK) else None
         self._vectors = [outer.new_vector(), outer.new_vector()]  # this round's, in flight
         self._flight: _Flight | None = None
-        self._fresh = True  # the communicator just connected: its next call is optimize
+        self._admission = Admission(outer.shared, min_peers)
         self._stepped = False  # an outer step was applied with this communicator
 
     @property
@@ -119,7 +99,8 @@ class OuterRounds:
     async def join(self, comm: Communicator) -> None:
         """This peer's first boundary with a communicator that just connected: no
         pseudo-gradient of its own yet (it contributes zeros)."""
-        self._fresh, self._stepped, self._flight = True, False, None
+        self._admission.connected()
+        self._stepped, self._flight = False, None
         if self._residual is not None:
             self._residual.zero_()
         vector = self._vectors[0]
@@ -132,14 +113,19 @@ class OuterRounds:
         self.outer.pseudo_gradient(vector)
         await self._boundary(comm, vector, own=True)
 
-    async def leave(self) -> None:
-        """Forget the all-reduce in flight (its communicator is closing: it ends there)."""
-        self._flight = None
-
     def rejoining(self) -> None:
         """Before ``join`` with a new communicator, after ``Rejoin``: a newcomer."""
         self.outer.shared.revision = 0
         self._flight = None
+        self._inner_steps = 0
+
+    def due(self) -> bool:
+        """Count one inner step; whether the round ends with it."""
+        self._inner_steps += 1
+        if self._inner_steps < self.sync_every:
+            return False
+        self._inner_steps = 0
+        return True
 
     # --- one boundary -------------------------------------------------------------------
 
@@ -148,7 +134,7 @@ class OuterRounds:
             if self._flight is not None:
                 flight, self._flight = self._flight, None
                 await self._land(comm, flight)
-            if await self._admit_and_sync(comm) or not own:
+            if await self._admission.admit_and_sync(comm) or not own:
                 vector.zero_()  # relative to outer parameters the run no longer has
             if self.overlap:
                 self._flight = _Flight(
@@ -168,7 +154,7 @@ class OuterRounds:
         try:
             await flight.handle.wait()
         except CollectiveAborted:
-            if (await self._sync(comm)).rx_bytes:
+            if (await self._admission.sync(comm)).rx_bytes:
                 flight.vector.zero_()
             await self._reduce(comm, flight.vector)
         except TooFewPeers:
@@ -185,37 +171,8 @@ class OuterRounds:
             except TooFewPeers:
                 return  # alone: its own pseudo-gradient is the average
             except CollectiveAborted:
-                if (await self._sync(comm)).rx_bytes:
+                if (await self._admission.sync(comm)).rx_bytes:
                     vector.zero_()
-
-    async def _admit_and_sync(self, comm: Communicator) -> bool:
-        """Admit waiting peers and keep the ring optimized, then sync; before the run's
-        first outer step, below ``min_peers``, wait for company and again. Whether the
-        outer parameters changed in a sync."""
-        waiting, changed = False, False
-        while True:
-            try:
-                if self._fresh or await comm.are_peers_pending(wait=math.inf if waiting else 0):
-                    if not self._fresh:
-                        await comm.update_topology()
-                    self._fresh = False
-                    if comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) >= 2:
-                        await comm.optimize_topology()
-                changed |= (await self._sync(comm)).rx_bytes > 0
-            except (TooFewPeers, UpdateTopologyFailed, TopologyOptimizationFailed):
-                continue  # every voter got the same verdict: start over
-            # After the sync every peer holds the run's revision: the same branch for all.
-            world = comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE)
-            waiting = self.outer.shared.revision == 0 and world < self.min_peers
-            if not waiting:
-                return changed
-
-    async def _sync(self, comm: Communicator) -> SharedStateSyncInfo:
-        while True:
-            try:
-                return await comm.sync_shared_state(self.outer.shared)
-            except SharedStateSyncFailed:
-                continue
 
     def _step(self, averaged: torch.Tensor) -> None:
         if not bool(averaged.any()):

@@ -1,0 +1,118 @@
+"""A wrapper's communicator, owned: connect, run each boundary, join again after a kick.
+
+Theory of operation
+-------------------
+A wrapper (``DiLoCo``, ``DataParallel``) writes its boundaries as coroutines against
+the async ``pccl_trio.Communicator`` and hands them to an owner, which runs them
+where its communicator lives: ``BlockingOwner`` in a ``pccl_trio.sync.Communicator``'s
+event loop (``call_in_loop``), the trainer's thread blocking meanwhile; ``AsyncOwner``
+in the trainer's own trio task.
+
+``join`` connects a communicator that is new and runs the rounds' ``join``, this
+peer's first boundary. A boundary that raises ``Rejoin`` (this peer was kicked after
+it stepped: the run went on without it) makes the owner close the communicator, make
+a new one with the same arguments (``replacement()``), connect it, tell the rounds
+(``rejoining``: a newcomer from here on) and run their ``join`` instead: the peer
+comes back as a newcomer, whose first sync takes the run's state. ``communicator`` is
+always the one in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from .._errors import InvalidUsage
+from ..peer import Communicator as AsyncCommunicator
+from ..sync import Communicator as BlockingCommunicator
+
+__all__ = ["AsyncOwner", "BlockingOwner", "Boundary", "Rejoin", "Rounds"]
+
+_T = TypeVar("_T")
+
+#: A bound coroutine method of the rounds: what runs with the communicator.
+Boundary = Callable[[AsyncCommunicator], Awaitable[None]]
+
+
+class Rejoin(Exception):
+    """This peer was kicked after it stepped: join again as a newcomer."""
+
+
+class Rounds(Protocol):
+    """What an owner needs of a wrapper's rounds."""
+
+    async def join(self, comm: AsyncCommunicator) -> None: ...
+
+    def rejoining(self) -> None: ...
+
+
+class BlockingOwner:
+    """Runs the rounds over a ``pccl_trio.sync.Communicator`` (see the module docstring)."""
+
+    def __init__(self, communicator: BlockingCommunicator, rounds: Rounds, wrapper: str) -> None:
+        self.communicator = communicator
+        self.joined = False
+        self._rounds = rounds
+        self._wrapper = wrapper
+
+    def join(self) -> None:
+        if self.joined:
+            raise InvalidUsage(f"join(): this {self._wrapper} joined the run already")
+        if self.communicator.peer_id is None:
+            self.communicator.connect()
+        self.joined = True
+        self.run(self._rounds.join)
+
+    def run(self, boundary: Boundary) -> None:
+        """Run ``boundary`` in the communicator's loop, joining again after ``Rejoin``."""
+        while True:
+            try:
+                self.communicator.call_in_loop(boundary)
+                return
+            except Rejoin:
+                self.communicator.close()
+                self.communicator = self.communicator.replacement()
+                self.communicator.connect()
+                self._rounds.rejoining()
+                boundary = self._rounds.join
+
+    def call(self, afn: Callable[..., Awaitable[_T]], *args: Any) -> _T:
+        """``await afn(comm, *args)`` in the communicator's loop (no rejoin)."""
+        return self.communicator.call_in_loop(afn, *args)
+
+    def close(self) -> None:
+        self.communicator.close()
+
+
+class AsyncOwner:
+    """Runs the rounds over a ``pccl_trio.Communicator`` in the trainer's trio task."""
+
+    def __init__(self, communicator: AsyncCommunicator, rounds: Rounds, wrapper: str) -> None:
+        self.communicator = communicator
+        self.joined = False
+        self._rounds = rounds
+        self._wrapper = wrapper
+
+    async def join(self) -> None:
+        if self.joined:
+            raise InvalidUsage(f"join(): this {self._wrapper} joined the run already")
+        if self.communicator.peer_id is None:
+            await self.communicator.connect()
+        self.joined = True
+        await self.run(self._rounds.join)
+
+    async def run(self, boundary: Boundary) -> None:
+        """Run ``boundary``, joining again after ``Rejoin``."""
+        while True:
+            try:
+                await boundary(self.communicator)
+                return
+            except Rejoin:
+                await self.communicator.aclose()
+                self.communicator = self.communicator.replacement()
+                await self.communicator.connect()
+                self._rounds.rejoining()
+                boundary = self._rounds.join
+
+    async def aclose(self) -> None:
+        await self.communicator.aclose()
