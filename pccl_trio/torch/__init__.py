@@ -18,8 +18,14 @@ that can go on handled inside::
             optimizer.zero_grad()
             diloco.step()
 
+``DataParallel`` (and ``AsyncDataParallel``) averages the gradients of every step
+instead: the trainer calls ``dp.step()`` after each ``loss.backward()``, in place of
+``optimizer.step()``; the gradients travel in buckets while backward makes them.
+
 Needs torch (``pip install torch``); importing ``pccl_trio`` alone does not.
 """
 
+from ._data_parallel import AsyncDataParallel as AsyncDataParallel
+from ._data_parallel import DataParallel as DataParallel
 from ._diloco import AsyncDiLoCo as AsyncDiLoCo
 from ._diloco import DiLoCo as DiLoCo
