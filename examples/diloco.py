@@ -57,18 +57,16 @@ import argparse
 import hashlib
 import json
 import math
-import os
-import secrets
 import signal
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
+from _launcher import Peer, demo_environment, say, start_master
 
 import pccl_trio as pccl
 
@@ -401,61 +399,6 @@ def train_single(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------
 # The launcher: a master and peers on loopback, one killed, one joining
 
-START = time.monotonic()
-
-
-def say(who: str, text: str) -> None:
-    print(f"[{time.monotonic() - START:6.2f}s] {who:<7} {text}", flush=True)
-
-
-class Peer:
-    """A peer process and what its JSON lines said."""
-
-    def __init__(self, name: str, process: trio.Process) -> None:
-        self.name = name
-        self.process = process
-        self.peer_id: int | None = None
-        self.records: list[dict[str, Any]] = []
-        self.changed = trio.Event()
-        self.ended = False  # its stdout reached EOF
-
-    async def follow(self, on_record: Callable[[Peer, dict[str, Any]], None]) -> None:
-        assert self.process.stdout is not None
-        buffer = b""
-        while chunk := await self.process.stdout.receive_some(65536):
-            buffer += chunk
-            while b"\n" in buffer:
-                line, buffer = buffer.split(b"\n", 1)
-                record = json.loads(line)
-                if record["event"] == "joined":
-                    self.peer_id = int(record["peer"])
-                self.records.append(record)
-                on_record(self, record)
-                self.changed.set()
-                self.changed = trio.Event()
-        self.ended = True
-        self.changed.set()
-
-    @property
-    def who(self) -> str:
-        """How the narration names it: its peer id once it joined the run."""
-        return self.name if self.peer_id is None else f"peer {self.peer_id}"
-
-    def last(self, event: str) -> dict[str, Any] | None:
-        return next((r for r in reversed(self.records) if r["event"] == event), None)
-
-    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-        seen = 0
-        while True:
-            for record in self.records[seen:]:
-                if predicate(record):
-                    return record
-            seen = len(self.records)
-            if self.ended:
-                raise RuntimeError(f"{self.name} exited before the expected line")
-            await self.changed.wait()
-
-
 def narrate(worlds: dict[int, int]) -> Callable[[Peer, dict[str, Any]], None]:
     """Print what a peer's record says (each outer step once); note each step's world.
     A process is named by its launch label until it joined, then by its peer id."""
@@ -490,21 +433,8 @@ def narrate(worlds: dict[int, int]) -> Callable[[Peer, dict[str, Any]], None]:
 
 
 async def launch(args: argparse.Namespace) -> int:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", PCCL_TRIO_RUN_SECRET=secrets.token_hex(32))
-    master = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "pccl_trio.master", "--listen", "127.0.0.1:0", "--log-level",
-         "WARNING", "--liveness-timeout", "2", "--heartbeat-interval", "0.2"],
-        stdout=subprocess.PIPE, env=env,
-    )
-    assert master.stdout is not None
-    line = b""
-    while not line.endswith(b"\n"):
-        chunk = await master.stdout.receive_some(1)
-        if not chunk:
-            raise SystemExit("the master exited before listening")
-        line += chunk
-    address = line.decode().split()[-1]
-    say("master", line.decode().strip())
+    env = demo_environment()
+    master, address = await start_master(env)
 
     shared = [
         "--outer-steps", str(args.outer_steps), "--inner-steps", str(args.inner_steps),

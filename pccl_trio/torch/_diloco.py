@@ -68,7 +68,8 @@ def _rounds(
     if outer_optimizer is inner_optimizer:
         raise InvalidArgument("the outer optimizer must not be the inner one")
     return OuterRounds(
-        OuterModel(model, outer_optimizer), sync_every=sync_every, compression=compression,
+        OuterModel(model, outer_optimizer, delayed=overlap), sync_every=sync_every,
+        compression=compression,
         overlap=overlap, min_peers=min_peers,
     )
 
@@ -83,9 +84,8 @@ class DiLoCo:
 
     Call ``step()`` after each inner ``optimizer.step()``. Every ``sync_every`` steps
     the peers average their pseudo-gradients (outer minus local parameters) and take
-    an outer step with ``outer_optimizer`` (default: SGD, lr 0.7, Nesterov momentum
-    0.9, over ``model.parameters()``), after which the model holds the new outer
-    parameters, the same bits on every peer. The outer parameters and the outer
+    an outer step with ``outer_optimizer`` (below), after which the model holds the
+    new outer parameters, the same bits on every peer. The outer parameters and the outer
     optimizer's state are the run's shared state: a joiner receives them.
 
     Args:
@@ -94,7 +94,9 @@ class DiLoCo:
             state stays this peer's own).
         communicator: a new (or just connected) ``pccl_trio.sync.Communicator``;
             owned from here on (``close()`` closes it).
-        outer_optimizer: a torch optimizer over ``model.parameters()``.
+        outer_optimizer: a torch optimizer over ``model.parameters()``; by default SGD
+            at lr 0.7 with Nesterov momentum 0.9, and with ``overlap`` plain SGD at lr
+            0.7 (momentum on an update applied a round late diverged).
         sync_every: inner steps per round.
         compression: how the pseudo-gradient travels: None (as it is), a
             ``QuantizationOptions`` (e.g. uint8 min-max), or ``TopK(fraction,

@@ -40,7 +40,8 @@ class OuterModel:
     """A model's outer parameters, its outer optimizer and the shared state holding
     them (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, outer_optimizer: torch.optim.Optimizer | None) -> None:
+    def __init__(self, model: nn.Module, outer_optimizer: torch.optim.Optimizer | None, *,
+                 delayed: bool = False) -> None:
         named = trainable(model)
         self.params = [p for _, p in named]
         self.device = self.params[0].device
@@ -50,7 +51,11 @@ class OuterModel:
         self.numel = sum(p.numel() for p in self.params)
         with torch.no_grad():
             self.outer = [p.detach().clone() for p in self.params]
-        if outer_optimizer is None:
+        if outer_optimizer is None and delayed:
+            # Applied a round late, Nesterov momentum amplifies a stale direction: on
+            # the char-level LM example it diverged, plain SGD did not (docs/diloco.md).
+            outer_optimizer = torch.optim.SGD(self.params, lr=0.7)
+        elif outer_optimizer is None:
             # DiLoCo's outer optimizer (Douillard et al., 2023).
             outer_optimizer = torch.optim.SGD(self.params, lr=0.7, momentum=0.9, nesterov=True)
         self.optimizer = outer_optimizer
@@ -78,7 +83,8 @@ class OuterModel:
         with torch.no_grad():
             for part, outer, p in self._parts(averaged):
                 p.copy_(outer)
-                p.grad = part.view_as(p).to(p.dtype).clone()
+                grad = part.view_as(p)  # read by the step, not kept: a view will do
+                p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
         self.optimizer.step()
         with torch.no_grad():
             for outer, p in zip(self.outer, self.params, strict=True):

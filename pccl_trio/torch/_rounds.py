@@ -131,26 +131,31 @@ class OuterRounds:
 
     async def _boundary(self, comm: Communicator, vector: torch.Tensor, *, own: bool) -> None:
         try:
+            at_outer = False  # the model holds the outer parameters (an outer step left it so)
             if self._flight is not None:
                 flight, self._flight = self._flight, None
-                await self._land(comm, flight)
-            if await self._admission.admit_and_sync(comm) or not own:
+                at_outer = await self._land(comm, flight)
+            changed = await self._admission.admit_and_sync(comm)
+            if changed or not own:
                 vector.zero_()  # relative to outer parameters the run no longer has
             if self.overlap:
                 self._flight = _Flight(
                     comm.all_reduce_async(vector, op=ReduceOp.AVG, **self._options()), vector
                 )
+                at_outer = at_outer and not changed
             else:
                 await self._reduce(comm, vector)
-                self._step(vector)
-            self.outer.load()
+                at_outer = self._step(vector)
+            if not at_outer:
+                self.outer.load()
         except Kicked:
             if not self._stepped:
                 raise
             raise Rejoin from None
 
-    async def _land(self, comm: Communicator, flight: _Flight) -> None:
-        """Wait for the all-reduce in flight, again after an abort; apply it."""
+    async def _land(self, comm: Communicator, flight: _Flight) -> bool:
+        """Wait for the all-reduce in flight, again after an abort; apply it. Whether
+        an outer step was taken."""
         try:
             await flight.handle.wait()
         except CollectiveAborted:
@@ -159,7 +164,7 @@ class OuterRounds:
             await self._reduce(comm, flight.vector)
         except TooFewPeers:
             pass  # alone: its own pseudo-gradient is the average
-        self._step(flight.vector)
+        return self._step(flight.vector)
 
     async def _reduce(self, comm: Communicator, vector: torch.Tensor) -> None:
         """All-reduce ``vector`` in place until it succeeds; after an abort (input
@@ -174,12 +179,15 @@ class OuterRounds:
                 if (await self._admission.sync(comm)).rx_bytes:
                     vector.zero_()
 
-    def _step(self, averaged: torch.Tensor) -> None:
+    def _step(self, averaged: torch.Tensor) -> bool:
+        """The outer step on ``averaged``, unless it is zero everywhere; whether it
+        was taken (the model then holds the new outer parameters)."""
         if not bool(averaged.any()):
-            return  # only newcomers' zeros (the same bits everywhere): no outer step
+            return False  # only newcomers' zeros (the same bits everywhere): no outer step
         self.outer.apply(averaged)
         self.outer.shared.revision += 1
         self._stepped = True
+        return True
 
     def _options(self) -> dict[str, Any]:
         compression = self._compression
