@@ -425,7 +425,10 @@ async def test_the_master_restarted_mid_run(masters: Masters, clock: object, ove
 
 
 @pytest.mark.parametrize("network_kind", ["memory"])  # partitions need the memory network
-async def test_a_peer_cut_off_until_kicked_joins_again(cluster: Cluster, clock: object) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_a_peer_cut_off_until_kicked_joins_again(
+    cluster: Cluster, clock: object, overlap: bool
+) -> None:
     """Peer 1 goes silent at outer step 2 for five liveness timeouts: the run removes
     it and goes on (to outer step 4, where it waits for company); when peer 1 hears
     again it is kicked, and the wrapper joins it again with a new communicator.
@@ -458,7 +461,7 @@ async def test_a_peer_cut_off_until_kicked_joins_again(cluster: Cluster, clock: 
 
             async def one(i: int) -> None:
                 results.append(await wrapper_peer(
-                    comms[i], i, min_peers=3, dilocos=dilocos,
+                    comms[i], i, min_peers=3, dilocos=dilocos, overlap=overlap,
                     pause=cut_off if i == 1 else partial(hold, i),
                 ))
 
