@@ -9,14 +9,18 @@ listens. Each peer process prints one JSON object per line on stdout (``event`` 
 what happened); ``Peer.follow`` reads them as they come, keeps them (``records``) and
 hands each to the demo's narrator; ``wait_for`` blocks until a record matches, so the
 demo acts on what the peers report (a peer stalled, a step taken without one) and
-never on time.
+never on time. ``run_churn`` is the demos' run: founders, one of them stalled and
+killed, a joiner; ``churn_arguments`` checks the flags that place it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -101,3 +105,81 @@ class Peer:
             if self.ended:
                 raise RuntimeError(f"{self.name} exited before the expected line")
             await self.changed.wait()
+
+
+async def run_churn(
+    command: Callable[[int, list[str]], list[str]], env: dict[str, str], *, world: int,
+    kill_at: int, on_record: Callable[[Peer, dict[str, Any]], None],
+) -> list[Peer]:
+    """The demo's run: ``world`` peer processes (``command(index, extra)``, the
+    joiner's index ``world``); with ``kill_at`` > 0 the second stalls after that outer
+    step and is SIGKILLed once it says so, and a joiner starts once a survivor took a
+    step without it. Returns every peer once each live one printed ``finished`` (or
+    ``error``); the processes are the caller's to end (``end``), except when this
+    fails or is cancelled (the caller's ``trio.fail_after``): then it ends them."""
+    peers: list[Peer] = []
+    async with trio.open_nursery() as nursery:
+
+        async def spawn(name: str, index: int, *extra: str) -> Peer:
+            process = await trio.lowlevel.open_process(
+                command(index, list(extra)), stdout=subprocess.PIPE, env=env,
+            )
+            peer = Peer(name, process)
+            peers.append(peer)
+            nursery.start_soon(peer.follow, on_record)
+            say("launch", f"started {name} (pid {process.pid})")
+            return peer
+
+        try:
+            first = [
+                await spawn(f"proc-{i}", i, *(["--stall-after", str(kill_at)]
+                                              if kill_at > 0 and i == 1 else []))
+                for i in range(world)
+            ]
+            if kill_at > 0:
+                victim, survivors = first[1], first[:1] + first[2:]
+                await victim.wait_for(lambda r: r["event"] == "stalled")
+                say("launch", f"SIGKILL {victim.name} (peer {victim.peer_id})")
+                victim.process.kill()
+                await survivors[0].wait_for(
+                    lambda r: r["event"] == "step" and r["world"] == world - 1)
+                await spawn("joiner", world)
+            for peer in peers:
+                if peer.process.returncode is None and peer.last("stalled") is None:
+                    await peer.wait_for(lambda r: r["event"] in ("finished", "error"))
+        except BaseException:
+            await end(peers)
+            raise
+        nursery.cancel_scope.cancel()
+    return peers
+
+
+async def end(peers: list[Peer], master: trio.Process | None = None) -> None:
+    """Kill the peers still running, stop the master, and wait for all of them."""
+    for peer in peers:
+        if peer.process.returncode is None:
+            peer.process.kill()
+    if master is not None and master.returncode is None:
+        master.send_signal(signal.SIGTERM)
+    with trio.CancelScope(shield=True):
+        for peer in peers:
+            await peer.process.wait()
+        if master is not None:
+            await master.wait()
+
+
+def churn_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                    *, churn: bool) -> None:
+    """``--kill-at`` and ``--hold-at`` checked and defaulted (T/3 and 2T/3 of
+    ``--outer-steps``); without ``churn`` (a single peer, one process) neither."""
+    if not churn or args.world == 1 or args.kill_at == 0:
+        args.kill_at = 0  # no churn
+        args.hold_at = -1 if args.hold_at is None else args.hold_at
+        return
+    if args.kill_at is None:
+        args.kill_at = max(1, args.outer_steps // 3)
+    if args.hold_at is None:
+        args.hold_at = max(args.kill_at + 1, math.ceil(2 * args.outer_steps / 3))
+    if not 0 < args.kill_at < args.hold_at < args.outer_steps:
+        parser.error(f"the demo needs 0 < --kill-at ({args.kill_at}) < --hold-at ({args.hold_at}) "
+                     f"< --outer-steps ({args.outer_steps}); --kill-at 0 runs it without churn")

@@ -59,14 +59,13 @@ import json
 import math
 import signal
 import statistics
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
-from _launcher import Peer, demo_environment, say, start_master
+from _launcher import Peer, churn_arguments, demo_environment, end, run_churn, say, start_master
 
 import pccl_trio as pccl
 
@@ -446,43 +445,16 @@ async def launch(args: argparse.Namespace) -> int:
         *(["--compress", f"topk:{args.compress}"] if args.compress is not None else []),
         *(["--value-bits", str(args.value_bits)] if args.value_bits is not None else []),
     ]
-    peers: list[Peer] = []
     worlds: dict[int, int] = {}
-    on_record = narrate(worlds)
-    code, churn = 1, False
+    churn = args.kill_at > 0  # kill proc-1 after --kill-at, then add a joiner
+    peers: list[Peer] = []
     try:
-        async with trio.open_nursery() as nursery:
-
-            async def spawn(name: str, *extra: str) -> Peer:
-                process = await trio.lowlevel.open_process(
-                    [sys.executable, __file__, "--peer", address, *shared, *extra],
-                    stdout=subprocess.PIPE, env=env,
-                )
-                peer = Peer(name, process)
-                peers.append(peer)
-                nursery.start_soon(peer.follow, on_record)
-                say("launch", f"started {name} (pid {process.pid})")
-                return peer
-
-            with trio.fail_after(args.timeout):
-                churn = args.kill_at > 0  # kill proc-1 after --kill-at, then add a joiner
-                first = [
-                    await spawn(f"proc-{i}", *(["--stall-after", str(args.kill_at)]
-                                               if churn and i == 1 else []))
-                    for i in range(args.world)
-                ]
-                if churn:
-                    victim, survivors = first[1], first[:1] + first[2:]
-                    await victim.wait_for(lambda r: r["event"] == "stalled")
-                    say("launch", f"SIGKILL {victim.name} (peer {victim.peer_id})")
-                    victim.process.kill()
-                    await survivors[0].wait_for(
-                        lambda r: r["event"] == "step" and r["world"] == args.world - 1)
-                    await spawn("joiner")
-                for peer in peers:
-                    if peer.process.returncode is None and peer.last("stalled") is None:
-                        await peer.wait_for(lambda r: r["event"] in ("finished", "error"))
-            nursery.cancel_scope.cancel()
+        with trio.fail_after(args.timeout):
+            peers = await run_churn(
+                lambda index, extra: [sys.executable, __file__, "--peer", address, *shared,
+                                      *extra],
+                env, world=args.world, kill_at=args.kill_at, on_record=narrate(worlds),
+            )
         finished = [r for p in peers if (r := p.last("finished")) is not None]
         digests = {str(r["digest"]) for r in finished}
         for peer in peers:
@@ -512,17 +484,9 @@ async def launch(args: argparse.Namespace) -> int:
                      for p in peers for r in p.records) else None,
         }
         print("RESULT " + json.dumps(result), flush=True)
-        code = 0 if identical else 1
+        return 0 if identical else 1
     finally:
-        for peer in peers:
-            if peer.process.returncode is None:
-                peer.process.kill()
-        master.send_signal(signal.SIGTERM)
-        with trio.CancelScope(shield=True):
-            for peer in peers:
-                await peer.process.wait()
-            await master.wait()
-    return code
+        await end(peers, master)
 
 
 # ---------------------------------------------------------------------------------------
@@ -588,17 +552,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("outer_steps", "inner_steps", "batch", "world", "hidden"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
-    if args.peer is not None or args.single or args.world == 1 or args.kill_at == 0:
-        args.kill_at = 0  # no churn
-        args.hold_at = -1 if args.hold_at is None else args.hold_at
-        return args
-    if args.kill_at is None:
-        args.kill_at = max(1, args.outer_steps // 3)
-    if args.hold_at is None:
-        args.hold_at = max(args.kill_at + 1, math.ceil(2 * args.outer_steps / 3))
-    if not 0 < args.kill_at < args.hold_at < args.outer_steps:
-        parser.error(f"the demo needs 0 < --kill-at ({args.kill_at}) < --hold-at ({args.hold_at}) "
-                     f"< --outer-steps ({args.outer_steps}); --kill-at 0 runs it without churn")
+    churn_arguments(parser, args, churn=args.peer is None and not args.single)
     return args
 
 
