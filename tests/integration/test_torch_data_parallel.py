@@ -28,14 +28,21 @@ import pccl_trio.sync
 import pccl_trio.torch as pccl_torch
 
 from .blocking import BlockingPeer
-from .conftest import Cluster, Masters, started
+from .conftest import Cluster, Masters
+from .wrapper_runs import (
+    GUARD,
+    joiner_mid_run,
+    kicked_and_back,
+    killed_mid_all_reduce,
+    master_restarted,
+    run_peers,
+    seeded,
+)
 
 #: In memory (virtual time, exact) and over loopback TCP through the blocking API, which
 #: drives the same async code ("tcp" would add nothing but time to the suite).
 NETWORKS = ("memory", "sync")
 STEPS = 6
-GUARD = 120  # seconds (virtual on the memory network) a scenario may take at most
-RESTART_DELAY = 0.5  # seconds the run goes without a master
 EACH_ITS_OWN = 64  # bucket_bytes: every parameter a bucket of its own
 
 Wrapper = pccl_torch.AsyncDataParallel | pccl_torch.DataParallel
@@ -56,15 +63,6 @@ class Net(nn.Module):
         hidden = torch.tanh(self.first(x))
         out = self.second(hidden)
         return out + self.spare(hidden) if self.use_spare else out
-
-
-def seeded(model: nn.Module) -> None:
-    """The same initial weights on every peer, from a generator of its own: trainers on
-    worker threads must not share torch's global generator (``manual_seed`` races)."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
 
 
 def make_model() -> tuple[Net, torch.optim.Optimizer]:
@@ -91,13 +89,6 @@ class Trained:
     params: bytes
     steps: int
     digest: str
-
-
-def async_view(dp: Wrapper) -> pccl.Communicator:
-    comm = dp.communicator
-    if isinstance(comm, pccl_trio.sync.Communicator):
-        return BlockingPeer(comm)  # type: ignore[return-value]
-    return comm
 
 
 async def wrapper_peer(
@@ -201,20 +192,6 @@ async def hand_written_peer(comm: pccl.Communicator, shard: int, *, steps: int =
         return Trained(parameters(model), state.revision, pccl.state_digest(state))
 
 
-async def run_peers(cluster: Cluster, peer: Callable[..., Awaitable[Trained]], shards: int,
-                    **kwargs: object) -> list[Trained]:
-    results: list[Trained] = []
-
-    async def one(i: int) -> None:
-        results.append(await peer(cluster.communicator(f"p{i}"), i, **kwargs))
-
-    with trio.fail_after(GUARD):
-        async with trio.open_nursery() as nursery:
-            for i in range(shards):
-                nursery.start_soon(one, i)
-    return results
-
-
 def all_same(results: list[Trained], steps: int = STEPS) -> None:
     assert len({r.digest for r in results}) == 1
     assert len({r.params for r in results}) == 1
@@ -258,152 +235,26 @@ async def test_a_second_backward_before_step_is_refused(cluster: Cluster, clock:
 
 async def test_a_joiner_mid_run(cluster: Cluster, clock: object) -> None:
     """A peer joins at step 3: it ends with the founders' bits."""
-    comms = [cluster.communicator(host) for host in ("p0", "p1", "joiner")]
-    results: list[Trained] = []
-    held: set[int] = set()
-    founders_held = trio.Event()
-
-    async def hold(i: int, steps: int) -> None:
-        """A founder waits at step 3 until the joiner is pending."""
-        if steps != 3 or i in held:
-            return
-        held.add(i)
-        if len(held) == 2:
-            founders_held.set()
-        await comms[i].are_peers_pending(wait=math.inf)
-
-    async def one(i: int, **more: object) -> None:
-        results.append(await wrapper_peer(comms[i], i, bucket_bytes=EACH_ITS_OWN, **more))
-
-    with trio.fail_after(GUARD):
-        async with trio.open_nursery() as nursery:
-            for i in range(2):
-                nursery.start_soon(partial(one, i, min_peers=2, pause=partial(hold, i)))
-            await founders_held.wait()
-            nursery.start_soon(one, 2)
+    results = await joiner_mid_run(cluster, wrapper_peer, at=3, bucket_bytes=EACH_ITS_OWN)
     assert len(results) == 3
     all_same(results)
-
-
-class Gate:
-    """Holds ``peers`` trainers at step ``at`` until ``open()``."""
-
-    def __init__(self, peers: int, at: int) -> None:
-        self.peers, self.at, self.waiting = peers, at, 0
-        self.reached, self._open = trio.Event(), trio.Event()
-
-    async def pause(self, steps: int) -> None:
-        if steps != self.at or self._open.is_set():
-            return
-        self.waiting += 1
-        if self.waiting == self.peers:
-            self.reached.set()
-        await self._open.wait()
-
-    def open(self) -> None:
-        self._open.set()
 
 
 async def test_a_peer_killed_mid_all_reduce(cluster: Cluster, clock: object) -> None:
     """Peer 2 dies while the others' first bucket of step 3 moves data: the survivors
     go on to the end with the same bits."""
-    wrappers: dict[int, Wrapper] = {}
-    gate = Gate(3, at=2)
-    results: list[Trained] = []
-
-    async def survivor(i: int) -> None:
-        results.append(await wrapper_peer(cluster.communicator(f"p{i}"), i, min_peers=3,
-                                          pause=gate.pause, wrappers=wrappers))
-
-    async def victim() -> None:
-        try:
-            await wrapper_peer(cluster.communicator("p2"), 2, min_peers=3, pause=gate.pause,
-                               wrappers=wrappers)
-        except (pccl.PCCLError, trio.BrokenResourceError, trio.ClosedResourceError):
-            return  # its process died
-        raise AssertionError("the victim trained to the end")
-
-    with trio.fail_after(GUARD):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(survivor, 0)
-            nursery.start_soon(survivor, 1)
-            async with trio.open_nursery() as doomed:
-                doomed.start_soon(victim)
-                await gate.reached.wait()
-                gate.open()
-                await started(async_view(wrappers[0]), 0, or_ended=cluster.memory is None)
-                await cluster.kill("p2", async_view(wrappers[2]))
-    assert len(results) == 2
-    all_same(results)
+    all_same(await killed_mid_all_reduce(cluster, wrapper_peer, at=2))
 
 
 async def test_the_master_restarted_mid_run(masters: Masters, clock: object) -> None:
-    """The master dies before step 3 and comes back at its address
-    ``RESTART_DELAY`` later: the trainers never see it; the same bits everywhere."""
-    with trio.fail_after(GUARD):
-        address, scope = await masters.start("master")
-        port = int(address.rsplit(":", 1)[1])
-        comms = [masters.communicator(f"p{i}", address) for i in range(3)]
-        gate = Gate(3, at=2)
-        results: list[Trained] = []
-
-        async def one(i: int) -> None:
-            results.append(await wrapper_peer(comms[i], i, min_peers=3, pause=gate.pause,
-                                              bucket_bytes=EACH_ITS_OWN))
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-            await gate.reached.wait()
-            scope.cancel()
-            gate.open()
-            await trio.sleep(RESTART_DELAY)  # the scenario: the run without a master
-            await masters.start("master", port=port)
-    assert len(results) == 3
-    all_same(results)
+    """The master dies before step 3 and comes back at its address while the trainers
+    go on: they never see it; the same bits everywhere."""
+    all_same(await master_restarted(masters, wrapper_peer, at=2, bucket_bytes=EACH_ITS_OWN))
 
 
 @pytest.mark.parametrize("network_kind", ["memory"])  # partitions need the memory network
 async def test_a_peer_cut_off_until_kicked_joins_again(cluster: Cluster, clock: object) -> None:
-    """Peer 1 goes silent before step 2 for five liveness timeouts: the run removes it
-    and goes on (to step 4, where it waits for company); when peer 1 hears again it is
-    kicked, and the wrapper joins it again with a new communicator. Everyone ends with
-    the same bits."""
-    assert cluster.memory is not None
-    memory = cluster.memory
-    wrappers: dict[int, Wrapper] = {}
-    comms = [cluster.communicator(f"p{i}") for i in range(3)]
-    results: list[Trained] = []
-    cut = trio.Event()
-
-    with trio.fail_after(GUARD):
-        async with trio.open_nursery() as nursery:
-
-            async def heal() -> None:
-                await trio.sleep(5 * cluster.config.liveness_timeout)
-                memory.heal("p1")
-
-            async def cut_off(steps: int) -> None:
-                if steps == 2 and not cut.is_set():
-                    cut.set()
-                    memory.partition("p1")  # silently, as a pulled cable
-                    nursery.start_soon(heal)
-
-            async def hold(i: int, steps: int) -> None:
-                """A survivor waits at step 4 until peer 1 is back (pending or in the
-                run): else the run could end before it hears again."""
-                if steps == 4 and comms[i].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < 3:
-                    await comms[i].are_peers_pending(wait=math.inf)
-
-            async def one(i: int) -> None:
-                results.append(await wrapper_peer(
-                    comms[i], i, min_peers=3, wrappers=wrappers,
-                    pause=cut_off if i == 1 else partial(hold, i),
-                ))
-
-            for i in range(3):
-                nursery.start_soon(one, i)
-    assert cut.is_set()
-    assert len(results) == 3
-    all_same(results)
-    assert wrappers[1].communicator is not comms[1]  # it joined again
+    """Peer 1 goes silent before step 2 until the run removed it; the others wait at
+    step 4; when peer 1 hears again it is kicked, and the wrapper joins it again with
+    a new communicator. Everyone ends with the same bits."""
+    all_same(await kicked_and_back(cluster, wrapper_peer, cut_at=2, hold_at=4))

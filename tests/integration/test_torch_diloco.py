@@ -33,26 +33,22 @@ import pccl_trio.torch as pccl_torch
 from pccl_trio.testing import PeerSeam
 
 from .blocking import BlockingPeer
-from .conftest import Cluster, Masters, started
+from .conftest import Cluster, Masters
+from .wrapper_runs import (
+    GUARD,
+    joiner_mid_run,
+    kicked_and_back,
+    killed_mid_all_reduce,
+    master_restarted,
+    run_peers,
+    seeded,
+)
 
 #: In memory (virtual time, exact) and over loopback TCP through the blocking API, which
 #: drives the same async code ("tcp" would add nothing but time to the suite).
 NETWORKS = ("memory", "sync")
 SYNC_EVERY = 3
 OUTER_STEPS = 5
-#: Seconds a scenario may take at most (virtual on the memory network): a hang fails.
-GUARD = 120
-#: Seconds the run goes without a master.
-RESTART_DELAY = 0.5
-
-
-def seeded(model: nn.Module) -> None:
-    """The same initial weights on every peer, from a generator of its own: trainers on
-    worker threads must not share torch's global generator (``manual_seed`` races)."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
 
 
 def make_model() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -95,35 +91,27 @@ def state_of(diloco: Wrapper) -> bytes:
     return b"".join(t.data.numpy().tobytes() for t in diloco.shared_state.tensors)
 
 
-def async_view(diloco: Wrapper) -> pccl.Communicator:
-    """The wrapper's communicator with the async API's surface (``BlockingPeer``)."""
-    comm = diloco.communicator
-    if isinstance(comm, pccl_trio.sync.Communicator):
-        return BlockingPeer(comm)  # type: ignore[return-value]
-    return comm
-
-
 async def wrapper_peer(
     comm: pccl.Communicator, shard: int, *, overlap: bool = False, steps: int = OUTER_STEPS,
     pause: Pause | None = None,
     compression: pccl.QuantizationOptions | pccl.TopK | None = None, min_peers: int = 1,
-    dilocos: dict[int, Wrapper] | None = None,
+    wrappers: dict[int, Wrapper] | None = None,
 ) -> Trained:
     """A trainer's loop with ``AsyncDiLoCo`` (for a ``BlockingPeer``: ``DiLoCo`` in
     ``blocking_wrapper_peer``); ``pause(outer_steps)`` runs after each boundary (the
-    test's hook); ``dilocos[shard]`` is this peer's wrapper."""
+    test's hook); ``wrappers[shard]`` is this peer's wrapper."""
     if isinstance(comm, BlockingPeer):
         return await trio.to_thread.run_sync(partial(
             blocking_wrapper_peer, comm.blocking, shard, overlap=overlap, steps=steps,
-            pause=pause, compression=compression, min_peers=min_peers, dilocos=dilocos,
+            pause=pause, compression=compression, min_peers=min_peers, wrappers=wrappers,
         ), abandon_on_cancel=True)
     model, optimizer = make_model()
     async with pccl_torch.AsyncDiLoCo(
         model, optimizer, communicator=comm, sync_every=SYNC_EVERY, overlap=overlap,
         compression=compression, min_peers=min_peers,
     ) as diloco:
-        if dilocos is not None:
-            dilocos[shard] = diloco
+        if wrappers is not None:
+            wrappers[shard] = diloco
         inner = 0
         while diloco.outer_steps < steps:
             if inner % SYNC_EVERY == 0 and pause is not None:
@@ -138,7 +126,7 @@ async def wrapper_peer(
 def blocking_wrapper_peer(
     comm: pccl_trio.sync.Communicator, shard: int, *, overlap: bool, steps: int,
     pause: Pause | None, compression: pccl.QuantizationOptions | pccl.TopK | None,
-    min_peers: int, dilocos: dict[int, Wrapper] | None,
+    min_peers: int, wrappers: dict[int, Wrapper] | None,
 ) -> Trained:
     """``wrapper_peer``'s loop, synchronous, with ``DiLoCo``; ``pause`` runs in the
     test's trio run."""
@@ -147,8 +135,8 @@ def blocking_wrapper_peer(
         model, optimizer, communicator=comm, sync_every=SYNC_EVERY, overlap=overlap,
         compression=compression, min_peers=min_peers,
     ) as diloco:
-        if dilocos is not None:
-            dilocos[shard] = diloco
+        if wrappers is not None:
+            wrappers[shard] = diloco
         inner = 0
         while diloco.outer_steps < steps:
             if inner % SYNC_EVERY == 0 and pause is not None:
@@ -236,42 +224,6 @@ async def hand_written_peer(comm: pccl.Communicator, shard: int, *,
                        pccl.state_digest(state))
 
 
-async def run_peers(cluster: Cluster, peer: Callable[..., Awaitable[Trained]], shards: int,
-                    **kwargs: object) -> list[Trained]:
-    results: list[Trained | None] = [None] * shards
-
-    async def one(i: int) -> None:
-        results[i] = await peer(cluster.communicator(f"p{i}"), i, **kwargs)
-
-    with trio.fail_after(GUARD):
-        async with trio.open_nursery() as nursery:
-            for i in range(shards):
-                nursery.start_soon(one, i)
-    return [r for r in results if r is not None]
-
-
-class Gate:
-    """Holds ``peers`` trainers at outer step ``at`` (``pause``) until ``open()``;
-    ``reached`` is set once all of them wait there."""
-
-    def __init__(self, peers: int, at: int) -> None:
-        self.peers, self.at = peers, at
-        self.waiting = 0
-        self.reached = trio.Event()
-        self._open = trio.Event()
-
-    async def pause(self, outer_steps: int) -> None:
-        if outer_steps != self.at or self._open.is_set():
-            return
-        self.waiting += 1
-        if self.waiting == self.peers:
-            self.reached.set()
-        await self._open.wait()
-
-    def open(self) -> None:
-        self._open.set()
-
-
 def all_same(results: list[Trained]) -> None:
     assert len({r.digest for r in results}) == 1
     assert len({r.params for r in results}) == 1
@@ -327,101 +279,24 @@ async def test_a_joiner_mid_run(cluster: Cluster, clock: object, overlap: bool) 
     it ends with the founders' bits. On the memory network (where the founders connect
     in a known order, hence the same ring) and without overlap, the hand-written loop
     on the same membership history gives the same bits too."""
-
-    async def run(peer: Callable[..., Awaitable[Trained]], **kwargs: object) -> list[Trained]:
-        comms = [cluster.communicator(host) for host in ("p0", "p1", "joiner")]
-        results: list[Trained] = []
-        held: set[int] = set()
-        founders_held = trio.Event()
-
-        async def hold(i: int, outer_steps: int) -> None:
-            """A founder waits at outer step 2 until the joiner is pending."""
-            if outer_steps != 2 or i in held:
-                return
-            held.add(i)
-            if len(held) == 2:
-                founders_held.set()
-            await comms[i].are_peers_pending(wait=math.inf)
-
-        async def one(i: int, **more: object) -> None:
-            results.append(await peer(comms[i], i, **kwargs, **more))
-
-        with trio.fail_after(GUARD):
-            async with trio.open_nursery() as nursery:
-                for i in range(2):
-                    nursery.start_soon(partial(one, i, min_peers=2, pause=partial(hold, i)))
-                    if cluster.memory is not None:
-                        await trio.testing.wait_all_tasks_blocked()  # p0 connects first
-                await founders_held.wait()
-                nursery.start_soon(one, 2)
-        return results
-
-    wrapped = await run(wrapper_peer, overlap=overlap)
+    wrapped = await joiner_mid_run(cluster, wrapper_peer, at=2, overlap=overlap)
     all_same(wrapped)
     if cluster.memory is not None and not overlap:
-        all_same(wrapped + await run(hand_written_peer))
+        all_same(wrapped + await joiner_mid_run(cluster, hand_written_peer, at=2))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 async def test_a_peer_killed_mid_all_reduce(cluster: Cluster, clock: object, overlap: bool) -> None:
     """Peer 2 dies while the others' all-reduce of outer step 3 moves data: the
     survivors go on to the end with the same bits."""
-    dilocos: dict[int, Wrapper] = {}
-    gate = Gate(3, at=2)
-    results: list[Trained] = []
-
-    async def survivor(i: int) -> None:
-        results.append(await wrapper_peer(cluster.communicator(f"p{i}"), i, overlap=overlap,
-                                          min_peers=3, pause=gate.pause, dilocos=dilocos))
-
-    async def victim() -> None:
-        try:
-            await wrapper_peer(cluster.communicator("p2"), 2, overlap=overlap, min_peers=3,
-                               pause=gate.pause, dilocos=dilocos)
-        except (pccl.PCCLError, trio.BrokenResourceError, trio.ClosedResourceError):
-            return  # its process died
-        raise AssertionError("the victim trained to the end")
-
-    with trio.fail_after(GUARD):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(survivor, 0)
-            nursery.start_soon(survivor, 1)
-            async with trio.open_nursery() as doomed:
-                doomed.start_soon(victim)
-                await gate.reached.wait()
-                gate.open()
-                await started(async_view(dilocos[0]), 0, or_ended=cluster.memory is None)
-                await cluster.kill("p2", async_view(dilocos[2]))
-    assert len(results) == 2
-    all_same(results)
+    all_same(await killed_mid_all_reduce(cluster, wrapper_peer, at=2, overlap=overlap))
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 async def test_the_master_restarted_mid_run(masters: Masters, clock: object, overlap: bool) -> None:
-    """The master dies after outer step 2 and comes back at the same address
-    ``RESTART_DELAY`` later, while the trainers go on: none of them sees it, and every
-    peer ends with the same bits."""
-    with trio.fail_after(GUARD):
-        address, scope = await masters.start("master")
-        port = int(address.rsplit(":", 1)[1])
-        comms = [masters.communicator(f"p{i}", address) for i in range(3)]
-        gate = Gate(3, at=2)
-        results: list[Trained] = []
-
-        async def one(i: int) -> None:
-            results.append(await wrapper_peer(comms[i], i, overlap=overlap, min_peers=3,
-                                              pause=gate.pause))
-
-        async with trio.open_nursery() as nursery:
-            for i in range(3):
-                nursery.start_soon(one, i)
-            await gate.reached.wait()
-            scope.cancel()
-            gate.open()
-            await trio.sleep(RESTART_DELAY)  # the scenario: the run without a master
-            await masters.start("master", port=port)
-    assert len(results) == 3
-    all_same(results)
+    """The master dies after outer step 2 and comes back at the same address while
+    the trainers go on: none of them sees it, and every peer ends with the same bits."""
+    all_same(await master_restarted(masters, wrapper_peer, at=2, overlap=overlap))
 
 
 @pytest.mark.parametrize("network_kind", ["memory"])  # partitions need the memory network
@@ -429,49 +304,10 @@ async def test_the_master_restarted_mid_run(masters: Masters, clock: object, ove
 async def test_a_peer_cut_off_until_kicked_joins_again(
     cluster: Cluster, clock: object, overlap: bool
 ) -> None:
-    """Peer 1 goes silent at outer step 2 for five liveness timeouts: the run removes
-    it and goes on (to outer step 4, where it waits for company); when peer 1 hears
-    again it is kicked, and the wrapper joins it again with a new communicator.
-    Everyone ends with the same bits."""
-    assert cluster.memory is not None
-    memory = cluster.memory
-    dilocos: dict[int, Wrapper] = {}
-    comms = [cluster.communicator(f"p{i}") for i in range(3)]
-    results: list[Trained] = []
-    cut = trio.Event()
-
-    with trio.fail_after(GUARD):
-        async with trio.open_nursery() as nursery:
-
-            async def heal() -> None:
-                await trio.sleep(5 * cluster.config.liveness_timeout)
-                memory.heal("p1")
-
-            async def cut_off(outer_steps: int) -> None:
-                if outer_steps == 2 and not cut.is_set():
-                    cut.set()
-                    memory.partition("p1")  # silently, as a pulled cable
-                    nursery.start_soon(heal)
-
-            async def hold(i: int, outer_steps: int) -> None:
-                """A survivor waits at outer step 4 until peer 1 is back (pending or in the
-                run): else the run could end before it hears again."""
-                if outer_steps == 4 and comms[i].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) < 3:
-                    await comms[i].are_peers_pending(wait=math.inf)
-
-            async def one(i: int) -> None:
-                results.append(await wrapper_peer(
-                    comms[i], i, min_peers=3, dilocos=dilocos, overlap=overlap,
-                    pause=cut_off if i == 1 else partial(hold, i),
-                ))
-
-            for i in range(3):
-                nursery.start_soon(one, i)
-    assert cut.is_set()
-    assert len(results) == 3
-    all_same(results)
-    assert dilocos[1].communicator is not comms[1]  # it joined again
-    assert dilocos[0].communicator is comms[0]
+    """Peer 1 goes silent at outer step 2 until the run removed it; the others wait at
+    outer step 4; when peer 1 hears again it is kicked, and the wrapper joins it again
+    with a new communicator. Everyone ends with the same bits."""
+    all_same(await kicked_and_back(cluster, wrapper_peer, cut_at=2, hold_at=4, overlap=overlap))
 
 
 @pytest.mark.parametrize("network_kind", ["sync"])
