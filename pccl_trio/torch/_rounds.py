@@ -11,7 +11,9 @@ A boundary, on every peer alike:
 
 1. the pseudo-gradient of the round just computed (outer minus local parameters);
 2. with ``overlap``, the all-reduce started at the previous boundary is waited for and
-   its average applied (the delayed outer update);
+   its average applied (the delayed outer update); step 3's first question is asked
+   before that wait, so that its round trip overlaps the transfer. A joiner is
+   admitted only after it (step 3), so the state it receives has that update too;
 3. the membership part (``Admission``): the peers waiting to join are admitted and
    the ring re-ordered, the shared state (outer parameters, outer optimizer state,
    revision = outer steps) is synced, and before the run's first outer step, below
@@ -19,7 +21,8 @@ A boundary, on every peer alike:
 4. the pseudo-gradient is all-reduced (AVG; quantized or Top-k as asked): at once and
    then applied, or, with ``overlap``, started and left running while the next round's
    inner steps compute;
-5. the model is set to the outer parameters: the next round starts there.
+5. the model is set to the outer parameters (where an outer step did not leave it
+   already): the next round starts there.
 
 A peer whose outer parameters changed in its sync (a joiner, a peer that was behind)
 holds a pseudo-gradient relative to parameters the run no longer has: it contributes
