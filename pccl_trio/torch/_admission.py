@@ -16,9 +16,6 @@ when no collective is in flight:
    (``are_peers_pending(wait=inf)``: the master answers when one asks) and goes back
    to 1; later the run goes on with whoever is left, a lone peer on its own.
 
-A boundary that waits for an all-reduce in flight asks step 1's question before it
-waits (``ask``), so that its round trip to the master overlaps the transfer.
-
 Every decision branches only on what every peer shares (the verdicts, the world size
 after a membership call, the revision after a sync), so every peer makes the same
 calls. ``TooFewPeers``, ``UpdateTopologyFailed`` and ``TopologyOptimizationFailed``
@@ -51,31 +48,12 @@ class Admission:
         """A new communicator connected: its first boundary starts at the ring."""
         self.fresh = True
 
-    async def ask(self, comm: Communicator) -> bool | None:
-        """Whether peers wait to join, asked ahead (``are_peers_pending`` is allowed
-        while a collective is in flight: the round trip overlaps it); None when the
-        vote failed for every voter, or this communicator's first boundary comes."""
-        if self.fresh:
-            return None
-        try:
-            return await comm.are_peers_pending()
-        except (TooFewPeers, UpdateTopologyFailed, TopologyOptimizationFailed):
-            return None
-
-    async def admit_and_sync(self, comm: Communicator, *, pending: bool | None = None) -> bool:
-        """Steps 1 to 3 of the module docstring (``pending``: the answer of an ``ask``
-        made since the last boundary, for step 1's first question); whether a sync
-        changed the state."""
+    async def admit_and_sync(self, comm: Communicator) -> bool:
+        """Steps 1 to 3 of the module docstring; whether a sync changed the state."""
         waiting, changed = False, False
         while True:
             try:
-                if pending is not None:
-                    asked, pending = pending, None
-                else:
-                    asked = self.fresh or await comm.are_peers_pending(
-                        wait=math.inf if waiting else 0
-                    )
-                if asked:
+                if self.fresh or await comm.are_peers_pending(wait=math.inf if waiting else 0):
                     if not self.fresh:
                         await comm.update_topology()
                     self.fresh = False

@@ -135,12 +135,10 @@ class OuterRounds:
     async def _boundary(self, comm: Communicator, vector: torch.Tensor, *, own: bool) -> None:
         try:
             at_outer = False  # the model holds the outer parameters (an outer step left it so)
-            pending = None
             if self._flight is not None:
                 flight, self._flight = self._flight, None
-                pending = await self._admission.ask(comm)  # while the flight lands
                 at_outer = await self._land(comm, flight)
-            changed = await self._admission.admit_and_sync(comm, pending=pending)
+            changed = await self._admission.admit_and_sync(comm)
             if changed or not own:
                 vector.zero_()  # relative to outer parameters the run no longer has
             if self.overlap:
