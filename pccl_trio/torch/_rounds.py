@@ -11,9 +11,8 @@ A boundary, on every peer alike:
 
 1. the pseudo-gradient of the round just computed (outer minus local parameters);
 2. with ``overlap``, the all-reduce started at the previous boundary is waited for and
-   its average applied (the delayed outer update); step 3's first question is asked
-   before that wait, so that its round trip overlaps the transfer. A joiner is
-   admitted only after it (step 3), so the state it receives has that update too;
+   its average applied (the delayed outer update). A joiner is admitted only after
+   it (step 3), so the state it receives has that update too;
 3. the membership part (``Admission``): the peers waiting to join are admitted and
    the ring re-ordered, the shared state (outer parameters, outer optimizer state,
    revision = outer steps) is synced, and before the run's first outer step, below
