@@ -168,6 +168,20 @@ async def end(peers: list[Peer], master: trio.Process | None = None) -> None:
             await master.wait()
 
 
+def add_churn_flags(parser: argparse.ArgumentParser, *, timeout: float) -> None:
+    """The flags that place the demo's churn (``churn_arguments`` checks them), the
+    victim's own, and the demo's time limit."""
+    parser.add_argument("--kill-at", type=int, default=None,
+                        help="demo: the outer step after which a peer is killed and a joiner "
+                             "started (default T/3; 0: no kill, no joiner)")
+    parser.add_argument("--hold-at", type=int, default=None,
+                        help="at this outer step the run waits until it has --world peers "
+                             "(default 2T/3: the demo's joiner takes part for certain)")
+    parser.add_argument("--stall-after", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=timeout,
+                        help="demo: give up after this many seconds (default %(default)s)")
+
+
 def churn_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace,
                     *, churn: bool) -> None:
     """``--kill-at`` and ``--hold-at`` checked and defaulted (T/3 and 2T/3 of

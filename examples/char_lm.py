@@ -47,7 +47,16 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 import trio
-from _launcher import Peer, churn_arguments, demo_environment, end, run_churn, say, start_master
+from _launcher import (
+    Peer,
+    add_churn_flags,
+    churn_arguments,
+    demo_environment,
+    end,
+    run_churn,
+    say,
+    start_master,
+)
 
 if TYPE_CHECKING:  # torch is imported where it is used: the launcher never needs it
     import torch
@@ -348,15 +357,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="model init and batches (default %(default)s)")
     parser.add_argument("--shard", type=int, default=0,
                         help="which peer's batches: with --seed, seeds its generator")
-    parser.add_argument("--kill-at", type=int, default=None,
-                        help="demo: the outer step after which a peer is killed and a joiner "
-                             "started (default T/3; 0: no kill, no joiner)")
-    parser.add_argument("--hold-at", type=int, default=None,
-                        help="at this outer step the run waits until it has --world peers "
-                             "(default 2T/3: the demo's joiner takes part for certain)")
-    parser.add_argument("--stall-after", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="demo: give up after this many seconds (default %(default)s)")
+    add_churn_flags(parser, timeout=600.0)
     args = parser.parse_args(argv)
     args.compress_text = args.compress
     if args.outer_momentum is None:

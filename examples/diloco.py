@@ -65,7 +65,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
-from _launcher import Peer, churn_arguments, demo_environment, end, run_churn, say, start_master
+from _launcher import (
+    Peer,
+    add_churn_flags,
+    churn_arguments,
+    demo_environment,
+    end,
+    run_churn,
+    say,
+    start_master,
+)
 
 import pccl_trio as pccl
 
@@ -530,15 +539,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outer-momentum", type=float, default=None,
                         help="outer SGD's Nesterov momentum, 0 for none (default 0.9; with "
                              "--compress 0: the residual carries it)")
-    parser.add_argument("--kill-at", type=int, default=None,
-                        help="demo: the outer step after which a peer is killed and a joiner "
-                             "started (default T/3; 0: no kill, no joiner)")
-    parser.add_argument("--hold-at", type=int, default=None,
-                        help="at this outer step the run waits until it has --world peers "
-                             "(2T/3: the demo's joiner takes part for certain)")
-    parser.add_argument("--stall-after", type=int, default=-1, help=argparse.SUPPRESS)
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="demo: give up after this many seconds (default %(default)s)")
+    add_churn_flags(parser, timeout=300.0)
     args = parser.parse_args(argv)
     sparse = args.compress is not None
     if args.value_bits is not None and not (sparse and args.quantize):

@@ -29,11 +29,23 @@ from __future__ import annotations
 
 import math
 
-from .._errors import SharedStateSyncFailed, TooFewPeers, TopologyOptimizationFailed, UpdateTopologyFailed
+from .._errors import (
+    InvalidArgument,
+    SharedStateSyncFailed,
+    TooFewPeers,
+    TopologyOptimizationFailed,
+    UpdateTopologyFailed,
+)
 from .._types import Attribute, SharedState, SharedStateSyncInfo
 from ..peer import Communicator
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "check_min_peers"]
+
+
+def check_min_peers(min_peers: int) -> None:
+    """The wrappers' ``min_peers`` argument, checked."""
+    if isinstance(min_peers, bool) or not isinstance(min_peers, int) or min_peers < 1:
+        raise InvalidArgument(f"min_peers must be a positive int, not {min_peers!r}")
 
 
 class Admission:

@@ -24,20 +24,17 @@ is what lets it overlap backward).
 
 from __future__ import annotations
 
-from types import TracebackType
-
 import torch
 import trio
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .._errors import InvalidArgument
-from .._types import SharedState
 from ..peer import Communicator as AsyncCommunicator
 from ..sync import Communicator as BlockingCommunicator
-from ._diloco import check_min_peers
+from ._admission import check_min_peers
 from ._gradients import Bucket, GradientRounds
-from ._owner import AsyncOwner, BlockingOwner
+from ._owner import AsyncWrapper, BlockingWrapper
 
 __all__ = ["AsyncDataParallel", "DataParallel"]
 
@@ -46,20 +43,29 @@ BUCKET_BYTES = 25 * 2**20
 
 
 def _rounds(model: nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: int,
-            min_peers: int) -> tuple[GradientRounds, list[RemovableHandle]]:
-    """The steps, from the arguments both classes check alike, and the hooks."""
+            min_peers: int) -> GradientRounds:
+    """The steps, from the arguments both classes check alike."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise InvalidArgument(f"bucket_bytes must be a positive int, not {bucket_bytes!r}")
     check_min_peers(min_peers)
-    rounds = GradientRounds(model, optimizer, bucket_bytes=bucket_bytes, min_peers=min_peers)
-    hooks = [
+    return GradientRounds(model, optimizer, bucket_bytes=bucket_bytes, min_peers=min_peers)
+
+
+def _hook(rounds: GradientRounds) -> list[RemovableHandle]:
+    """A hook on every bucketed parameter: backward tells ``rounds`` what it made."""
+    return [
         p.register_post_accumulate_grad_hook(rounds.ready)  # type: ignore[no-untyped-call]
         for bucket in rounds.buckets for p in bucket.params
     ]
-    return rounds, hooks
 
 
-class DataParallel:
+def _unhook(rounds: GradientRounds, hooks: list[RemovableHandle]) -> None:
+    rounds.start = None
+    for hook in hooks:
+        hook.remove()
+
+
+class DataParallel(BlockingWrapper[GradientRounds]):
     """Per-step gradient averaging for a synchronous torch loop, over a
     ``pccl_trio.sync.Communicator``.
 
@@ -86,18 +92,9 @@ class DataParallel:
         self, model: nn.Module, *, communicator: BlockingCommunicator,
         optimizer: torch.optim.Optimizer, bucket_bytes: int = BUCKET_BYTES, min_peers: int = 1,
     ) -> None:
-        if not isinstance(communicator, BlockingCommunicator):
-            raise InvalidArgument(
-                "communicator must be a pccl_trio.sync.Communicator (AsyncDataParallel "
-                f"takes a pccl_trio.Communicator), not {type(communicator).__name__}"
-            )
-        self._rounds, self._hooks = _rounds(model, optimizer, bucket_bytes, min_peers)
-        self._owner = BlockingOwner(communicator, self._rounds, "DataParallel")
-
-    @property
-    def communicator(self) -> BlockingCommunicator:
-        """The communicator in use (a new one after this peer joined again)."""
-        return self._owner.communicator
+        super().__init__(communicator, lambda: _rounds(model, optimizer, bucket_bytes, min_peers),
+                         name="DataParallel", twin="AsyncDataParallel")
+        self._hooks = _hook(self._rounds)
 
     @property
     def steps(self) -> int:
@@ -105,17 +102,10 @@ class DataParallel:
         every peer after each step."""
         return self._rounds.shared.revision
 
-    @property
-    def shared_state(self) -> SharedState:
-        """The run's shared state: the parameters (``params.<name>``) and the
-        optimizer's state (``optimizer.<name>.<key>``), revision ``steps``;
-        ``pccl_trio.state_digest`` of it is the same on every peer after each step."""
-        return self._rounds.shared
-
     def join(self) -> None:
         """Connect (when the communicator is new) and take part in the run's next
         boundary: the model then holds the run's parameters."""
-        self._owner.join()
+        super().join()
         self._rounds.start = self._start
 
     def step(self) -> None:
@@ -126,26 +116,14 @@ class DataParallel:
 
     def close(self) -> None:
         """Leave the run and remove the hooks."""
-        self._rounds.start = None
-        for hook in self._hooks:
-            hook.remove()
-        self._owner.close()
-
-    def __enter__(self) -> DataParallel:
-        self.join()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        _unhook(self._rounds, self._hooks)
+        super().close()
 
     def _start(self, bucket: Bucket) -> None:
         self._owner.call(self._rounds.start_in_loop, bucket)
 
 
-class AsyncDataParallel:
+class AsyncDataParallel(AsyncWrapper[GradientRounds]):
     """``DataParallel`` for a trainer that runs in trio, over a ``pccl_trio.Communicator``:
     the same arguments, with ``await dp.join()``, ``await dp.step()``, ``await
     dp.aclose()`` and ``async with``. Run backward off the event loop
@@ -156,32 +134,18 @@ class AsyncDataParallel:
         self, model: nn.Module, *, communicator: AsyncCommunicator,
         optimizer: torch.optim.Optimizer, bucket_bytes: int = BUCKET_BYTES, min_peers: int = 1,
     ) -> None:
-        if not isinstance(communicator, AsyncCommunicator):
-            raise InvalidArgument(
-                "communicator must be a pccl_trio.Communicator (DataParallel takes a "
-                f"pccl_trio.sync.Communicator), not {type(communicator).__name__}"
-            )
-        self._rounds, self._hooks = _rounds(model, optimizer, bucket_bytes, min_peers)
-        self._owner = AsyncOwner(communicator, self._rounds, "AsyncDataParallel")
-
-    @property
-    def communicator(self) -> AsyncCommunicator:
-        """As ``DataParallel.communicator``."""
-        return self._owner.communicator
+        super().__init__(communicator, lambda: _rounds(model, optimizer, bucket_bytes, min_peers),
+                         name="AsyncDataParallel", twin="DataParallel")
+        self._hooks = _hook(self._rounds)
 
     @property
     def steps(self) -> int:
         """As ``DataParallel.steps``."""
         return self._rounds.shared.revision
 
-    @property
-    def shared_state(self) -> SharedState:
-        """As ``DataParallel.shared_state``."""
-        return self._rounds.shared
-
     async def join(self) -> None:
         """As ``DataParallel.join``."""
-        await self._owner.join()
+        await super().join()
         self._rounds.start = self._start
 
     async def step(self) -> None:
@@ -192,20 +156,8 @@ class AsyncDataParallel:
 
     async def aclose(self) -> None:
         """As ``DataParallel.close``."""
-        self._rounds.start = None
-        for hook in self._hooks:
-            hook.remove()
-        await self._owner.aclose()
-
-    async def __aenter__(self) -> AsyncDataParallel:
-        await self.join()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+        _unhook(self._rounds, self._hooks)
+        await super().aclose()
 
     def _start(self, bucket: Bucket) -> None:
         comm = self._owner.communicator

@@ -25,17 +25,16 @@ with ``overlap`` the inner steps should run off the event loop
 
 from __future__ import annotations
 
-from types import TracebackType
-
 import torch
 from torch import nn
 
 from .._errors import InvalidArgument
-from .._types import QuantizationOptions, SharedState, TopK
+from .._types import QuantizationOptions, TopK
 from ..peer import Communicator as AsyncCommunicator
 from ..sync import Communicator as BlockingCommunicator
+from ._admission import check_min_peers
 from ._outer import OuterModel
-from ._owner import AsyncOwner, BlockingOwner
+from ._owner import AsyncWrapper, BlockingWrapper
 from ._rounds import OuterRounds
 
 __all__ = ["AsyncDiLoCo", "DiLoCo"]
@@ -47,8 +46,6 @@ def _rounds(
     compression: QuantizationOptions | TopK | None, overlap: bool, min_peers: int,
 ) -> OuterRounds:
     """The outer rounds, from the arguments both classes check alike."""
-    if not isinstance(model, nn.Module):
-        raise InvalidArgument(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if not isinstance(inner_optimizer, torch.optim.Optimizer):
         raise InvalidArgument(
             f"inner_optimizer must be a torch.optim.Optimizer, not {type(inner_optimizer).__name__}"
@@ -74,12 +71,7 @@ def _rounds(
     )
 
 
-def check_min_peers(min_peers: int) -> None:
-    if isinstance(min_peers, bool) or not isinstance(min_peers, int) or min_peers < 1:
-        raise InvalidArgument(f"min_peers must be a positive int, not {min_peers!r}")
-
-
-class DiLoCo:
+class DiLoCo(BlockingWrapper[OuterRounds]):
     """DiLoCo for a synchronous torch loop, over a ``pccl_trio.sync.Communicator``.
 
     Call ``step()`` after each inner ``optimizer.step()``. Every ``sync_every`` steps
@@ -115,39 +107,16 @@ class DiLoCo:
         sync_every: int, compression: QuantizationOptions | TopK | None = None,
         overlap: bool = False, min_peers: int = 1,
     ) -> None:
-        if not isinstance(communicator, BlockingCommunicator):
-            raise InvalidArgument(
-                "communicator must be a pccl_trio.sync.Communicator (AsyncDiLoCo takes a "
-                f"pccl_trio.Communicator), not {type(communicator).__name__}"
-            )
-        self._rounds = _rounds(model, inner_optimizer, outer_optimizer, sync_every,
-                               compression, overlap, min_peers)
-        self._owner = BlockingOwner(communicator, self._rounds, "DiLoCo")
-
-    @property
-    def communicator(self) -> BlockingCommunicator:
-        """The communicator in use (a new one after this peer joined again)."""
-        return self._owner.communicator
+        super().__init__(communicator, lambda: _rounds(
+            model, inner_optimizer, outer_optimizer, sync_every, compression, overlap,
+            min_peers,
+        ), name="DiLoCo", twin="AsyncDiLoCo")
 
     @property
     def outer_steps(self) -> int:
         """The run's count of outer steps done (the shared state's revision): the same
         on every peer after each boundary."""
         return self._rounds.shared.revision
-
-    @property
-    def shared_state(self) -> SharedState:
-        """The run's shared state: the outer parameters (``outer.<name>``) and the
-        outer optimizer's state (``outer_optimizer.<name>.<key>``), revision
-        ``outer_steps``. ``pccl_trio.state_digest(diloco.shared_state)`` is the same on
-        every peer after each boundary: log it to check that the weights agree. Read
-        it between steps; the wrapper writes it at boundaries."""
-        return self._rounds.shared
-
-    def join(self) -> None:
-        """Connect (when the communicator is new) and make this peer's first boundary:
-        the model then holds the run's outer parameters."""
-        self._owner.join()
 
     def step(self) -> None:
         """Count one inner step; at the end of a round, the outer round (blocks)."""
@@ -157,22 +126,8 @@ class DiLoCo:
         if self._rounds.due():
             self._owner.run(self._rounds.boundary)
 
-    def close(self) -> None:
-        """Leave the run; a round's all-reduce in flight (``overlap``) is dropped."""
-        self._owner.close()
 
-    def __enter__(self) -> DiLoCo:
-        self.join()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-class AsyncDiLoCo:
+class AsyncDiLoCo(AsyncWrapper[OuterRounds]):
     """``DiLoCo`` for a trainer that runs in trio, over a ``pccl_trio.Communicator``:
     the same arguments, with ``await diloco.join()``, ``await diloco.step()``,
     ``await diloco.aclose()`` and ``async with``. With ``overlap``, compute the inner
@@ -186,33 +141,15 @@ class AsyncDiLoCo:
         sync_every: int, compression: QuantizationOptions | TopK | None = None,
         overlap: bool = False, min_peers: int = 1,
     ) -> None:
-        if not isinstance(communicator, AsyncCommunicator):
-            raise InvalidArgument(
-                "communicator must be a pccl_trio.Communicator (DiLoCo takes a "
-                f"pccl_trio.sync.Communicator), not {type(communicator).__name__}"
-            )
-        self._rounds = _rounds(model, inner_optimizer, outer_optimizer, sync_every,
-                               compression, overlap, min_peers)
-        self._owner = AsyncOwner(communicator, self._rounds, "AsyncDiLoCo")
-
-    @property
-    def communicator(self) -> AsyncCommunicator:
-        """As ``DiLoCo.communicator``."""
-        return self._owner.communicator
+        super().__init__(communicator, lambda: _rounds(
+            model, inner_optimizer, outer_optimizer, sync_every, compression, overlap,
+            min_peers,
+        ), name="AsyncDiLoCo", twin="DiLoCo")
 
     @property
     def outer_steps(self) -> int:
         """As ``DiLoCo.outer_steps``."""
         return self._rounds.shared.revision
-
-    @property
-    def shared_state(self) -> SharedState:
-        """As ``DiLoCo.shared_state``."""
-        return self._rounds.shared
-
-    async def join(self) -> None:
-        """As ``DiLoCo.join``."""
-        await self._owner.join()
 
     async def step(self) -> None:
         """As ``DiLoCo.step``."""
@@ -221,17 +158,3 @@ class AsyncDiLoCo:
             return
         if self._rounds.due():
             await self._owner.run(self._rounds.boundary)
-
-    async def aclose(self) -> None:
-        """As ``DiLoCo.close``."""
-        await self._owner.aclose()
-
-    async def __aenter__(self) -> AsyncDiLoCo:
-        await self.join()
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()

@@ -15,18 +15,27 @@ a new one with the same arguments (``replacement()``), connect it, tell the roun
 (``rejoining``: a newcomer from here on) and run their ``join`` instead: the peer
 comes back as a newcomer, whose first sync takes the run's state. ``communicator`` is
 always the one in use.
+
+``BlockingWrapper`` and ``AsyncWrapper`` are what every wrapper class has whatever its
+rounds: the communicator it owns (checked to be of its kind), the run's shared state,
+``join``, ``close`` and the context manager; a wrapper adds its ``step``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from types import TracebackType
+from typing import Any, Generic, Protocol, Self, TypeVar
 
-from .._errors import InvalidUsage
+from .._errors import InvalidArgument, InvalidUsage
+from .._types import SharedState
 from ..peer import Communicator as AsyncCommunicator
 from ..sync import Communicator as BlockingCommunicator
 
-__all__ = ["AsyncOwner", "BlockingOwner", "Boundary", "Rejoin", "Rounds"]
+__all__ = [
+    "AsyncOwner", "AsyncWrapper", "BlockingOwner", "BlockingWrapper", "Boundary", "Rejoin",
+    "Rounds",
+]
 
 _T = TypeVar("_T")
 
@@ -40,6 +49,9 @@ class Rejoin(Exception):
 
 class Rounds(Protocol):
     """What an owner needs of a wrapper's rounds."""
+
+    @property
+    def shared(self) -> SharedState: ...
 
     async def join(self, comm: AsyncCommunicator) -> None: ...
 
@@ -116,3 +128,95 @@ class AsyncOwner:
 
     async def aclose(self) -> None:
         await self.communicator.aclose()
+
+
+_R = TypeVar("_R", bound=Rounds)
+
+
+class BlockingWrapper(Generic[_R]):
+    """A wrapper over a ``pccl_trio.sync.Communicator`` (see the module docstring):
+    ``make_rounds`` builds its rounds once the communicator passed the check."""
+
+    def __init__(self, communicator: BlockingCommunicator, make_rounds: Callable[[], _R], *,
+                 name: str, twin: str) -> None:
+        if not isinstance(communicator, BlockingCommunicator):
+            raise InvalidArgument(
+                f"communicator must be a pccl_trio.sync.Communicator ({twin} takes a "
+                f"pccl_trio.Communicator), not {type(communicator).__name__}"
+            )
+        self._rounds = make_rounds()
+        self._owner = BlockingOwner(communicator, self._rounds, name)
+
+    @property
+    def communicator(self) -> BlockingCommunicator:
+        """The communicator in use (a new one after this peer joined again)."""
+        return self._owner.communicator
+
+    @property
+    def shared_state(self) -> SharedState:
+        """The run's shared state (the class docstring names its tensors), whose
+        revision is the run's count of steps: ``pccl_trio.state_digest`` of it is the
+        same on every peer after each boundary (log it to check that the weights
+        agree). Read it between steps; the wrapper writes it at boundaries."""
+        return self._rounds.shared
+
+    def join(self) -> None:
+        """Connect (when the communicator is new) and make this peer's first boundary:
+        the model then holds the run's parameters."""
+        self._owner.join()
+
+    def close(self) -> None:
+        """Leave the run."""
+        self._owner.close()
+
+    def __enter__(self) -> Self:
+        self.join()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class AsyncWrapper(Generic[_R]):
+    """``BlockingWrapper`` for a trainer in trio, over a ``pccl_trio.Communicator``."""
+
+    def __init__(self, communicator: AsyncCommunicator, make_rounds: Callable[[], _R], *,
+                 name: str, twin: str) -> None:
+        if not isinstance(communicator, AsyncCommunicator):
+            raise InvalidArgument(
+                f"communicator must be a pccl_trio.Communicator ({twin} takes a "
+                f"pccl_trio.sync.Communicator), not {type(communicator).__name__}"
+            )
+        self._rounds = make_rounds()
+        self._owner = AsyncOwner(communicator, self._rounds, name)
+
+    @property
+    def communicator(self) -> AsyncCommunicator:
+        """As ``BlockingWrapper.communicator``."""
+        return self._owner.communicator
+
+    @property
+    def shared_state(self) -> SharedState:
+        """As ``BlockingWrapper.shared_state``."""
+        return self._rounds.shared
+
+    async def join(self) -> None:
+        """As ``BlockingWrapper.join``."""
+        await self._owner.join()
+
+    async def aclose(self) -> None:
+        """As ``BlockingWrapper.close``."""
+        await self._owner.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.join()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
-import pathlib
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -30,22 +29,18 @@ from pccl_trio.peer._shared_state import Fetcher
 from pccl_trio.testing import PeerSeam
 
 from .conftest import WITH_BLOCKING, Cluster
+from .marked_blocks import ROOT, python_block_after
 
 NETWORKS = WITH_BLOCKING
 
-LOOP = pathlib.Path(__file__).resolve().parents[2] / "docs" / "loop.md"
+LOOP = ROOT / "docs" / "loop.md"
 MARKER = "<!-- hand-written-loop: tests/integration/test_hand_written_loop.py runs the next block -->"
 SIZE = 64
 
 
 def loop_block() -> str:
     """The python block right after the marker in docs/loop.md."""
-    text = LOOP.read_text(encoding="utf-8")
-    assert text.count(MARKER) == 1, "docs/loop.md must mark its loop exactly once"
-    after = text.split(MARKER, 1)[1]
-    opening = "\n```python\n"
-    assert after.startswith(opening), "the marker must be followed by a ```python block"
-    return after[len(opening):].split("\n```\n", 1)[0]
+    return python_block_after(LOOP, MARKER)
 
 
 class Died(Exception):

@@ -13,7 +13,6 @@ records which communicator each thread made (the block's own call makes it).
 from __future__ import annotations
 
 import math
-import pathlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,10 +25,11 @@ from torch import nn
 import pccl_trio.sync
 
 from .conftest import Masters
+from .marked_blocks import ROOT, python_block_after
 
 NETWORKS = ("tcp",)
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+README = ROOT / "README.md"
 MARKER = "<!-- readme-trainer: tests/integration/test_readme_trainer.py runs the next block -->"
 OUTER_STEPS = 6
 SYNC_EVERY = 50  # the block's
@@ -38,12 +38,7 @@ HOLD_AT = 2 * SYNC_EVERY  # the batch the founder waits before (at outer step 2)
 
 def trainer_block() -> str:
     """The python block right after the marker in README.md."""
-    text = README.read_text(encoding="utf-8")
-    assert text.count(MARKER) == 1, "README.md must mark its quickstart trainer exactly once"
-    after = text.split(MARKER, 1)[1]
-    opening = "\n```python\n"
-    assert after.startswith(opening), "the marker must be followed by a ```python block"
-    return after[len(opening):].split("\n```\n", 1)[0]
+    return python_block_after(README, MARKER)
 
 
 def batches(shard: int, hold: Callable[[], None] | None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

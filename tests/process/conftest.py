@@ -145,3 +145,18 @@ def environment(secret: str | None = None) -> dict[str, str]:
     if secret is not None:
         env["PCCL_TRIO_RUN_SECRET"] = secret
     return env
+
+
+async def run_demo(script: Path, *arguments: str) -> tuple[dict[str, Any], str]:
+    """An example's demo run to its end (``script`` with ``arguments``, 150 s at
+    most), which must exit 0: its ``RESULT`` line, parsed, and its whole output."""
+    with trio.fail_after(150):
+        result = await trio.run_process(
+            [sys.executable, str(script), *arguments],
+            capture_stdout=True, capture_stderr=True, check=False,
+        )
+    output = result.stdout.decode() + result.stderr.decode()
+    assert result.returncode == 0, output
+    line = next(line for line in result.stdout.decode().splitlines() if line.startswith("RESULT "))
+    summary: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    return summary, output

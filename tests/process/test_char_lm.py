@@ -6,13 +6,11 @@ the held-out loss fell."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import trio
+
+from .conftest import run_demo
 
 pytestmark = [
     pytest.mark.process,
@@ -24,18 +22,12 @@ CHAR_LM = Path(__file__).resolve().parents[2] / "examples" / "char_lm.py"
 
 async def test_char_lm_with_overlap_survives_a_kill_and_a_joiner_bit_identical() -> None:
     kill_at, hold_at, outer_steps = 2, 4, 6
-    with trio.fail_after(150):
-        result = await trio.run_process(
-            [sys.executable, str(CHAR_LM), "--outer-steps", str(outer_steps), "--inner-steps", "5",
-             "--kill-at", str(kill_at), "--hold-at", str(hold_at), "--batch", "8",
-             "--context", "32", "--width", "32", "--layers", "1", "--overlap",
-             "--compress", "uint8", "--timeout", "120"],
-            capture_stdout=True, capture_stderr=True, check=False,
-        )
-    output = result.stdout.decode() + result.stderr.decode()
-    assert result.returncode == 0, output
-    line = next(line for line in result.stdout.decode().splitlines() if line.startswith("RESULT "))
-    summary: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    summary, output = await run_demo(
+        CHAR_LM, "--outer-steps", str(outer_steps), "--inner-steps", "5", "--kill-at",
+        str(kill_at), "--hold-at", str(hold_at), "--batch", "8", "--context", "32",
+        "--width", "32", "--layers", "1", "--overlap", "--compress", "uint8",
+        "--timeout", "120",
+    )
     assert summary["identical"] and summary["peers"] == 3, output
     assert summary["killed"] and summary["joiner_finished"], output
     worlds = summary["worlds"]

@@ -7,13 +7,12 @@ bytes than dense."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import trio
+
+from .conftest import run_demo as run_process_demo
 
 pytestmark = [
     pytest.mark.process,
@@ -32,16 +31,10 @@ DENSE_BYTES = 2 * 2 * 4810 * 4 // 3
 
 
 async def run_demo(*arguments: str) -> tuple[dict[str, Any], str]:
-    """The demo with ``arguments``: its ``RESULT`` and its whole output."""
-    with trio.fail_after(150):
-        result = await trio.run_process(
-            [sys.executable, str(DILOCO), "--seed", "3", "--timeout", "120", *arguments],
-            capture_stdout=True, capture_stderr=True, check=False,
-        )
-    output = result.stdout.decode() + result.stderr.decode()
-    assert result.returncode == 0, output
-    line = next(line for line in result.stdout.decode().splitlines() if line.startswith("RESULT "))
-    summary: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+    """The demo with ``arguments``: its ``RESULT`` and its whole output; three peers
+    ended bit-identical."""
+    summary, output = await run_process_demo(DILOCO, "--seed", "3", "--timeout", "120",
+                                             *arguments)
     assert summary["identical"] and summary["peers"] == 3, output
     return summary, output
 
