@@ -25,7 +25,15 @@ or any exception delivered to it) cancels its task and waits for the task to end
 the interruption goes on, so that whatever the call holds (the caller's buffers, the
 tag) has been settled by trio's rules for a cancelled call: the buffers hold the
 input or the result, nothing writes to them any more. A second interruption while it
-waits goes on at once.
+waits goes on at once. A cancellation that reaches the loop before the task was
+spawned settles the call itself ("the call was cancelled"), so the caller never
+waits for a task that will not run.
+
+The main thread waits in slices of ``SIGNAL_SLICE`` seconds. Python runs a signal's
+handler only between bytecodes of the main thread: a signal that arrives after the
+thread last looked and before its wait started blocking does not end that wait, and
+one long wait would hold Ctrl-C back until the call ended, perhaps never (an
+all-reduce whose peers never come). The slice bounds that delay.
 
 Two calls are refused with ``InvalidUsage`` instead of deadlocking: any made on the
 loop's own thread (it would wait for itself), and a ``call`` made inside a Trio run (it
@@ -49,16 +57,30 @@ __all__ = ["LoopThread"]
 
 _T = TypeVar("_T")
 
+#: Seconds the main thread blocks at a time while it waits for a call (module docstring).
+SIGNAL_SLICE = 0.1
+
+
+def _wait(future: concurrent.futures.Future[Any]) -> None:
+    """Block until ``future`` is done; on the main thread in slices, so that a signal
+    handler (``KeyboardInterrupt``) runs soon after its signal arrives."""
+    if threading.current_thread() is not threading.main_thread():
+        concurrent.futures.wait((future,))
+        return
+    while not future.done():
+        concurrent.futures.wait((future,), timeout=SIGNAL_SLICE)
+
 
 class _Job:
-    """One call running in the loop: its result for the caller, and the cancel scope
-    that an interrupted caller cancels."""
+    """One call running in the loop: its result for the caller, the cancel scope that
+    an interrupted caller cancels, and whether the loop spawned its task yet."""
 
-    __slots__ = ("future", "scope")
+    __slots__ = ("future", "scope", "spawned")
 
     def __init__(self) -> None:
         self.future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self.scope = trio.CancelScope()
+        self.spawned = False
 
 
 class LoopThread:
@@ -111,19 +133,21 @@ class LoopThread:
         """
         self._check_caller(what, blocking=True)
         job = _Job()
-        self._submit(lambda: self._spawn(job, afn, args), what)
         try:
-            return job.future.result()  # type: ignore[no-any-return]
+            self._submit(lambda: self._spawn(job, afn, args), what)
+            _wait(job.future)
         except BaseException:
             if job.future.done():
                 raise
-            # Interrupted while it waits: the task is cancelled and settles first.
+            # Interrupted (perhaps before the submit finished): the task is cancelled
+            # and settles first.
             self._cancel(job)
             try:
-                job.future.exception()
+                _wait(job.future)
             except BaseException:  # a second interruption: stop waiting
                 pass
             raise
+        return job.future.result()  # type: ignore[no-any-return]
 
     def call_sync(self, fn: Callable[..., _T], *args: Any, what: str) -> _T:
         """``fn(*args)`` on the loop's thread; its value, or its exception raised here.
@@ -185,6 +209,9 @@ class LoopThread:
         self._nursery = None
 
     def _spawn(self, job: _Job, afn: Callable[..., Awaitable[Any]], args: tuple[Any, ...]) -> None:
+        if job.future.done():  # cancelled before it was spawned
+            return
+        job.spawned = True
         if self._nursery is None or not self._running:
             job.future.set_exception(InvalidUsage(self._not_running()))
             return
@@ -247,13 +274,22 @@ class LoopThread:
             raise InvalidUsage(f"{what}: {self._not_running()}") from None
 
     def _cancel(self, job: _Job) -> None:
+        """Cancel ``job`` in the loop; one the loop never spawned (or never will: the
+        loop ended) is settled here, as cancelled."""
+
+        def cancel() -> None:
+            if not job.spawned and not job.future.done():
+                job.future.set_exception(InvalidUsage("the call was cancelled"))
+            job.scope.cancel()
+
         token = self._token
-        if token is None:
-            return
         try:
-            token.run_sync_soon(job.scope.cancel)
-        except trio.RunFinishedError:
-            pass
+            if token is None:
+                raise trio.RunFinishedError
+            token.run_sync_soon(cancel)
+        except trio.RunFinishedError:  # no loop runs the job: nothing else settles it
+            if not job.future.done():
+                job.future.set_exception(InvalidUsage(self._not_running()))
 
     def _not_running(self) -> str:
         """As the async communicator says it of itself."""
