@@ -31,9 +31,9 @@ optimizer's state and the outer step count in its first boundary.
 The demo's churn, decided by what the peers report and never by time: the victim
 stops after outer step ``--kill-at`` (so that the others wait for it in an
 all-reduce) and is SIGKILLed; the survivors go on without it; a joiner is started once
-they took a step without it; at ``--hold-at`` the run waits until it has ``--world``
-peers again (``are_peers_pending(wait=inf)``, a vote every peer makes at the same
-outer step), so that the joiner takes part for certain.
+they took a step without it; at ``--hold-at`` every peer asks the wrapper to hold
+until the run has ``--world`` peers again (``diloco.hold``), so that the joiner takes
+part for certain.
 """
 
 from __future__ import annotations
@@ -217,10 +217,10 @@ def train(master: str, args: argparse.Namespace) -> None:
                 emit(event="stalled", peer=comm.peer_id, step=diloco.outer_steps)
                 threading.Event().wait()  # the demo's victim: SIGKILLed here
             if diloco.outer_steps == args.hold_at and not held and world < args.world:
-                held = True  # the demo's hold: every peer votes here, at this outer step,
+                held = True  # the demo's hold: every peer asks at this outer step
                 emit(event="waiting", peer=comm.peer_id, step=diloco.outer_steps,
                      world=world, wanted=args.world)
-                comm.are_peers_pending(wait=math.inf)  # until one asks: admitted next
+                diloco.hold(args.world)  # until one joined: it is admitted here
         emit(event="finished", peer=diloco.communicator.peer_id, step=diloco.outer_steps,
              loss=round(held_out_loss(model, text, args), 4),
              digest=pccl.state_digest(diloco.shared_state),

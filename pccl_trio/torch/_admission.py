@@ -14,7 +14,9 @@ when no collective is in flight:
 3. before the run's first step (revision 0, which every peer holds after the sync),
    with fewer than ``min_peers`` in the run, it waits for company
    (``are_peers_pending(wait=inf)``: the master answers when one asks) and goes back
-   to 1; later the run goes on with whoever is left, a lone peer on its own.
+   to 1; later the run goes on with whoever is left, a lone peer on its own, unless
+   the boundary was asked to hold for ``company`` peers (the wrappers' ``hold``, which
+   every peer asks for at the same step): then it waits alike until the run has them.
 
 Every decision branches only on what every peer shares (the verdicts, the world size
 after a membership call, the revision after a sync), so every peer makes the same
@@ -39,20 +41,19 @@ from .._errors import (
 from .._types import Attribute, SharedState, SharedStateSyncInfo
 from ..peer import Communicator
 
-__all__ = ["Admission", "check_min_peers"]
+__all__ = ["Admission", "check_peers"]
 
 
-def check_min_peers(min_peers: int) -> None:
-    """The wrappers' ``min_peers`` argument, checked."""
-    if isinstance(min_peers, bool) or not isinstance(min_peers, int) or min_peers < 1:
-        raise InvalidArgument(f"min_peers must be a positive int, not {min_peers!r}")
+def check_peers(peers: int, what: str) -> None:
+    """A count of peers the trainer asks for (``what`` names the argument)."""
+    if isinstance(peers, bool) or not isinstance(peers, int) or peers < 1:
+        raise InvalidArgument(f"{what} must be a positive int, not {peers!r}")
 
 
 class Admission:
     """One peer's admissions and syncs with one communicator (see the module docstring)."""
 
-    def __init__(self, shared: SharedState, min_peers: int) -> None:
-        self.shared = shared
+    def __init__(self, min_peers: int) -> None:
         self.min_peers = min_peers
         self.fresh = True  # the communicator just connected: its next call is optimize
 
@@ -60,8 +61,10 @@ class Admission:
         """A new communicator connected: its first boundary starts at the ring."""
         self.fresh = True
 
-    async def admit_and_sync(self, comm: Communicator) -> bool:
-        """Steps 1 to 3 of the module docstring; whether a sync changed the state."""
+    async def admit_and_sync(self, comm: Communicator, shared: SharedState, *,
+                             company: int = 0) -> bool:
+        """Steps 1 to 3 of the module docstring for ``shared``, holding for ``company``
+        peers; whether a sync changed the state."""
         waiting, changed = False, False
         while True:
             try:
@@ -71,19 +74,19 @@ class Admission:
                     self.fresh = False
                     if comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) >= 2:
                         await comm.optimize_topology()
-                changed |= (await self.sync(comm)).rx_bytes > 0
+                changed |= (await self.sync(comm, shared)).rx_bytes > 0
             except (TooFewPeers, UpdateTopologyFailed, TopologyOptimizationFailed):
                 continue  # every voter got the same verdict: start over
             # After the sync every peer holds the run's revision: the same branch for all.
             world = comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE)
-            waiting = self.shared.revision == 0 and world < self.min_peers
+            waiting = (shared.revision == 0 and world < self.min_peers) or world < company
             if not waiting:
                 return changed
 
-    async def sync(self, comm: Communicator) -> SharedStateSyncInfo:
-        """Sync the shared state until a sync succeeds."""
+    async def sync(self, comm: Communicator, shared: SharedState) -> SharedStateSyncInfo:
+        """Sync ``shared`` until a sync succeeds."""
         while True:
             try:
-                return await comm.sync_shared_state(self.shared)
+                return await comm.sync_shared_state(shared)
             except SharedStateSyncFailed:
                 continue

@@ -32,7 +32,7 @@ from torch.utils.hooks import RemovableHandle
 from .._errors import InvalidArgument
 from ..peer import Communicator as AsyncCommunicator
 from ..sync import Communicator as BlockingCommunicator
-from ._admission import check_min_peers
+from ._admission import check_peers
 from ._gradients import Bucket, GradientRounds
 from ._owner import AsyncWrapper, BlockingWrapper
 
@@ -47,7 +47,7 @@ def _rounds(model: nn.Module, optimizer: torch.optim.Optimizer, bucket_bytes: in
     """The steps, from the arguments both classes check alike."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
         raise InvalidArgument(f"bucket_bytes must be a positive int, not {bucket_bytes!r}")
-    check_min_peers(min_peers)
+    check_peers(min_peers, "min_peers")
     return GradientRounds(model, optimizer, bucket_bytes=bucket_bytes, min_peers=min_peers)
 
 

@@ -32,7 +32,7 @@ from .._errors import InvalidArgument
 from .._types import QuantizationOptions, TopK
 from ..peer import Communicator as AsyncCommunicator
 from ..sync import Communicator as BlockingCommunicator
-from ._admission import check_min_peers
+from ._admission import check_peers
 from ._outer import OuterModel
 from ._owner import AsyncWrapper, BlockingWrapper
 from ._rounds import OuterRounds
@@ -52,7 +52,7 @@ def _rounds(
         )
     if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
         raise InvalidArgument(f"sync_every must be a positive int, not {sync_every!r}")
-    check_min_peers(min_peers)
+    check_peers(min_peers, "min_peers")
     if compression is not None and not isinstance(compression, (QuantizationOptions, TopK)):
         raise InvalidArgument(
             "compression must be None, a pccl_trio.QuantizationOptions or a "
@@ -94,7 +94,11 @@ class DiLoCo(BlockingWrapper[OuterRounds]):
             ``QuantizationOptions`` (e.g. uint8 min-max), or ``TopK(fraction,
             residual=None, ...)``, whose residual (error feedback) DiLoCo keeps.
         overlap: the all-reduce of a round runs while the next round's inner steps
-            compute, and its average is applied one round late.
+            compute, and its average is applied one round late; the outer step, the
+            admissions and the sync that follow it run then too (``hold`` is then
+            the way to wait for peers: make no membership calls of your own on the
+            communicator). It keeps a second copy of the outer parameters and the
+            outer optimizer's state.
         min_peers: below this many peers in the run, a boundary waits for company.
 
     Raises:

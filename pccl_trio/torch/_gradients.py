@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from .._errors import CollectiveAborted, InvalidUsage, Kicked, TooFewPeers
-from .._types import ReduceOp, SharedState, TensorInfo
+from .._types import Attribute, ReduceOp, SharedState, TensorInfo
 from ..peer import AsyncReduceHandle, Communicator
 from ._admission import Admission
 from ._owner import Rejoin
@@ -134,7 +134,7 @@ class GradientRounds:
         )
         self.buckets = buckets_of(named, bucket_bytes)
         self._bucket_of = {id(p): bucket for bucket in self.buckets for p in bucket.params}
-        self._admission = Admission(self.shared, min_peers)
+        self._admission = Admission(min_peers)
         self._stepped = False  # a step was taken with this communicator
         #: How a hook starts a bucket's all-reduce (the wrapper's; None: not joined).
         self.start: Callable[[Bucket], None] | None = None
@@ -171,7 +171,7 @@ class GradientRounds:
         self._admission.connected()
         self._stepped = False
         self._forget()
-        if await self._admission.admit_and_sync(comm):  # Kicked here: a mistake to fix
+        if await self._admission.admit_and_sync(comm, self.shared):  # Kicked: a mistake to fix
             for p in self._params:
                 p.grad = None  # made at parameters the run does not have: zeros
 
@@ -198,7 +198,7 @@ class GradientRounds:
             self.shared.revision += 1
             self._stepped = True
             self._forget()
-            await self._admission.admit_and_sync(comm)
+            await self._admission.admit_and_sync(comm, self.shared)
         except Kicked:
             self._forget()
             if not self._stepped:
@@ -210,6 +210,20 @@ class GradientRounds:
         self.shared.revision = 0
         self._forget()
 
+    async def hold(self, comm: Communicator, peers: int) -> None:
+        """Between steps, on every peer alike: wait until the run has ``peers`` peers,
+        admitting those that ask (nothing is in flight between steps). With enough
+        peers already (the world after the last step, the same on every peer) it has
+        nothing to do."""
+        if comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) >= peers:
+            return
+        try:
+            await self._admission.admit_and_sync(comm, self.shared, company=peers)
+        except Kicked:
+            if not self._stepped:
+                raise
+            raise Rejoin from None
+
     def _forget(self) -> None:
         """Ready for the next backward: no bucket started."""
         for bucket in self.buckets:
@@ -219,7 +233,7 @@ class GradientRounds:
         """All-reduce an aborted bucket again until it succeeds; before each try the
         state is synced again (the abort restored the buffer)."""
         while True:
-            if (await self._admission.sync(comm)).rx_bytes:
+            if (await self._admission.sync(comm, self.shared)).rx_bytes:
                 bucket.buffer.zero_()  # gradients of parameters the run no longer has
             try:
                 await comm.all_reduce(bucket.buffer, op=ReduceOp.AVG, tag=bucket.tag)

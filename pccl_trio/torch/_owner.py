@@ -18,12 +18,13 @@ always the one in use.
 
 ``BlockingWrapper`` and ``AsyncWrapper`` are what every wrapper class has whatever its
 rounds: the communicator it owns (checked to be of its kind), the run's shared state,
-``join``, ``close`` and the context manager; a wrapper adds its ``step``.
+``join``, ``hold``, ``close`` and the context manager; a wrapper adds its ``step``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar
 
@@ -31,6 +32,7 @@ from .._errors import InvalidArgument, InvalidUsage
 from .._types import SharedState
 from ..peer import Communicator as AsyncCommunicator
 from ..sync import Communicator as BlockingCommunicator
+from ._admission import check_peers
 
 __all__ = [
     "AsyncOwner", "AsyncWrapper", "BlockingOwner", "BlockingWrapper", "Boundary", "Rejoin",
@@ -56,6 +58,8 @@ class Rounds(Protocol):
     async def join(self, comm: AsyncCommunicator) -> None: ...
 
     def rejoining(self) -> None: ...
+
+    async def hold(self, comm: AsyncCommunicator, peers: int) -> None: ...
 
 
 class BlockingOwner:
@@ -165,6 +169,21 @@ class BlockingWrapper(Generic[_R]):
         the model then holds the run's parameters."""
         self._owner.join()
 
+    def hold(self, peers: int) -> None:
+        """Wait until the run has ``peers`` peers, admitting those that ask, as
+        ``min_peers`` does before the first step (blocks). Every peer must call it at
+        the same step, between two steps (a demo's joiner, a run that should not go on
+        shorthanded). With DiLoCo's ``overlap`` it first waits for the outer step on its
+        way, so a joiner admitted here receives the state that has it.
+
+        Raises:
+            InvalidArgument: ``peers`` is not a positive int.
+        """
+        check_peers(peers, "peers")
+        if not self._owner.joined:
+            self.join()
+        self._owner.run(partial(self._rounds.hold, peers=peers))
+
     def close(self) -> None:
         """Leave the run."""
         self._owner.close()
@@ -206,6 +225,13 @@ class AsyncWrapper(Generic[_R]):
     async def join(self) -> None:
         """As ``BlockingWrapper.join``."""
         await self._owner.join()
+
+    async def hold(self, peers: int) -> None:
+        """As ``BlockingWrapper.hold``."""
+        check_peers(peers, "peers")
+        if not self._owner.joined:
+            await self.join()
+        await self._owner.run(partial(self._rounds.hold, peers=peers))
 
     async def aclose(self) -> None:
         """As ``BlockingWrapper.close``."""

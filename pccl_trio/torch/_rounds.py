@@ -7,21 +7,35 @@ and when this peer comes into the run (``join``), written against the async
 ``pccl_trio.Communicator``; ``DiLoCo`` drives it from a blocking communicator's loop,
 ``AsyncDiLoCo`` from the trainer's own trio run.
 
-A boundary, on every peer alike:
+A boundary, on every peer alike, without ``overlap``:
 
 1. the pseudo-gradient of the round just computed (outer minus local parameters);
-2. with ``overlap``, the all-reduce started at the previous boundary is waited for and
-   its average applied (the delayed outer update). A joiner is admitted only after
-   it (step 3), so the state it receives has that update too;
-3. the membership part (``Admission``): the peers waiting to join are admitted and
+2. the membership part (``Admission``): the peers waiting to join are admitted and
    the ring re-ordered, the shared state (outer parameters, outer optimizer state,
    revision = outer steps) is synced, and before the run's first outer step, below
    ``min_peers``, it waits for company;
-4. the pseudo-gradient is all-reduced (AVG; quantized or Top-k as asked): at once and
-   then applied, or, with ``overlap``, started and left running while the next round's
-   inner steps compute;
-5. the model is set to the outer parameters (where an outer step did not leave it
-   already): the next round starts there.
+3. the pseudo-gradient is all-reduced (AVG; quantized or Top-k as asked) and the outer
+   step taken;
+4. the model is set to the outer parameters: the next round starts there.
+
+With ``overlap`` the same steps are cut where the all-reduce would wait, and what
+follows it moves off the trainer's path. At the boundary, the trainer's part is short:
+it waits for the *landing* of the round before (below; normally done by then),
+writes the pseudo-gradient relative to the published outer parameters, publishes the
+ones the landing stepped (``OuterModel.publish``), starts the all-reduce and sets the
+model to the published parameters. The landing is a task of the communicator's event
+loop (a system task of its trio run) that runs while the next round's inner steps
+compute: it waits for the all-reduce, takes the outer step into the spare bank
+(``OuterModel.advance``; torch's kernels release the GIL, and on a GPU they are
+queued, so the trainer's thread goes on meanwhile), and then makes the membership part
+for it (admit, order the ring, sync, hold). So the outer update of round t is applied
+at the boundary after it (the delayed outer update), and a joiner, admitted by the
+landing after the update, receives the state that has it. The trainer's thread waits
+only where the network or the run is slower than the inner steps. Between boundaries
+the wrapper then uses the communicator: a trainer makes no membership calls of its
+own on it. ``hold`` is the one it may ask for between boundaries (every peer at the
+same step): it waits for the landing and then admits until the run has the peers
+asked for, so a joiner admitted there receives the state the landing stepped.
 
 A peer whose outer parameters changed in its sync (a joiner, a peer that was behind)
 holds a pseudo-gradient relative to parameters the run no longer has: it contributes
@@ -53,26 +67,31 @@ reaches the trainer.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Coroutine
 from typing import Any
 
 import torch
+import trio
 
-from .._errors import CollectiveAborted, Kicked, TooFewPeers
-from .._types import QuantizationOptions, ReduceOp, SharedState, TopK
+from .._errors import CollectiveAborted, InvalidUsage, Kicked, TooFewPeers
+from .._types import Attribute, QuantizationOptions, ReduceOp, SharedState, TopK
 from ..peer import AsyncReduceHandle, Communicator
 from ._admission import Admission
-from ._outer import OuterModel
+from ._outer import OuterModel, nonzero
 from ._owner import Rejoin
 
 __all__ = ["OuterRounds"]
 
 
 @dataclasses.dataclass
-class _Flight:
-    """An all-reduce left running across a round (``overlap``)."""
+class _Landing:
+    """The part of an overlapped boundary that runs while the next round computes:
+    when it is ``done``, its ``error`` (None: it succeeded) and whether a sync in it
+    changed this peer's state (``stale``: the round's pseudo-gradient is void)."""
 
-    handle: AsyncReduceHandle
-    vector: torch.Tensor
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    error: BaseException | None = None
+    stale: bool = False
 
 
 class OuterRounds:
@@ -89,37 +108,46 @@ class OuterRounds:
         self._compression = compression
         # With Top-k: what this peer has not sent yet (its own; zero for a newcomer).
         self._residual = outer.new_vector() if isinstance(compression, TopK) else None
-        self._vectors = [outer.new_vector(), outer.new_vector()]  # this round's, in flight
-        self._flight: _Flight | None = None
-        self._admission = Admission(outer.shared, min_peers)
+        # The round's pseudo-gradient; with overlap the landing has used it up (outer
+        # step) before the next boundary writes it again.
+        self._vector = outer.new_vector()
+        self._landing: _Landing | None = None
+        self._admission = Admission(min_peers)
+        # Without overlap, after a ``hold``: its sync changed the state; it admitted
+        # for the next boundary (whose all-reduce a joiner it admitted meets next).
+        self._stale = self._admitted = False
         self._stepped = False  # an outer step was applied with this communicator
 
     @property
     def shared(self) -> SharedState:
+        """The run's shared state as of the last boundary (the published bank)."""
         return self.outer.shared
 
     async def join(self, comm: Communicator) -> None:
         """This peer's first boundary with a communicator that just connected: no
         pseudo-gradient of its own yet (it contributes zeros)."""
         self._admission.connected()
-        self._stepped, self._flight = False, None
+        self._stepped, self._landing = False, None
+        self._stale = self._admitted = False  # a hold's admission was the old communicator's
         if self._residual is not None:
             self._residual.zero_()
-        vector = self._vectors[0]
-        vector.zero_()
-        await self._boundary(comm, vector, own=False)
+        await self._boundary(comm, own=False)
 
     async def boundary(self, comm: Communicator) -> None:
         """The end of a round of inner steps (see the module docstring)."""
-        vector = self._spare()
-        self.outer.pseudo_gradient(vector)
-        await self._boundary(comm, vector, own=True)
+        await self._boundary(comm, own=True)
 
     def rejoining(self) -> None:
         """Before ``join`` with a new communicator, after ``Rejoin``: a newcomer."""
         self.outer.shared.revision = 0
-        self._flight = None
+        self._landing = None
         self._inner_steps = 0
+
+    async def hold(self, comm: Communicator, peers: int) -> None:
+        """Between boundaries, on every peer alike: wait until the run has ``peers``
+        peers, admitting those that ask. With overlap, the landing in flight ends first
+        and the admission is made for the state it stepped (which a joiner receives)."""
+        await self._guarded(self._hold(comm, peers))
 
     def due(self) -> bool:
         """Count one inner step; whether the round ends with it."""
@@ -131,73 +159,150 @@ class OuterRounds:
 
     # --- one boundary -------------------------------------------------------------------
 
-    async def _boundary(self, comm: Communicator, vector: torch.Tensor, *, own: bool) -> None:
+    async def _boundary(self, comm: Communicator, *, own: bool) -> None:
+        if self.overlap:
+            await self._guarded(self._overlapped(comm, own=own))
+        else:
+            await self._guarded(self._plain(comm, own=own))
+
+    async def _guarded(self, work: Coroutine[Any, Any, None]) -> None:
+        """``work``, with a kick after this peer stepped made ``Rejoin``."""
         try:
-            at_outer = False  # the model holds the outer parameters (an outer step left it so)
-            if self._flight is not None:
-                flight, self._flight = self._flight, None
-                at_outer = await self._land(comm, flight)
-            changed = await self._admission.admit_and_sync(comm)
-            if changed or not own:
-                vector.zero_()  # relative to outer parameters the run no longer has
-            if self.overlap:
-                self._flight = _Flight(
-                    comm.all_reduce_async(vector, op=ReduceOp.AVG, **self._options()), vector
-                )
-                at_outer = at_outer and not changed
-            else:
-                await self._reduce(comm, vector)
-                at_outer = self._step(vector)
-            if not at_outer:
-                self.outer.load()
+            await work
         except Kicked:
             if not self._stepped:
                 raise
             raise Rejoin from None
 
-    async def _land(self, comm: Communicator, flight: _Flight) -> bool:
-        """Wait for the all-reduce in flight, again after an abort; apply it. Whether
-        an outer step was taken."""
+    async def _hold(self, comm: Communicator, peers: int) -> None:
+        landing = self._landing
+        if landing is not None:
+            await landing.done.wait()
+            if landing.error is not None:
+                return  # the next boundary raises it
+        # The world after the last admission, the same on every peer: with enough peers
+        # there is nothing to do (a joiner a landing admitted meets the next flight).
+        if comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) >= peers:
+            return
+        if landing is None:  # without overlap: this admission stands for the next boundary's
+            self._stale |= await self._admission.admit_and_sync(comm, self.shared, company=peers)
+            self._admitted = True
+            return
+        landing.stale |= await self._admission.admit_and_sync(
+            comm, self.outer.spare_shared, company=peers
+        )
+
+    async def _plain(self, comm: Communicator, *, own: bool) -> None:
+        vector = self._vector
+        if own:
+            self.outer.pseudo_gradient(vector)
+        changed = self._stale
+        if not self._admitted:
+            changed |= await self._admission.admit_and_sync(comm, self.shared)
+        self._stale = self._admitted = False
+        if changed or not own:
+            vector.zero_()  # relative to outer parameters the run no longer has
+        await self._reduce(comm, vector)
+        if nonzero(vector):  # else only newcomers' zeros (the same bits everywhere)
+            self.outer.apply(vector)
+            self.shared.revision += 1
+            self._stepped = True
+        self.outer.load()
+
+    async def _overlapped(self, comm: Communicator, *, own: bool) -> None:
+        vector = self._vector
+        landing, self._landing = self._landing, None
+        stale = not own
+        if landing is None:  # the first boundary with this communicator: admit here
+            stale |= await self._admission.admit_and_sync(comm, self.shared)
+        else:
+            await landing.done.wait()
+            if landing.error is not None:
+                raise landing.error
+            stale |= landing.stale
+            if not stale:
+                self.outer.pseudo_gradient(vector)  # relative to where the round started
+            self.outer.publish()
+        if stale:
+            vector.zero_()  # relative to outer parameters the run no longer has
+        handle = comm.all_reduce_async(vector, op=ReduceOp.AVG, **self._options())
+        self._landing = _Landing()
+        trio.lowlevel.spawn_system_task(self._land, comm, handle, self._landing,
+                                        name="pccl_trio DiLoCo landing")
+        self.outer.load()
+
+    async def _land(self, comm: Communicator, handle: AsyncReduceHandle,
+                    landing: _Landing) -> None:
+        """The landing (module docstring), its outcome kept in ``landing`` for the next
+        boundary."""
         try:
-            await flight.handle.wait()
+            landing.stale = await self._settle(comm, handle)
+        except Exception as exc:
+            landing.error = exc
+        except BaseException:  # cancelled: the communicator's event loop ended
+            landing.error = InvalidUsage(
+                "the communicator's event loop ended while an overlapped outer step was "
+                "on its way: the communicator was closed"
+            )
+            raise
+        finally:
+            landing.done.set()
+
+    async def _settle(self, comm: Communicator, handle: AsyncReduceHandle) -> bool:
+        """Wait for the all-reduce (again after an abort), take its outer step into the
+        spare bank and make the membership part for that bank; whether a sync changed
+        this peer's state."""
+        vector = self._vector
+        stale = False
+        try:
+            await handle.wait()
         except CollectiveAborted:
-            if (await self._admission.sync(comm)).rx_bytes:
-                flight.vector.zero_()
-            await self._reduce(comm, flight.vector)
+            stale = await self._resync_and_reduce(comm, vector)
         except TooFewPeers:
             pass  # alone: its own pseudo-gradient is the average
-        return self._step(flight.vector)
+        if self._advance(vector):
+            self.outer.spare_shared.revision += 1
+            self._stepped = True
+        stale |= await self._admission.admit_and_sync(comm, self.outer.spare_shared)
+        return stale
 
-    async def _reduce(self, comm: Communicator, vector: torch.Tensor) -> None:
-        """All-reduce ``vector`` in place until it succeeds; after an abort (input
-        restored) the state is synced again first."""
+    def _advance(self, averaged: torch.Tensor) -> bool:
+        """``OuterModel.advance`` with ``averaged`` unless it is zero everywhere;
+        whether an outer step was taken."""
+        step = nonzero(averaged)
+        self.outer.advance(averaged if step else None)
+        return step
+
+    async def _reduce(self, comm: Communicator, vector: torch.Tensor) -> bool:
+        """All-reduce ``vector`` in place until it succeeds; whether a sync after an
+        abort changed this peer's state."""
+        try:
+            await comm.all_reduce(vector, op=ReduceOp.AVG, **self._options())
+        except TooFewPeers:
+            pass  # alone: its own pseudo-gradient is the average
+        except CollectiveAborted:
+            return await self._resync_and_reduce(comm, vector)
+        return False
+
+    async def _resync_and_reduce(self, comm: Communicator, vector: torch.Tensor) -> bool:
+        """After an abort (input restored): sync the published state again (a peer that
+        was behind then contributes zeros) and all-reduce again, until it succeeds;
+        whether a sync changed this peer's state."""
+        changed = False
         while True:
+            if (await self._admission.sync(comm, self.shared)).rx_bytes:
+                vector.zero_()
+                changed = True
             try:
                 await comm.all_reduce(vector, op=ReduceOp.AVG, **self._options())
-                return
+                return changed
             except TooFewPeers:
-                return  # alone: its own pseudo-gradient is the average
+                return changed
             except CollectiveAborted:
-                if (await self._admission.sync(comm)).rx_bytes:
-                    vector.zero_()
-
-    def _step(self, averaged: torch.Tensor) -> bool:
-        """The outer step on ``averaged``, unless it is zero everywhere; whether it
-        was taken (the model then holds the new outer parameters)."""
-        if not bool(averaged.any()):
-            return False  # only newcomers' zeros (the same bits everywhere): no outer step
-        self.outer.apply(averaged)
-        self.outer.shared.revision += 1
-        self._stepped = True
-        return True
+                continue
 
     def _options(self) -> dict[str, Any]:
         compression = self._compression
         if isinstance(compression, TopK):
             return {"compression": dataclasses.replace(compression, residual=self._residual)}
         return {"quantization": compression}
-
-    def _spare(self) -> torch.Tensor:
-        """The vector that is not in flight."""
-        flying = self._flight.vector if self._flight is not None else None
-        return self._vectors[1] if flying is self._vectors[0] else self._vectors[0]

@@ -28,13 +28,16 @@ refused.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import torch
 from torch import nn
 
 from .._errors import InvalidArgument
 from .._types import TensorInfo
 
-__all__ = ["check_optimizes", "create_state", "state_tensors", "trainable"]
+__all__ = ["check_optimizes", "create_state", "named_state", "state_tensors", "trainable"]
 
 
 def trainable(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -105,9 +108,17 @@ def create_state(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -
 def state_tensors(optimizer: torch.optim.Optimizer, named: list[tuple[str, nn.Parameter]],
                   prefix: str) -> list[TensorInfo]:
     """Every state tensor of ``optimizer``, named ``<prefix>.<parameter>.<key>``."""
+    return named_state([optimizer.state[p] for _, p in named], [name for name, _ in named],
+                       prefix)
+
+
+def named_state(states: Sequence[Mapping[str, Any]], names: list[str],
+                prefix: str) -> list[TensorInfo]:
+    """Each parameter's state (``states[i]`` for parameter ``names[i]``) as tensors named
+    ``<prefix>.<parameter>.<key>``, keys in sorted order; None entries are left out."""
     tensors = []
-    for name, p in named:
-        for key, value in sorted(optimizer.state[p].items()):
+    for name, state in zip(names, states, strict=True):
+        for key, value in sorted(state.items()):
             if value is None:
                 continue
             if not isinstance(value, torch.Tensor):

@@ -218,16 +218,28 @@ def test_keyboard_interrupt_cancels_the_blocked_call_before_it_goes_on(master: s
     original = data.copy()
     main = threading.main_thread().ident
     assert main is not None
+    # Python's own handler, whatever the suite inherited (a shell starts a command it
+    # runs in the background with SIGINT ignored, and Python then leaves it so).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    helper_failed: list[BaseException] = []
 
     def interrupt_once_voted() -> None:
-        wait_until(lambda: PeerSeam(interrupted._comm).attempt(4) is not None)
+        try:
+            wait_until(lambda: PeerSeam(interrupted._comm).attempt(4) is not None)
+        except BaseException as exc:  # reported below; the main thread is let go anyway
+            helper_failed.append(exc)
         signal.pthread_kill(main, signal.SIGINT)
 
     helper = threading.Thread(target=interrupt_once_voted)
     helper.start()
-    with pytest.raises(KeyboardInterrupt):
-        interrupted.all_reduce(data, tag=4)  # the other peer has not called
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            interrupted.all_reduce(data, tag=4)  # the other peer has not called
+    finally:
+        signal.signal(signal.SIGINT, previous)
     helper.join(PATIENCE)
+    assert helper_failed == []
     # Cancelled before the commence: nothing was written, and nothing writes now.
     assert data.tobytes() == original.tobytes()
     # The call winds down (it voted; the other's call then aborts or runs with it);

@@ -169,8 +169,10 @@ async def admit_and_sync(comm: pccl.Communicator, state: pccl.SharedState, *, fr
 
 async def hand_written_peer(comm: pccl.Communicator, shard: int, *,
                             steps: int = OUTER_STEPS, min_peers: int = 1,
-                            pause: Callable[[int], Awaitable[None]] | None = None) -> Trained:
-    """The same training as ``wrapper_peer`` (no overlap), written out by hand."""
+                            pause: Callable[[int], Awaitable[None]] | None = None,
+                            wrappers: dict[int, Wrapper] | None = None) -> Trained:
+    """The same training as ``wrapper_peer`` (no overlap), written out by hand (no
+    wrapper: ``wrappers`` is left alone)."""
     model, optimizer = make_model()
     params = list(model.parameters())
     outer = [p.detach().clone() for p in params]

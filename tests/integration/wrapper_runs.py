@@ -4,7 +4,10 @@ A scenario takes a *trainer*: ``await train(comm, shard, pause=..., min_peers=..
 wrappers=...)`` trains one peer on ``comm`` to the end and returns what it ended with;
 ``pause(count)`` is awaited before each round (``count``: the run's steps so far, outer
 steps for DiLoCo), so a scenario can hold a trainer at a known point of the run, and
-``wrappers[shard]`` is set to the trainer's wrapper once it joined. Every scenario has
+``wrappers[shard]`` is set to the trainer's wrapper once it joined (a hand-written
+loop sets none). A scenario that waits for peers asks a wrapper's ``hold``
+(``hold_through``), never the wrapper's communicator, which the wrapper may be
+using between boundaries. Every scenario has
 a guard timeout (virtual on the memory network): a hang fails.
 """
 
@@ -22,6 +25,7 @@ from torch import nn
 
 import pccl_trio as pccl
 import pccl_trio.sync
+import pccl_trio.torch as pccl_torch
 
 from .blocking import BlockingPeer
 from .conftest import Cluster, Masters, started
@@ -48,6 +52,15 @@ def async_view(wrapper: Any) -> pccl.Communicator:
     if isinstance(comm, pccl_trio.sync.Communicator):
         return BlockingPeer(comm)  # type: ignore[return-value]
     return comm  # type: ignore[no-any-return]
+
+
+async def hold_through(wrapper: Any, peers: int) -> None:
+    """``wrapper.hold(peers)``: a blocking wrapper's in a worker thread (its trainer's
+    thread waits in the pause meanwhile), an async one's here."""
+    if isinstance(wrapper, pccl_torch.AsyncDiLoCo | pccl_torch.AsyncDataParallel):
+        await wrapper.hold(peers)
+    else:
+        await trio.to_thread.run_sync(wrapper.hold, peers, abandon_on_cancel=True)
 
 
 class Gate:
@@ -92,6 +105,7 @@ async def joiner_mid_run(cluster: Cluster, train: Train[R], *, at: int,
     results: list[R] = []
     held: set[int] = set()
     founders_held = trio.Event()
+    wrappers: dict[int, Any] = {}
 
     async def hold(i: int, count: int) -> None:
         if count != at or i in held:
@@ -99,10 +113,13 @@ async def joiner_mid_run(cluster: Cluster, train: Train[R], *, at: int,
         held.add(i)
         if len(held) == 2:
             founders_held.set()
-        await comms[i].are_peers_pending(wait=math.inf)  # a vote both founders make here
+        if i in wrappers:
+            await hold_through(wrappers[i], 3)
+        else:  # a hand-written loop: a vote both founders make here
+            await comms[i].are_peers_pending(wait=math.inf)
 
     async def one(i: int, **more: Any) -> None:
-        results.append(await train(comms[i], i, **options, **more))
+        results.append(await train(comms[i], i, wrappers=wrappers, **options, **more))
 
     with trio.fail_after(GUARD):
         async with trio.open_nursery() as nursery:
@@ -205,7 +222,7 @@ async def kicked_and_back(cluster: Cluster, train: Train[R], *, cut_at: int, hol
             async def hold(i: int, count: int) -> None:
                 world = comms[i].get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
                 if count == hold_at and world < 3:
-                    await comms[i].are_peers_pending(wait=math.inf)
+                    await hold_through(wrappers[i], 3)
 
             async def one(i: int) -> None:
                 results.append(await train(

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 import torch
+import trio
 from torch import nn
 
 import pccl_trio as pccl
@@ -45,26 +46,62 @@ def made_up_gradients(model: nn.Module, seed: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_outer_steps_give_the_bits_of_the_optimizer_driven_by_hand(name: str) -> None:
+@pytest.mark.parametrize("delayed", [False, True], ids=["in-place", "delayed"])
+def test_outer_steps_give_the_bits_of_the_optimizer_driven_by_hand(name: str, delayed: bool) -> None:
     """State made up front gives the same steps as the optimizer's lazy state: three
-    outer steps equal three plain steps of the same optimizer on the same gradients."""
+    outer steps equal three plain steps of the same optimizer on the same gradients,
+    in place or, delayed, into the spare bank that is then published; the model is
+    touched only by ``load``."""
     wrapped, plain_model = make_model(), make_model()
-    outer = OuterModel(wrapped, OPTIMIZERS[name](wrapped.parameters()))
+    start = bits(wrapped)
+    outer = OuterModel(wrapped, OPTIMIZERS[name](wrapped.parameters()), delayed=delayed)
     plain = OPTIMIZERS[name](plain_model.parameters())
     for seed in range(3):
         gradients = made_up_gradients(plain_model, seed)
-        outer.apply(torch.cat([g.reshape(-1) for g in gradients]))
+        averaged = torch.cat([g.reshape(-1) for g in gradients])
+        if delayed:
+            published = b"".join(o.numpy().tobytes() for o in outer.outer)
+            outer.advance(averaged)
+            assert b"".join(o.numpy().tobytes() for o in outer.outer) == published
+            outer.publish()
+        else:
+            outer.apply(averaged)
         for p, g in zip(plain_model.parameters(), gradients, strict=True):
             p.grad = g.clone()
         plain.step()
-        assert bits(wrapped) == bits(plain_model)
+        assert bits(wrapped) == start
         assert b"".join(o.numpy().tobytes() for o in outer.outer) == bits(plain_model)
+        outer.load()
+        assert bits(wrapped) == bits(plain_model)
+        start = bits(wrapped)
     assert all(p.grad is None for p in wrapped.parameters())
-    for p, q in zip(wrapped.parameters(), plain_model.parameters(), strict=True):
-        ours, theirs = outer.optimizer.state[p], plain.state[q]
-        assert sorted(ours) == sorted(theirs)
-        for key, value in theirs.items():
-            assert torch.equal(torch.as_tensor(ours[key]), torch.as_tensor(value)), key
+    assert all(o.grad is None for o in outer.outer)
+    expected = [
+        (f"outer_optimizer.{name_}.{key}", value)
+        for (name_, q) in plain_model.named_parameters()
+        for key, value in sorted(plain.state[q].items()) if value is not None
+    ]
+    ours = [(info.name, info.data) for info in outer.shared.tensors[4:]]
+    assert [name_ for name_, _ in ours] == [name_ for name_, _ in expected]
+    for (key, mine), (_, theirs) in zip(ours, expected, strict=True):
+        assert torch.equal(torch.as_tensor(mine), torch.as_tensor(theirs)), key
+
+
+def test_the_delayed_banks_are_alike_but_apart() -> None:
+    """With overlap: two banks of the same names, no tensor shared between them, and
+    ``advance`` with no average copies the published bank and its revision."""
+    model = make_model()
+    outer = OuterModel(model, torch.optim.Adam(model.parameters(), lr=0.01), delayed=True)
+    assert outer.spare is not None
+    names = [t.name for t in outer.shared.tensors]
+    assert names == [t.name for t in outer.spare_shared.tensors]
+    ours = {id(t.data) for t in outer.shared.tensors}
+    assert not ours & {id(t.data) for t in outer.spare_shared.tensors}
+    outer.shared.revision = 7
+    outer.advance(None)
+    assert outer.spare_shared.revision == 7
+    for a, b in zip(outer.shared.tensors, outer.spare_shared.tensors, strict=True):
+        assert torch.equal(torch.as_tensor(a.data), torch.as_tensor(b.data))
 
 
 def test_the_shared_state_holds_outer_parameters_and_optimizer_state_by_name() -> None:
@@ -188,3 +225,18 @@ def test_the_async_wrapper_wants_the_async_communicator() -> None:
             model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=5,
             communicator=pccl_trio.sync.Communicator("127.0.0.1:48148"),  # type: ignore[arg-type]
         )
+
+
+@pytest.mark.parametrize("peers", [0, -2, True, 2.5, "3"], ids=repr)
+def test_a_hold_for_a_wrong_count_is_refused(peers: object) -> None:
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    blocking = pccl_torch.DiLoCo(model, inner, sync_every=5,
+                                 communicator=pccl_trio.sync.Communicator("127.0.0.1:48148"))
+    asynchronous = pccl_torch.AsyncDiLoCo(model, inner, sync_every=5,
+                                          communicator=pccl.Communicator("127.0.0.1:48148"))
+    words = f"peers must be a positive int, not {peers!r}"
+    with pytest.raises(pccl.InvalidArgument, match=words):
+        blocking.hold(peers)  # type: ignore[arg-type]
+    with pytest.raises(pccl.InvalidArgument, match=words):
+        trio.run(asynchronous.hold, peers)
