@@ -13,7 +13,6 @@ hooks then start each bucket from that thread); on the others, a trio task with
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -31,6 +30,7 @@ from .blocking import BlockingPeer
 from .conftest import Cluster, Masters
 from .wrapper_runs import (
     GUARD,
+    hand_written_admission,
     joiner_mid_run,
     kicked_and_back,
     killed_mid_all_reduce,
@@ -152,25 +152,7 @@ async def hand_written_peer(comm: pccl.Communicator, shard: int, *, steps: int =
                            optimizer.state[p]["momentum_buffer"]) for name, p in named]
     )
     async with comm:
-        fresh = True
-
-        async def admit_and_sync() -> None:
-            nonlocal fresh
-            waiting = False
-            while True:
-                if fresh or await comm.are_peers_pending(wait=math.inf if waiting else 0):
-                    if not fresh:
-                        await comm.update_topology()
-                    fresh = False
-                    if comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) >= 2:
-                        await comm.optimize_topology()
-                await comm.sync_shared_state(state)
-                world = comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
-                waiting = state.revision == 0 and world < min_peers
-                if not waiting:
-                    return
-
-        await admit_and_sync()
+        await hand_written_admission(comm, state, fresh=True, min_peers=min_peers)
         while state.revision < steps:
             optimizer.zero_grad()
             backward(model, shard, state.revision)
@@ -188,7 +170,7 @@ async def hand_written_peer(comm: pccl.Communicator, shard: int, *, steps: int =
                 offset += p.numel()
             optimizer.step()
             state.revision += 1
-            await admit_and_sync()
+            await hand_written_admission(comm, state, fresh=False, min_peers=min_peers)
         return Trained(parameters(model), state.revision, pccl.state_digest(state))
 
 

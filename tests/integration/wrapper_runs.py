@@ -54,6 +54,26 @@ def async_view(wrapper: Any) -> pccl.Communicator:
     return comm  # type: ignore[no-any-return]
 
 
+async def hand_written_admission(comm: pccl.Communicator, state: pccl.SharedState, *,
+                                 fresh: bool, min_peers: int) -> bool:
+    """A hand-written loop's membership part (``docs/loop.md``): admit waiting peers,
+    order the ring, sync; before step 1, below ``min_peers``, wait for them. ``fresh``:
+    the communicator just connected. Whether the sync changed the state."""
+    changed, waiting = False, False
+    while True:
+        if fresh or await comm.are_peers_pending(wait=math.inf if waiting else 0):
+            if not fresh:
+                await comm.update_topology()
+            fresh = False
+            if comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE) >= 2:
+                await comm.optimize_topology()
+        changed |= (await comm.sync_shared_state(state)).rx_bytes > 0
+        world = comm.get_attribute(pccl.Attribute.GLOBAL_WORLD_SIZE)
+        waiting = state.revision == 0 and world < min_peers
+        if not waiting:
+            return changed
+
+
 async def hold_through(wrapper: Any, peers: int) -> None:
     """``wrapper.hold(peers)``: a blocking wrapper's in a worker thread (its trainer's
     thread waits in the pause meanwhile), an async one's here."""
