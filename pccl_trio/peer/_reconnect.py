@@ -62,7 +62,7 @@ from .._core.wire import Admission
 from .._errors import Kicked, MasterConnectionError
 from ..transport import Credential, FramedStream, Network, format_address, secure_client
 from ._inbox import Inbox
-from ._lifecycle import Lifecycle, Status
+from ._lifecycle import Lifecycle
 from ._metrics import NO_METRICS, NoMetrics
 
 __all__ = ["Reconnector", "Standing", "no_standing"]
@@ -291,8 +291,11 @@ class Reconnector:
     def lost(self, error: MasterConnectionError) -> None:
         """The link in use is lost: get the master back, or fail (see the module
         docstring)."""
-        if self._life.failure is not None or self._life.status is Status.CLOSED:
-            return  # the run is over anyway (or this peer leaves it)
+        if self._life.over or self._life.loop_ended:
+            # The run is over anyway, this peer leaves it, or the trio.run it lives in
+            # ended and closed its link (a blocking communicator's loop stopped under a
+            # call): nothing can reconnect, and the background nursery is gone.
+            return
         grace = self._config.master_grace
         if not (self._session.member and grace > 0):
             self._life.fail(MasterConnectionError(
