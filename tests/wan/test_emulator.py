@@ -4,6 +4,7 @@ nothing is left behind."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -70,7 +71,8 @@ def test_two_continents_are_near_inside_and_far_across() -> None:
 @needs_wan
 def test_packets_take_the_path_delay_each_way() -> None:
     delays = {(0, 1): 0.030, (1, 2): 0.080}
-    with Wan(WanPlan(hosts=3, delay=0.005, delays=delays, rate=None), prefix="pwt1") as wan:
+    prefix = f"pwa{os.getpid() % 100000}"
+    with Wan(WanPlan(hosts=3, delay=0.005, delays=delays, rate=None), prefix=prefix) as wan:
         # A delay line holds a packet at least its delay: a round trip never beats it.
         assert round_trip(wan, 0, 1) >= 2 * 0.030
         assert round_trip(wan, 2, 1) >= 2 * 0.080
@@ -85,13 +87,13 @@ def test_packets_take_the_path_delay_each_way() -> None:
         listener.stdout.close()
         assert float(estimate.stdout) >= 2 * 0.030
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert "pwt1-" not in listed  # removed on exit
+    assert f"{prefix}-" not in listed  # removed on exit
 
 
 @needs_wan
 def test_plain_tcp_crosses_a_lossy_jittered_path_intact() -> None:
     plan = WanPlan(hosts=2, delay=0.01, jitter=0.004, loss=0.01, reorder=True, rate="200mbit")
-    with Wan(plan, prefix="pwt2") as wan:
+    with Wan(plan, prefix=f"pwb{os.getpid() % 100000}") as wan:
         server = wan.start(1, sys.executable, "-c", ECHO_HASH, stdout=subprocess.PIPE)
         assert server.stdout is not None and server.stdout.readline().strip() == b"ready"
         sent = wan.run(0, sys.executable, "-c", SEND_HASH, wan.address(1), capture_output=True,
