@@ -49,7 +49,8 @@ Errors, as the hand-written loop (``docs/loop.md``) handles them:
 
 - ``CollectiveAborted`` (a peer died mid all-reduce, the master was lost, a peer's sync
   failed): every peer got the same verdict and its input back; it syncs again (a
-  repeated revision, which moves nothing) and all-reduces again.
+  repeated revision, which moves nothing) and all-reduces again (``Averaging``, which
+  also keeps Top-k's residual).
 - ``SharedStateSyncFailed``: sync again.
 - ``TooFewPeers`` from the all-reduce: alone, this peer's pseudo-gradient is the
   average. From a membership call, and ``UpdateTopologyFailed`` and
@@ -73,10 +74,11 @@ from typing import Any
 import torch
 import trio
 
-from .._errors import CollectiveAborted, InvalidUsage, Kicked, TooFewPeers
-from .._types import Attribute, QuantizationOptions, ReduceOp, SharedState, TopK
+from .._errors import InvalidUsage, Kicked
+from .._types import Attribute, QuantizationOptions, SharedState, TopK
 from ..peer import AsyncReduceHandle, Communicator
 from ._admission import Admission
+from ._averaging import Averaging
 from ._outer import OuterModel, nonzero
 from ._owner import Rejoin
 
@@ -105,14 +107,12 @@ class OuterRounds:
         self.sync_every = sync_every
         self._inner_steps = 0  # since the last boundary
         self.overlap = overlap
-        self._compression = compression
-        # With Top-k: what this peer has not sent yet (its own; zero for a newcomer).
-        self._residual = outer.new_vector() if isinstance(compression, TopK) else None
         # The round's pseudo-gradient; with overlap the landing has used it up (outer
         # step) before the next boundary writes it again.
         self._vector = outer.new_vector()
         self._landing: _Landing | None = None
         self._admission = Admission(min_peers)
+        self._averaging = Averaging(outer, compression, admission=self._admission)
         # Without overlap, after a ``hold``: its sync changed the state; it admitted
         # for the next boundary (whose all-reduce a joiner it admitted meets next).
         self._stale = self._admitted = False
@@ -129,8 +129,7 @@ class OuterRounds:
         self._admission.connected()
         self._stepped, self._landing = False, None
         self._stale = self._admitted = False  # a hold's admission was the old communicator's
-        if self._residual is not None:
-            self._residual.zero_()
+        self._averaging.reset()
         await self._boundary(comm, own=False)
 
     async def boundary(self, comm: Communicator) -> None:
@@ -202,7 +201,7 @@ class OuterRounds:
         self._stale = self._admitted = False
         if changed or not own:
             vector.zero_()  # relative to outer parameters the run no longer has
-        await self._reduce(comm, vector)
+        await self._averaging.reduce(comm, vector)
         if nonzero(vector):  # else only newcomers' zeros (the same bits everywhere)
             self.outer.apply(vector)
             self.shared.revision += 1
@@ -225,7 +224,7 @@ class OuterRounds:
             self.outer.publish()
         if stale:
             vector.zero_()  # relative to outer parameters the run no longer has
-        handle = comm.all_reduce_async(vector, op=ReduceOp.AVG, **self._options())
+        handle = self._averaging.start(comm, vector)
         self._landing = _Landing()
         trio.lowlevel.spawn_system_task(self._land, comm, handle, self._landing,
                                         name="pccl_trio DiLoCo landing")
@@ -253,13 +252,7 @@ class OuterRounds:
         spare bank and make the membership part for that bank; whether a sync changed
         this peer's state."""
         vector = self._vector
-        stale = False
-        try:
-            await handle.wait()
-        except CollectiveAborted:
-            stale = await self._resync_and_reduce(comm, vector)
-        except TooFewPeers:
-            pass  # alone: its own pseudo-gradient is the average
+        stale = await self._averaging.finish(comm, handle, vector)
         if self._advance(vector):
             self.outer.spare_shared.revision += 1
             self._stepped = True
@@ -272,37 +265,3 @@ class OuterRounds:
         step = nonzero(averaged)
         self.outer.advance(averaged if step else None)
         return step
-
-    async def _reduce(self, comm: Communicator, vector: torch.Tensor) -> bool:
-        """All-reduce ``vector`` in place until it succeeds; whether a sync after an
-        abort changed this peer's state."""
-        try:
-            await comm.all_reduce(vector, op=ReduceOp.AVG, **self._options())
-        except TooFewPeers:
-            pass  # alone: its own pseudo-gradient is the average
-        except CollectiveAborted:
-            return await self._resync_and_reduce(comm, vector)
-        return False
-
-    async def _resync_and_reduce(self, comm: Communicator, vector: torch.Tensor) -> bool:
-        """After an abort (input restored): sync the published state again (a peer that
-        was behind then contributes zeros) and all-reduce again, until it succeeds;
-        whether a sync changed this peer's state."""
-        changed = False
-        while True:
-            if (await self._admission.sync(comm, self.shared)).rx_bytes:
-                vector.zero_()
-                changed = True
-            try:
-                await comm.all_reduce(vector, op=ReduceOp.AVG, **self._options())
-                return changed
-            except TooFewPeers:
-                return changed
-            except CollectiveAborted:
-                continue
-
-    def _options(self) -> dict[str, Any]:
-        compression = self._compression
-        if isinstance(compression, TopK):
-            return {"compression": dataclasses.replace(compression, residual=self._residual)}
-        return {"quantization": compression}
