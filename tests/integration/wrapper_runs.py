@@ -155,10 +155,35 @@ async def joiner_mid_run(cluster: Cluster, train: Train[R], *, at: int,
 async def killed_mid_all_reduce(cluster: Cluster, train: Train[R], *, at: int,
                                 **options: Any) -> list[R]:
     """Three trainers held at count ``at``; once let go, peer 2 dies while peer 0's
-    all-reduce of tag 0 moves data. The survivors' results."""
+    all-reduce of tag 0 moves data. The survivors' results.
+
+    Over TCP that all-reduce may end before it is seen (``started``): then the victim
+    waits at its next count until it is dead, so that it cannot train to the end
+    first however the threads are scheduled, and the kill comes once it waits there
+    (the survivors' next all-reduce waits for it)."""
     wrappers: dict[int, Any] = {}
     gate = Gate(3, at=at)
     results: list[R] = []
+    held, dead = trio.Event(), trio.Event()
+
+    async def doomed_pause(count: int) -> None:
+        await gate.pause(count)
+        if count > at:
+            held.set()
+            await dead.wait()
+
+    async def mid_all_reduce() -> None:
+        async with trio.open_nursery() as race:
+            async def seen() -> None:
+                await started(async_view(wrappers[0]), 0, or_ended=cluster.memory is None)
+                race.cancel_scope.cancel()
+
+            async def waits() -> None:
+                await held.wait()
+                race.cancel_scope.cancel()
+
+            race.start_soon(seen)
+            race.start_soon(waits)
 
     async def survivor(i: int) -> None:
         results.append(await train(cluster.communicator(f"p{i}"), i, min_peers=3,
@@ -166,7 +191,7 @@ async def killed_mid_all_reduce(cluster: Cluster, train: Train[R], *, at: int,
 
     async def victim() -> None:
         try:
-            await train(cluster.communicator("p2"), 2, min_peers=3, pause=gate.pause,
+            await train(cluster.communicator("p2"), 2, min_peers=3, pause=doomed_pause,
                         wrappers=wrappers, **options)
         except (pccl.PCCLError, trio.BrokenResourceError, trio.ClosedResourceError):
             return  # its process died
@@ -180,8 +205,9 @@ async def killed_mid_all_reduce(cluster: Cluster, train: Train[R], *, at: int,
                 doomed.start_soon(victim)
                 await gate.reached.wait()
                 gate.open()
-                await started(async_view(wrappers[0]), 0, or_ended=cluster.memory is None)
+                await mid_all_reduce()
                 await cluster.kill("p2", async_view(wrappers[2]))
+                dead.set()
     assert len(results) == 2
     return results
 
