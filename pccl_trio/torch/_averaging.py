@@ -26,6 +26,8 @@ leaves it in flight while the next round computes.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -60,13 +62,7 @@ class Averaging:
     async def reduce(self, comm: Communicator, vector: torch.Tensor) -> bool:
         """All-reduce ``vector`` in place until it succeeds; whether a sync after an
         abort changed this peer's state."""
-        try:
-            await comm.all_reduce(vector, op=ReduceOp.AVG, **self._options())
-        except TooFewPeers:
-            pass  # alone: its own pseudo-gradient is the average
-        except CollectiveAborted:
-            return await self._resync_and_reduce(comm, vector)
-        return False
+        return await self._carried(comm, vector, partial(self._all_reduce, comm, vector))
 
     def start(self, comm: Communicator, vector: torch.Tensor) -> AsyncReduceHandle:
         """Start the all-reduce of ``vector`` in place; ``finish`` carries it through."""
@@ -76,30 +72,30 @@ class Averaging:
                      vector: torch.Tensor) -> bool:
         """Wait for ``handle`` (``start``'s, of ``vector``), again after an abort,
         until it succeeds; as ``reduce``."""
-        try:
-            await handle.wait()
-        except TooFewPeers:
-            pass  # alone: its own pseudo-gradient is the average
-        except CollectiveAborted:
-            return await self._resync_and_reduce(comm, vector)
-        return False
+        return await self._carried(comm, vector, handle.wait)
 
-    async def _resync_and_reduce(self, comm: Communicator, vector: torch.Tensor) -> bool:
-        """After an abort (input restored): sync the published state again (a peer that
-        was behind then contributes zeros) and all-reduce again, until it succeeds;
-        whether a sync changed this peer's state."""
-        changed = False
+    async def _carried(self, comm: Communicator, vector: torch.Tensor,
+                       first: Callable[[], Awaitable[object]]) -> bool:
+        """Await ``first`` (the all-reduce of ``vector``); after an abort (input
+        restored), sync the published state again (a peer that was behind then
+        contributes zeros) and all-reduce again, until it succeeds. Whether a sync
+        changed this peer's state."""
+        attempt, changed = first, False
         while True:
+            try:
+                await attempt()
+                return changed
+            except TooFewPeers:
+                return changed  # alone: its own pseudo-gradient is the average
+            except CollectiveAborted:
+                pass
             if (await self._admission.sync(comm, self._outer.shared)).rx_bytes:
                 vector.zero_()
                 changed = True
-            try:
-                await comm.all_reduce(vector, op=ReduceOp.AVG, **self._options())
-                return changed
-            except TooFewPeers:
-                return changed
-            except CollectiveAborted:
-                continue
+            attempt = partial(self._all_reduce, comm, vector)
+
+    async def _all_reduce(self, comm: Communicator, vector: torch.Tensor) -> None:
+        await comm.all_reduce(vector, op=ReduceOp.AVG, **self._options())
 
     def _options(self) -> dict[str, Any]:
         compression = self._compression
