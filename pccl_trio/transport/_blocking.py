@@ -11,10 +11,9 @@ numpy's kernels do), so each direction of each connection makes progress on its 
 Ownership and closing
 ---------------------
 A ``SocketLink`` is created from a ``FramedStream`` once its handshake is over; from
-then on only threads touch the socket. Closing a descriptor that another thread is
-blocked on neither wakes that thread nor is safe (the number may be reused at once),
-so ``cut`` shuts the connection down instead, which wakes every blocked call, and the
-descriptor is closed by whoever is the last to stop using it.
+then on only threads touch the socket, through a ``SharedSocket``: ``cut`` shuts the
+connection down, which wakes every blocked call, and the descriptor is closed by
+whoever is the last to stop using it (``_shared_socket``).
 
 Sending without waiting
 -----------------------
@@ -71,6 +70,7 @@ from ._framed import (
     readable_now,
 )
 from ._network import kernel_congestion_control, pinned_buffers
+from ._shared_socket import SharedSocket
 
 __all__ = ["SocketLink"]
 
@@ -94,14 +94,10 @@ class SocketLink:
         channel: Channel | None = None,
     ) -> None:
         sock.setblocking(True)
-        self._sock = sock
+        self._shared = SharedSocket(sock)
         self.channel = channel
         self._data = DataFrameReader(max_data_frame=max_data_frame, channel=channel)
         self._max_control_frame = max_control_frame
-        self._state = threading.Lock()
-        self._users = 0
-        self._cut = False
-        self._released = False
         self.send_lock = threading.Lock()
         self._idle_timeout: float | None = None
         # A pinned send buffer keeps its size: read once (0: autotuned, read each time).
@@ -141,58 +137,25 @@ class SocketLink:
         """The TCP congestion control the kernel runs on this connection (None if it
         does not say, or the connection was cut)."""
         try:
-            sock = self._use()
+            sock = self._shared.use()
         except trio.ClosedResourceError:
             return None
         try:
             return kernel_congestion_control(sock)
         finally:
-            self._done()
+            self._shared.done()
 
     @property
     def closed(self) -> bool:
         """Whether this side cut the connection (or a send failed part-way)."""
-        return self._cut
-
-    def _use(self) -> socket.socket:
-        """The socket, counted as in use until ``_done`` (a pair of calls rather than
-        a context manager: they run for every frame, on the data path's hot path).
-
-        Raises:
-            trio.ClosedResourceError: this side cut the connection.
-        """
-        with self._state:
-            if self._cut:
-                raise trio.ClosedResourceError("the connection was closed")
-            self._users += 1
-        return self._sock
-
-    def _done(self) -> None:
-        """The calling thread no longer uses the socket (after ``_use``)."""
-        with self._state:
-            self._users -= 1
-            release = self._cut and not self._users and not self._released
-            self._released = self._released or release
-        if release:
-            self._sock.close()
+        return self._shared.cut_off
 
     def cut(self) -> None:
         """Shut the connection down now, from any thread; calls blocked on it return.
 
         Idempotent. The descriptor is closed once no thread uses it.
         """
-        with self._state:
-            if self._cut:
-                return
-            self._cut = True
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already reset by the other side
-            release = not self._users and not self._released
-            self._released = self._released or release
-        if release:
-            self._sock.close()
+        self._shared.cut()
 
     close_now = cut
 
@@ -204,22 +167,16 @@ class SocketLink:
         self._idle_timeout = seconds
         whole = int(seconds or 0)
         timeval = struct.pack("ll", whole, int(((seconds or 0) - whole) * 1e6))
-        sock = self._use()
+        sock = self._shared.use()
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
         finally:
-            self._done()
+            self._shared.done()
 
     async def aclose(self) -> None:
         self.cut()
         await trio.lowlevel.checkpoint()
-
-    def _error(self, what: str, exc: BaseException | None = None) -> Exception:
-        if self._cut:
-            return trio.ClosedResourceError("the connection was closed")
-        detail = f": {exc}" if exc is not None else ""
-        return trio.BrokenResourceError(f"{what}{detail}")
 
     # --- sending -------------------------------------------------------------------
 
@@ -232,19 +189,19 @@ class SocketLink:
             self._send_locked(buffers)
 
     def _send_locked(self, buffers: list[memoryview]) -> None:
-        sock = self._use()
+        sock = self._shared.use()
         try:
             while buffers:
                 drop_sent(buffers, sock.sendmsg(buffers))
         except OSError as exc:
-            error = self._error("send failed", exc)
+            error = self._shared.error("send failed", exc)
             self.cut()
             raise error from exc
         except BaseException:
             self.cut()
             raise
         finally:
-            self._done()
+            self._shared.done()
 
     def send_data(self, *, tag: int, seq: int, offset: int, payload: memoryview) -> None:
         """Send one data frame; the payload goes from the caller's memory to the kernel
@@ -276,14 +233,14 @@ class SocketLink:
         Raises:
             trio.ClosedResourceError: this side cut the connection.
         """
-        sock = self._use()
+        sock = self._shared.use()
         try:
             queued: int = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, _INT))[0]
             buffer: int = self._send_buffer or sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         except OSError:
             return False
         finally:
-            self._done()
+            self._shared.done()
         return queued + nbytes + _FRAME_ALLOWANCE <= buffer // 2
 
     def send_message(self, message: Message) -> None:
@@ -337,15 +294,15 @@ class SocketLink:
     def _wait_readable(self) -> None:
         """Block until the socket has bytes to read, an end of stream or an error (or
         this side cut it), for at most the idle timeout."""
-        sock = self._use()
+        sock = self._shared.use()
         try:
             poller = select.poll()
             poller.register(sock.fileno(), select.POLLIN)
             timeout = None if self._idle_timeout is None else int(self._idle_timeout * 1000)
             if not poller.poll(timeout):
-                raise self._error(f"nothing arrived for {self._idle_timeout} seconds")
+                raise self._shared.error(f"nothing arrived for {self._idle_timeout} seconds")
         finally:
-            self._done()
+            self._shared.done()
 
     def receive_payload(self, view: memoryview) -> None:
         """Receive the payload of the data frame whose header was just read into
@@ -366,7 +323,7 @@ class SocketLink:
         """Fill ``view`` exactly (blocking)."""
         if view.itemsize != 1:
             view = view.cast("B")
-        sock = self._use()
+        sock = self._shared.use()
         try:
             received = 0
             total = len(view)
@@ -375,39 +332,39 @@ class SocketLink:
                     # One wake-up for the whole view, not one per arriving segment.
                     n = sock.recv_into(view[received:], 0, socket.MSG_WAITALL)
                 except OSError as exc:
-                    raise self._error("receive failed", exc) from exc
+                    raise self._shared.error("receive failed", exc) from exc
                 if n == 0:
-                    raise self._error("connection closed by the other side")
+                    raise self._shared.error("connection closed by the other side")
                 received += n
         finally:
-            self._done()
+            self._shared.done()
 
     def _receive_scattered(self, buffers: list[memoryview]) -> None:
         """Fill every buffer of ``buffers`` exactly, in order (blocking)."""
-        sock = self._use()
+        sock = self._shared.use()
         try:
             while buffers:
                 try:
                     n = sock.recvmsg_into(buffers, 0, socket.MSG_WAITALL)[0]
                 except OSError as exc:
-                    raise self._error("receive failed", exc) from exc
+                    raise self._shared.error("receive failed", exc) from exc
                 if n == 0:
-                    raise self._error("connection closed by the other side")
+                    raise self._shared.error("connection closed by the other side")
                 drop_sent(buffers, n)
         finally:
-            self._done()
+            self._shared.done()
 
     def acknowledge_promptly(self) -> None:
         """After sending a small frame against a bulk stream that comes the other way:
         keep acknowledging that stream at once (``acknowledge_promptly``; any thread)."""
         try:
-            sock = self._use()
+            sock = self._shared.use()
         except trio.ClosedResourceError:
             return
         try:
             acknowledge_promptly(sock)
         finally:
-            self._done()
+            self._shared.done()
 
     def closed_by_peer(self) -> bool:
         """Whether the other side closed a connection we only send on."""
@@ -420,13 +377,13 @@ class SocketLink:
 
     def _socket_says(self, check: Callable[[socket.socket], bool]) -> bool:
         """``check`` of the socket, or True once the link is cut or closed."""
-        if self._cut:
+        if self._shared.cut_off:
             return True
         try:
-            sock = self._use()
+            sock = self._shared.use()
         except trio.ClosedResourceError:
             return True
         try:
             return check(sock)
         finally:
-            self._done()
+            self._shared.done()

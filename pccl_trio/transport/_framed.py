@@ -13,19 +13,9 @@ payload is followed by its authentication tag, which ``receive_payload`` checks 
 it returns, so no caller ever uses bytes that failed it.
 
 A TCP stream may also be written from one other thread, its keepalive
-(``_keepalive``: heartbeats that do not need the event loop). Both writers share the
-*wire lock*, a ``threading.Lock``. A trio send takes it only to claim the wire before
-it seals its frame and to release the claim right after its last byte, before any
-checkpoint; it never holds the lock across an await, and a frame left part-written
-while trio waits for room in the socket stays claimed. ``write_if_idle`` holds the lock
-while it seals and writes a whole frame, and writes only while no trio send holds the
-claim. A channel's frames therefore leave in the order they were sealed, and bytes of
-two frames never interleave. ``write_nowait`` (the master's replies) writes from the
-trio thread without awaiting, under the wire lock, what the socket takes at once; a
-frame it leaves part-written stays claimed until the ``send_bytes`` that finishes it.
-Closing the stream marks it closed under the same lock
-before the socket is closed, so the thread never writes to a descriptor number the
-kernel may hand out again.
+(``_keepalive``). Both writers share the stream's ``SharedWire`` (``_shared_wire``): its
+wire lock keeps frames whole and in the order they were sealed, and closing the stream
+marks the wire closed before the socket is closed.
 """
 
 from __future__ import annotations
@@ -34,10 +24,7 @@ import os
 import select
 import socket
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
 import trio
@@ -61,6 +48,7 @@ from .._core.wire import (
     parse_control_length,
 )
 from ._network import InMemoryStream
+from ._shared_wire import SharedWire
 
 if TYPE_CHECKING:
     from ._blocking import SocketLink
@@ -151,17 +139,6 @@ def acknowledge_promptly(sock: socket.socket | trio.socket.SocketType) -> None:
         pass  # closed meanwhile: its owner learns that from its own calls
 
 
-def _wait_writable(sock: trio.socket.SocketType, seconds: float) -> bool:
-    """Whether ``sock`` can take more bytes within ``seconds`` (a blocking wait: for
-    threads other than trio's)."""
-    try:
-        poller = select.poll()
-        poller.register(sock.fileno(), select.POLLOUT)
-        return bool(poller.poll(max(0, int(seconds * 1000))))
-    except (OSError, ValueError):
-        return False
-
-
 def drop_sent(buffers: list[memoryview], sent: int) -> None:
     """Remove the first ``sent`` bytes from ``buffers`` after a partial ``sendmsg`` or ``writev``."""
     while buffers and sent >= len(buffers[0]):
@@ -198,26 +175,16 @@ class FramedStream:
             admission=admission, decode=decode, channel=channel,
         )
         self._send_lock = trio.StrictFIFOLock()
-        self._closed = False
-        self._ended = threading.Event()  # set once closed: ends a keepalive thread
-        self._wire = threading.Lock()
-        self._claimed = False  # a trio send is between its seal and its last byte
-        self._last_write = time.monotonic()  # when the last frame was written
+        self._wire = SharedWire()  # shared with a keepalive thread
 
     @property
     def closed(self) -> bool:
-        return self._closed
-
-    def _mark_closed(self) -> None:
-        """Closed from now on: no thread writes after this returns."""
-        with self._wire:
-            self._closed = True
-        self._ended.set()
+        return self._wire.closed
 
     def wait_closed(self, seconds: float) -> bool:
         """Block the calling thread (never trio's) until the stream is closed, for at
         most ``seconds``; whether it is."""
-        return self._ended.wait(seconds)
+        return self._wire.wait_closed(seconds)
 
     @property
     def socket(self) -> trio.socket.SocketType | None:
@@ -234,21 +201,8 @@ class FramedStream:
         """
         if self._decoder.buffered:
             raise RemoteProtocolError("bytes arrived before the handshake finished")
-        self._mark_closed()
+        self._wire.close()
         self._socket = None
-
-    @contextmanager
-    def _claim(self) -> Iterator[None]:
-        """Hold the wire for one trio send (under ``_send_lock``): a keepalive thread
-        writes nothing meanwhile. Waits at most for one tiny frame of the thread."""
-        with self._wire:
-            self._claimed = True
-        try:
-            yield
-        finally:
-            with self._wire:
-                self._claimed = False
-                self._last_write = time.monotonic()
 
     async def send_message(self, message: Message) -> None:
         async with self._send_lock:
@@ -285,11 +239,11 @@ class FramedStream:
         later: a trainer that blocks the loop right after a send must not find a
         keepalive locked out. On TCP the parts go straight to the socket (one
         ``writev`` while the kernel takes them, waiting for room in between)."""
-        if self._closed:
+        if self._wire.closed:
             raise trio.ClosedResourceError("framed stream was closed")
         try:
             await trio.lowlevel.checkpoint_if_cancelled()
-            with self._claim():
+            with self._wire.claim():
                 buffers = seal()
                 if self._socket is None:
                     for buffer in buffers:
@@ -317,53 +271,21 @@ class FramedStream:
         before anything else. A frame left part-written keeps the wire claimed (a
         keepalive writes nothing) until that send ends."""
         view = memoryview(frame).cast("B")
-        if self._socket is None or self._closed or self._send_lock.locked():
+        if self._socket is None or self._send_lock.locked():
             return view
-        with self._wire:
-            if self._claimed:
-                return view
-            try:
-                written = os.write(self._socket.fileno(), view)
-            except OSError:  # full, or broken: the queued send waits or reports it
-                return view
-            self._last_write = time.monotonic()
-            self._claimed = written < len(view)
-        return view[written:]
+        return self._wire.write_nowait(self._socket, view)
 
     def write_if_idle(self, message: Message, idle: float) -> bool:
         """From a thread other than trio's: seal ``message`` and write it straight to the
         TCP socket, unless a trio send holds the wire, something was written in the last
-        ``idle`` seconds, or the socket's buffer is full. A frame started is finished
-        (within ``idle``) or the connection is shut down: nothing may follow a torn
-        frame, nor a sealed one left unsent.
+        ``idle`` seconds, or the socket's buffer is full (``SharedWire.write_if_idle``).
 
         Returns:
             whether the stream can still be written: False once it is closed or broken.
         """
         sock = self._socket
         assert sock is not None, "only a TCP stream is written from a thread"
-        with self._wire:
-            if self._closed:
-                return False
-            now = time.monotonic()
-            if self._claimed or now - self._last_write < idle or not _wait_writable(sock, 0):
-                return True
-            frame = memoryview(encode_control(message, self.channel))
-            try:
-                while frame:
-                    try:
-                        frame = frame[os.write(sock.fileno(), frame) :]
-                    except BlockingIOError:
-                        if not _wait_writable(sock, now + idle - time.monotonic()):
-                            raise
-            except OSError:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # trio's next read or send breaks
-                except OSError:
-                    pass
-                return False
-            self._last_write = time.monotonic()
-            return True
+        return self._wire.write_if_idle(sock, lambda: encode_control(message, self.channel), idle)
 
     async def receive_data_header(self) -> tuple[int, int, int, int]:
         """``(tag, seq, offset, nbytes)`` of the next frame, which must be a data frame;
@@ -476,13 +398,13 @@ class FramedStream:
         return frame
 
     async def aclose(self) -> None:
-        self._mark_closed()
+        self._wire.close()
         await trio.aclose_forcefully(self.stream)
 
     def close_now(self) -> None:
         """Close without waiting: a task blocked receiving on this stream wakes with
         ``ClosedResourceError`` and receives nothing more."""
-        self._mark_closed()
+        self._wire.close()
         if self._socket is not None:
             self._socket.close()
         elif isinstance(self.stream, InMemoryStream):
@@ -493,7 +415,7 @@ class FramedStream:
     def acknowledge_promptly(self) -> None:
         """After sending a small frame against a bulk stream that comes the other way:
         keep acknowledging that stream at once (``acknowledge_promptly``)."""
-        if self._socket is not None and not self._closed:
+        if self._socket is not None and not self._wire.closed:
             acknowledge_promptly(self._socket)
 
     def closed_by_peer(self) -> bool:
@@ -509,7 +431,7 @@ class FramedStream:
     def _socket_says(self, check: Callable[[trio.socket.SocketType], bool]) -> bool:
         """``check`` of a TCP stream's socket; an in-memory stream knows its peer's
         end whoever reads it."""
-        if self._closed:
+        if self._wire.closed:
             return True
         if self._socket is not None:
             return check(self._socket)

@@ -115,7 +115,7 @@ async def block_a_send_then(
 
             nursery.start_soon(send)
             # The send started (bytes arrived); the peer never reads, so it fills the buffers.
-            await wait_until(lambda: link._users == 1 and readable_now(peer))
+            await wait_until(lambda: link._shared._users == 1 and readable_now(peer))
             then()
 
 
@@ -301,7 +301,7 @@ async def test_cut_wakes_a_blocked_receive(
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(receive)
-            await wait_until(lambda: link._users == 1)
+            await wait_until(lambda: link._shared._users == 1)
             link.cut()
     assert len(outcomes) == 1
     assert link.closed
@@ -323,7 +323,7 @@ async def test_cut_wakes_a_receive_blocked_mid_payload(
                     )
 
             nursery.start_soon(receive)
-            await wait_until(lambda: link._users == 1)
+            await wait_until(lambda: link._shared._users == 1)
             link.cut()
     assert counted.fileno() == -1 and counted.closes == 1
 
@@ -355,7 +355,7 @@ async def test_cut_wakes_a_sender_waiting_for_the_send_lock(
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send, BLOCKING_SEND)
-            await wait_until(lambda: link._users == 1 and readable_now(peer))
+            await wait_until(lambda: link._shared._users == 1 and readable_now(peer))
             nursery.start_soon(send, 10)  # queues behind the blocked send's lock
             link.cut()
     assert errors == [trio.ClosedResourceError, trio.ClosedResourceError]
@@ -444,7 +444,7 @@ async def test_peer_close_wakes_a_blocked_receive(
                     )
 
             nursery.start_soon(receive)
-            await wait_until(lambda: link._users == 1)
+            await wait_until(lambda: link._shared._users == 1)
             peer.close()
     assert not link.closed
 
@@ -603,17 +603,17 @@ async def test_cut_inside_a_use_closes_when_the_last_user_leaves(
     link_and_peer: tuple[SocketLink, CountingSocket, socket.socket],
 ) -> None:
     link, counted, _ = link_and_peer
-    first = link._use()
-    link._use()
+    first = link._shared.use()
+    link._shared.use()
     link.cut()
     link.cut()
     assert counted.closes == 0 and first.fileno() != -1
-    link._done()
+    link._shared.done()
     assert counted.closes == 0 and first.fileno() != -1
     with pytest.raises(trio.ClosedResourceError):
-        link._use()  # no new user once cut
+        link._shared.use()  # no new user once cut
     assert counted.closes == 0 and first.fileno() != -1
-    link._done()
+    link._shared.done()
     assert counted.closes == 1 and counted.fileno() == -1
     link.cut()
     assert counted.closes == 1
@@ -636,11 +636,11 @@ async def test_cut_with_threads_in_both_directions_closes_once(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(call, partial(link.send_data, tag=1, seq=1, offset=0, payload=payload))
             nursery.start_soon(call, partial(link.receive_into, memoryview(bytearray(10))))
-            await wait_until(lambda: link._users == 2 and readable_now(peer))
+            await wait_until(lambda: link._shared._users == 2 and readable_now(peer))
             link.cut()
             link.cut()
     assert errors == [trio.ClosedResourceError, trio.ClosedResourceError]
-    assert link._users == 0
+    assert link._shared._users == 0
     assert counted.fileno() == -1 and counted.closes == 1
 
 
@@ -664,7 +664,7 @@ async def test_receive_thread_closes_the_descriptor_after_cut(
                     await run_in_thread(receive, interrupt=link.cut)
 
             nursery.start_soon(run)
-            await wait_until(lambda: link._users == 1)
+            await wait_until(lambda: link._shared._users == 1)
             link.cut()
     assert left == [-1]
     assert counted.closes == 1
@@ -741,11 +741,11 @@ async def test_run_in_thread_cancel_cuts_a_blocked_receive() -> None:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(partial(run_in_thread, link.receive_data_header, interrupt=link.cut))
-                    await wait_until(lambda: link._users == 1)
+                    await wait_until(lambda: link._shared._users == 1)
                     scope.cancel()
         assert scope.cancelled_caught
-        assert link.closed and link._users == 0
-        assert link._sock.fileno() == -1
+        assert link.closed and link._shared._users == 0
+        assert link._shared._sock.fileno() == -1
     finally:
         link.cut()
         b.close()
@@ -789,7 +789,7 @@ async def test_detach_takes_over_a_tcp_stream_after_the_handshake(links: list[So
             links.append(link)
             assert framed["server"].closed and framed["server"].socket is None
             await framed["server"].aclose()  # closes nothing the link owns
-            assert link._sock.fileno() != -1
+            assert link._shared._sock.fileno() != -1
 
             # trio side -> link
             sent = payload_for(9, 1, 3 * MiB)
@@ -929,7 +929,7 @@ async def test_cut_wakes_a_reader_waiting_for_readable_bytes(
                     )
 
             nursery.start_soon(wait)
-            await wait_until(lambda: link._users == 1)
+            await wait_until(lambda: link._shared._users == 1)
             link.cut()
     assert counted.fileno() == -1 and counted.closes == 1
 
